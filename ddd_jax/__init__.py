@@ -1,0 +1,1 @@
+"""ddd-jax: lossless speculative decoding (EAGLE-2 trees, Dynamic Depth Decoding) in JAX."""

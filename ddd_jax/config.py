@@ -1,0 +1,223 @@
+"""Frozen, hashable configuration dataclasses (HF field names) for targets, draft heads, trees and DDD."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _freeze(v: Any) -> Any:
+    """Turn dicts/lists into hashable tuples so a config can be a static jit argument."""
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """LLaMA-architecture decoder config; field names follow HF `LlamaConfig`."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # HF's rope_scaling dict, frozen to a sorted tuple of (key, value); only "llama3" is implemented.
+    rope_scaling: tuple | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.hidden_size <= 0 or self.vocab_size <= 0 or self.num_hidden_layers <= 0:
+            raise ValueError(f"ModelConfig: sizes must be positive, got {self}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"ModelConfig: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling_dict().get("rope_type", self.rope_scaling_dict().get("type"))
+            if kind not in ("llama3", "default", None):
+                raise ValueError(f"ModelConfig: rope_scaling type {kind!r} is not supported (only 'llama3')")
+
+    def rope_scaling_dict(self) -> dict:
+        return dict(self.rope_scaling) if self.rope_scaling else {}
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_hf_config(cls, d: dict) -> "ModelConfig":
+        """Build from an HF `config.json` dict (LlamaConfig / MistralConfig-like fields)."""
+        required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ValueError(f"config.json is missing required fields {missing}")
+        n_heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
+        eos = d.get("eos_token_id")
+        eos = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),))
+        rs = d.get("rope_scaling")
+        rope_theta = d.get("rope_theta")
+        if rope_theta is None:  # transformers 5 nests it in rope_parameters
+            rp = d.get("rope_parameters") or {}
+            rope_theta = rp.get("rope_theta", 10000.0)
+            if rs is None and rp.get("rope_type", "default") not in ("default", None):
+                rs = {k: v for k, v in rp.items() if k != "rope_theta"}
+        if rs is not None and rs.get("rope_type", rs.get("type")) in ("default", None):
+            rs = None
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=int(n_heads),
+            num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=_freeze(rs) if rs else None,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+    def to_hf_config(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["rope_scaling"] = self.rope_scaling_dict() or None
+        d["eos_token_id"] = list(self.eos_token_id)
+        d["architectures"] = ["LlamaForCausalLM"]
+        d["model_type"] = "llama"
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_hf_config(), indent=2)
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """EAGLE-1/2 draft head: fc(2H->H, bias) + one LLaMA decoder layer without input norm.
+
+    Records the target's vocab and hidden size so a head is never run against the wrong target.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple | None = None
+    fc_bias: bool = True
+    target_name: str | None = None  # free text: what the head was trained for
+
+    @classmethod
+    def from_target(cls, cfg: ModelConfig, target_name: str | None = None, **over) -> "DraftConfig":
+        kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                  num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+                  head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+                  rope_scaling=cfg.rope_scaling, target_name=target_name)
+        kw.update(over)
+        return cls(**kw)
+
+    def check_target(self, cfg: ModelConfig) -> None:
+        if self.vocab_size != cfg.vocab_size or self.hidden_size != cfg.hidden_size:
+            raise ValueError(
+                f"draft head was built for vocab_size={self.vocab_size}, hidden_size={self.hidden_size} "
+                f"but the target has vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}")
+
+    def layer_config(self) -> ModelConfig:
+        """The one decoder layer, described as a 1-layer ModelConfig (shared layer code)."""
+        return ModelConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_hidden_layers=1,
+                           num_attention_heads=self.num_attention_heads,
+                           num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                           rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+                           rope_scaling=self.rope_scaling)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DraftConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"draft config has unknown fields {sorted(unknown)}")
+        d = dict(d)
+        if d.get("rope_scaling"):
+            d["rope_scaling"] = _freeze(d["rope_scaling"])
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
+        return d
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """EAGLE-2 dynamic tree settings.
+
+    Conventions (used everywhere, DDD included):
+      * draft *step 0* is the head forward over the newly committed prefix; it yields the top_k
+        depth-1 candidates (the first beam).
+      * draft *step j* (j = 1..depth) runs the head on the beam of depth-j nodes and yields
+        top_k**2 depth-(j+1) candidates, of which the top_k by cumulative log-prob form the next beam.
+      * ``depth`` counts steps 1..depth (EAGLE-2's `depth`; depth=5 means 6 head forwards), so the
+        candidate pool holds top_k + depth * top_k**2 nodes and the deepest drafted node is at depth+1.
+      * ``total_tokens`` counts the verified tokens: the root (the last emitted token) plus
+        total_tokens - 1 drafted nodes.
+    """
+
+    top_k: int = 10
+    total_tokens: int = 60
+    depth: int = 5
+
+    def __post_init__(self):
+        if not 1 <= self.top_k:
+            raise ValueError(f"TreeConfig: top_k must be >= 1, got {self.top_k}")
+        if self.depth < 0:
+            raise ValueError(f"TreeConfig: depth must be >= 0, got {self.depth}")
+        if self.total_tokens < 2:
+            raise ValueError(f"TreeConfig: total_tokens must be >= 2 (root + one draft), got {self.total_tokens}")
+        if self.total_tokens - 1 > self.pool_size(self.depth):
+            raise ValueError(
+                f"TreeConfig: total_tokens - 1 = {self.total_tokens - 1} drafted nodes exceed the candidate pool "
+                f"top_k + depth*top_k**2 = {self.pool_size(self.depth)} (top_k={self.top_k}, depth={self.depth})")
+
+    def pool_size(self, depth: int) -> int:
+        return self.top_k + depth * self.top_k ** 2
+
+
+@dataclass(frozen=True)
+class DDDConfig:
+    """Dynamic Depth Decoding: at each check step s in check_steps (step numbering as in TreeConfig),
+    stop drafting if logsumexp(beam cumulative log-probs) < threshold; never draft past max_depth."""
+
+    check_steps: tuple[int, ...] = (5, 7, 9)
+    threshold: float = -0.3
+    max_depth: int = 11
+
+    def __post_init__(self):
+        cs = tuple(int(s) for s in self.check_steps)
+        object.__setattr__(self, "check_steps", cs)
+        if not cs:
+            raise ValueError("DDDConfig: check_steps must not be empty")
+        if list(cs) != sorted(set(cs)):
+            raise ValueError(f"DDDConfig: check_steps must be strictly increasing, got {cs}")
+        if cs[0] < 1 or cs[-1] >= self.max_depth:
+            raise ValueError(f"DDDConfig: check steps must lie in [1, max_depth) = [1, {self.max_depth}), got {cs}")
+
+    @property
+    def min_depth(self) -> int:
+        return self.check_steps[0]

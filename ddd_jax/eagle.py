@@ -1,0 +1,149 @@
+"""EAGLE-1/2 draft head: fc(concat(embed(token_{t+1}), feature_t)) -> one LLaMA decoder layer (no input norm).
+
+Exactly the reference layout (EAGLE `model/cnets.py`): `fc` is Linear(2H -> H) with bias over
+`cat((inputs_embeds, hidden_states), -1)` -- embedding first, feature second; decoder layer 0 has no
+`input_layernorm`, keeps `post_attention_layernorm` and the SwiGLU MLP; there is no final norm. The
+head's output is the predicted next *feature*; its logits come from the target's own lm_head (shared,
+never copied): logits = lm_head(feature), without the final norm (the target's features are already normed).
+
+Position convention: the pair (token_{i+1}, feature_i) sits at position i, as in EAGLE's training and
+its `topK_genrate` (`len_posi`).
+
+Draft params (nested dict; the target's embed / lm_head are passed separately, not stored):
+    fc_w [2D, D]    fc_b [D] (if config.fc_bias)
+    layers/{wq [1,D,N*H], wk, wv [1,D,K*H], wo [1,N*H,D], mlp_norm [1,D], w_gate, w_up [1,D,F], w_down [1,F,D]}
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import io as dio
+from .cache import KVCache, init_cache
+from .config import DraftConfig, ModelConfig
+from .llama import causal_mask, decoder_stack, layer_shapes, lm_head
+
+FORMAT = "ddd-jax-eagle-head"
+FORMAT_VERSION = 1
+
+
+def param_shapes(dcfg: DraftConfig) -> dict:
+    D = dcfg.hidden_size
+    s = {"fc_w": (2 * D, D), "layers": layer_shapes(dcfg.layer_config(), 1, input_norm=False)}
+    if dcfg.fc_bias:
+        s["fc_b"] = (D,)
+    return s
+
+
+def init_params(dcfg: DraftConfig, key, dtype=jnp.float32, std: float = 0.02) -> dict:
+    shapes = param_shapes(dcfg)
+    flat = dio.flatten(shapes)
+    keys = jax.random.split(key, len(flat))
+    out = {}
+    for (name, s), k in zip(sorted(flat.items()), keys):
+        if "norm" in name:
+            out[name] = jnp.ones(s, dtype)
+        elif name == "fc_b":
+            out[name] = jnp.zeros(s, dtype)
+        else:
+            out[name] = (std * jax.random.normal(k, s, jnp.float32)).astype(dtype)
+    return dio.unflatten(out)
+
+
+def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions, cache: KVCache | None = None,
+                 kv_mask=None):
+    """Run the head. tokens [B,T] (token_{i+1}), features [B,T,D] (feature_i), positions [B,T].
+
+    embed: the target's embedding table [V, D]. With a cache, K/V are written at slots cache.length + t and
+    kv_mask is [B, T, S]; without, kv_mask is [B, T, T] (default causal). Returns (next_features [B,T,D],
+    cache with K/V written and length unchanged).
+    """
+    tokens = jnp.asarray(tokens, jnp.int32)
+    B, T = tokens.shape
+    e = jnp.take(embed, tokens, axis=0).astype(features.dtype)
+    x = jnp.concatenate([e, features], axis=-1) @ dparams["fc_w"].astype(features.dtype)
+    if "fc_b" in dparams:
+        x = x + dparams["fc_b"].astype(features.dtype)
+    if kv_mask is None:
+        kv_mask = causal_mask(B, T)
+    x, cache = decoder_stack(dparams["layers"], dcfg.layer_config(), x, positions, cache, kv_mask)
+    return x, cache
+
+
+def new_cache(dcfg: DraftConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+    return init_cache(1, batch, capacity, dcfg.num_key_value_heads, dcfg.head_dim, dtype)
+
+
+@dataclass
+class Draft:
+    """A draft head bound to its target (whose embed/lm_head it shares)."""
+
+    config: DraftConfig
+    params: dict
+    target: object  # ddd_jax Target (has .config and .params)
+
+    def __post_init__(self):
+        self.config.check_target(self.target.config)
+        dio.check_shapes(self.params, param_shapes(self.config), "draft head")
+
+    def forward(self, tokens, features):
+        """Causal, cache-free run over aligned pairs: tokens[:, j] is the token at position j+1 and
+        features[:, j] the target feature at position j. Row j of the outputs predicts the feature at
+        position j+1; its logits give the token at position j+2. Returns (next_features, logits)."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        features = jnp.asarray(features)
+        if tokens.ndim != 2 or features.ndim != 3 or features.shape[:2] != tokens.shape:
+            raise ValueError(f"draft.forward: tokens must be [B,T] and features [B,T,D]; got {tokens.shape}, "
+                             f"{features.shape}")
+        if features.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"draft.forward: feature width {features.shape[-1]} != hidden_size "
+                             f"{self.config.hidden_size}")
+        return _forward_jit(self.params, self.config, self.target.params, self.target.config, tokens, features)
+
+
+def _forward_impl(dparams, dcfg, tparams, tcfg, tokens, features):
+    B, T = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    h, _ = head_forward(dparams, dcfg, tparams["embed"], tokens, features, pos)
+    return h, lm_head(tparams, tcfg, h)
+
+
+_forward_jit = jax.jit(_forward_impl, static_argnums=(1, 3))
+
+
+def init_draft(target, seed: int = 0, dtype=jnp.float32, **config_overrides) -> Draft:
+    """A fresh random head for `target` (tests, training)."""
+    dcfg = DraftConfig.from_target(target.config, target_name=getattr(target, "name", None), **config_overrides)
+    return Draft(dcfg, init_params(dcfg, jax.random.PRNGKey(seed), dtype), target)
+
+
+def save_draft(draft: Draft, path, dtype=None, extra: dict | None = None) -> None:
+    """Write our head format (config.json + model.safetensors) atomically: a directory that either exists whole or not at all."""
+    params = draft.params
+    if dtype is not None:
+        params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
+    with dio.atomic_dir(path) as tmp:
+        cfg = {"format": FORMAT, "format_version": FORMAT_VERSION, "draft_config": draft.config.to_dict()}
+        if extra:
+            cfg["extra"] = extra
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        dio.save_safetensors(jax.tree.map(np.asarray, params), tmp / "model.safetensors")
+
+
+def load_draft_dir(path, target, dtype=None) -> Draft:
+    path = Path(path)
+    meta = dio.read_json(path / "config.json")
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}/config.json is not a {FORMAT} head (format={meta.get('format')!r})")
+    dcfg = DraftConfig.from_dict(meta["draft_config"])
+    dcfg.check_target(target.config)
+    params = dio.load_safetensors(path / "model.safetensors")
+    dtype = dtype or target.params["embed"].dtype
+    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    return Draft(dcfg, params, target)

@@ -1,0 +1,118 @@
+"""Checkpoint file helpers: flat safetensors <-> nested param dicts, atomic writes that never leave half files."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def unflatten(flat: dict) -> dict:
+    out: dict = {}
+    for k, v in flat.items():
+        node = out
+        parts = k.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = v
+    return out
+
+
+def check_shapes(params: dict, expected: dict, what: str) -> None:
+    """Fail with a clear message on missing, unexpected or misshaped tensors (expected: nested shape tuples)."""
+    fp = flatten(params)
+    fe = flatten(expected)
+    missing = sorted(set(fe) - set(fp))
+    unexpected = sorted(set(fp) - set(fe))
+    bad = sorted(f"{k}: got {tuple(fp[k].shape)}, expected {tuple(fe[k])}" for k in set(fe) & set(fp)
+                 if tuple(fp[k].shape) != tuple(fe[k]))
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors {unexpected}")
+    if bad:
+        problems.append("misshaped tensors " + "; ".join(bad))
+    if problems:
+        raise ValueError(f"{what}: " + "; ".join(problems))
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | os.PathLike):
+    """Yield a temp dir next to `final`; on success it replaces `final` in one rename, on error it is removed."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def save_safetensors(params: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
+    """Write nested params as flat safetensors (keys joined with '.'); atomic."""
+    from safetensors.numpy import save_file
+    path = Path(path)
+    flat = {k: np.ascontiguousarray(np.asarray(v)) for k, v in flatten(params).items()}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(flat, tmp, metadata={k: str(v) for k, v in (metadata or {}).items()})
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def load_safetensors(path: str | os.PathLike) -> dict:
+    from safetensors.numpy import load_file
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no safetensors file at {path}")
+    return unflatten(load_file(str(path)))
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no JSON file at {path}")
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,76 @@
+"""Pure LLaMA building blocks: RMSNorm, rotary embeddings, masked GQA attention over a KV cache, SwiGLU MLP.
+
+Axis letters: B batch, T new tokens, S cache slots, D model width, N query heads, K kv heads,
+G = N/K query heads per kv head, H head dim, F MLP width.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from .config import ModelConfig
+
+NEG_INF = -1e30  # large finite negative: fully-masked rows stay NaN-free
+
+
+def rms_norm(x, w, eps: float):
+    """HF LlamaRMSNorm: normalise in float32, scale by w in the input dtype."""
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return w * x32.astype(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig):
+    """Inverse frequencies [H/2], with optional llama3 scaling (as transformers computes them)."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    rs = cfg.rope_scaling_dict()
+    if rs.get("rope_type", rs.get("type")) == "llama3":
+        factor = rs["factor"]
+        low, high = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_ctx = rs["original_max_position_embeddings"]
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        inv_l = jnp.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+        is_medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+        inv = jnp.where(is_medium, smoothed, inv_l)
+    return inv
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotate-half RoPE (HF layout). x: [B, T, N, H]; positions: [B, T] int."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    cos = jnp.cos(ang)[:, :, None, :]
+    sin = jnp.sin(ang)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def attention(q, k, v, mask):
+    """Grouped-query attention.
+
+    q: [B, T, N, H]; k, v: [B, S, K, H]; mask: [B, T, S] bool (True = may attend). Returns [B, T, N*H].
+    Softmax in float32.
+    """
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    G = N // K
+    qg = q.reshape(B, T, K, G, H)
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    logits = logits * (1.0 / math.sqrt(H))
+    logits = jnp.where(mask[:, None, None, :, :], logits, NEG_INF)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    return out.reshape(B, T, N * H)
+
+
+def mlp(x, w_gate, w_up, w_down):
+    """SwiGLU: down(silu(gate(x)) * up(x)). w_gate/w_up: [D, F]; w_down: [F, D]."""
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down

@@ -1,0 +1,182 @@
+"""LLaMA-architecture target model: parameter layout, random init, and a pure forward with KV cache and tree masks.
+
+Parameters are a plain nested dict of arrays (layers stacked on a leading L axis, scanned):
+    embed        [V, D]
+    layers/attn_norm [L, D]      layers/wq [L, D, N*H]   layers/wk [L, D, K*H]   layers/wv [L, D, K*H]
+    layers/wo    [L, N*H, D]     layers/mlp_norm [L, D]  layers/w_gate [L, D, F] layers/w_up [L, D, F]
+    layers/w_down [L, F, D]
+    final_norm   [D]
+    lm_head      [D, V]          (absent when tie_word_embeddings: logits use embed.T)
+
+`hidden` in the output is the last decoder layer's output *after* the final norm, i.e. what HF's
+`LlamaModel` returns as `last_hidden_state` and what EAGLE-1/2 heads consume as the target feature
+(EAGLE's `ea_model.py` takes `outputs[0]` of the base `LlamaModel`, whose forward ends with `self.norm`).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from . import layers as L
+from .cache import KVCache, init_cache, write
+from .config import ModelConfig
+
+
+class Output(NamedTuple):
+    logits: jax.Array | None  # [B, T, V] float32 (or [B, R, V] with logit_index)
+    hidden: jax.Array  # [B, T, D] final-normed features
+    cache: KVCache | None
+
+
+def layer_shapes(cfg: ModelConfig, n_layers: int, input_norm: bool = True) -> dict:
+    D, F, N, K, H = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    s = {
+        "wq": (n_layers, D, N * H), "wk": (n_layers, D, K * H), "wv": (n_layers, D, K * H),
+        "wo": (n_layers, N * H, D), "mlp_norm": (n_layers, D),
+        "w_gate": (n_layers, D, F), "w_up": (n_layers, D, F), "w_down": (n_layers, F, D),
+    }
+    if input_norm:
+        s["attn_norm"] = (n_layers, D)
+    return s
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The one abstract description of every target weight: nested dict of shape tuples."""
+    s = {"embed": (cfg.vocab_size, cfg.hidden_size),
+         "layers": layer_shapes(cfg, cfg.num_hidden_layers),
+         "final_norm": (cfg.hidden_size,)}
+    if not cfg.tie_word_embeddings:
+        s["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+    return s
+
+
+def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> dict:
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(cfg),
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def init_params(cfg: ModelConfig, key, dtype=jnp.float32, std: float = 0.02) -> dict:
+    """Random weights (norm weights 1, others N(0, std)), for tests and fresh models."""
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(leaves))
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+    out = []
+    for p, s, k in zip(paths, leaves, keys):
+        if "norm" in p:
+            out.append(jnp.ones(s, dtype))
+        else:
+            out.append((std * jax.random.normal(k, s, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def count_params(params) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | None, kv_mask):
+    """Run stacked decoder layers.
+
+    lp: stacked layer params (leading L axis); x: [B, T, D]; positions: [B, T].
+    With a cache: new K/V are written at slots cache.length[b] + t and kv_mask is [B, T, S] over all
+    slots (after the write). Without a cache: kv_mask is [B, T, T] over the new tokens.
+    Returns (x, cache with k/v written; length unchanged).
+    """
+    B, T, _ = x.shape
+    N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    inv = L.rope_inv_freq(cfg)
+    eps = cfg.rms_norm_eps
+    n_layers = lp["wq"].shape[0]
+
+    def layer(x, p, kc, vc):
+        h = L.rms_norm(x, p["attn_norm"], eps) if "attn_norm" in p else x
+        q = (h @ p["wq"]).reshape(B, T, N, H)
+        k = (h @ p["wk"]).reshape(B, T, K, H)
+        v = (h @ p["wv"]).reshape(B, T, K, H)
+        q = L.apply_rope(q, positions, inv)
+        k = L.apply_rope(k, positions, inv)
+        if kc is not None:
+            kc = write(kc, k, cache.length)
+            vc = write(vc, v, cache.length)
+            a = L.attention(q, kc, vc, kv_mask)
+        else:
+            a = L.attention(q, k, v, kv_mask)
+        x = x + a @ p["wo"]
+        h = L.rms_norm(x, p["mlp_norm"], eps)
+        x = x + L.mlp(h, p["w_gate"], p["w_up"], p["w_down"])
+        return x, kc, vc
+
+    if cache is None:
+        def body(x, p):
+            x, _, _ = layer(x, p, None, None)
+            return x, None
+        x, _ = jax.lax.scan(body, x, lp)
+        return x, None
+
+    def body(carry, xs):
+        x, kall, vall = carry
+        p, i = xs
+        x, kc, vc = layer(x, p, kall[i], vall[i])
+        kall = jax.lax.dynamic_update_index_in_dim(kall, kc, i, 0)
+        vall = jax.lax.dynamic_update_index_in_dim(vall, vc, i, 0)
+        return (x, kall, vall), None
+
+    (x, kall, vall), _ = jax.lax.scan(body, (x, cache.k, cache.v), (lp, jnp.arange(n_layers)))
+    return x, KVCache(k=kall, v=vall, length=cache.length)
+
+
+def tree_kv_mask(length, capacity: int, attn_mask):
+    """[B, T, S] mask: every committed slot (< length) plus new tokens [length, length+T) per attn_mask [B, T, T]."""
+    T = attn_mask.shape[-1]
+    s = jnp.arange(capacity)
+    rel = s[None, :] - length[:, None]  # [B, S]
+    in_new = (rel >= 0) & (rel < T)
+    new_part = jnp.take_along_axis(attn_mask, jnp.clip(rel, 0, T - 1)[:, None, :].repeat(attn_mask.shape[1], 1), axis=2)
+    return (rel < 0)[:, None, :] | (in_new[:, None, :] & new_part)
+
+
+def causal_mask(B: int, T: int):
+    return jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+
+
+def lm_head(params, cfg: ModelConfig, hidden):
+    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.einsum("btd,dv->btv", hidden, w, preferred_element_type=jnp.float32)
+
+
+def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None = None, attn_mask=None,
+            logit_index=None, return_logits: bool = True) -> Output:
+    """Target forward.
+
+    tokens, positions: [B, T] int32. attn_mask: [B, T, T] bool over the new tokens (default causal);
+    with a cache, new tokens also see every committed slot (< cache.length). New K/V are written at
+    slots [length, length+T) and length advances by T (use `cache.commit` to keep only a tree path).
+    logit_index: optional [B, R] rows of the new tokens to compute logits for (e.g. the last real
+    prompt token), saving the vocab projection elsewhere. Shapes are static; the caller guarantees
+    length + T <= capacity (`generate` checks it on the host).
+    """
+    tokens = jnp.asarray(tokens, jnp.int32)
+    B, T = tokens.shape
+    if attn_mask is None:
+        attn_mask = causal_mask(B, T)
+    x = jnp.take(params["embed"], tokens, axis=0)
+    if cache is not None:
+        kv_mask = tree_kv_mask(cache.length, cache.capacity, attn_mask)
+    else:
+        kv_mask = attn_mask
+    x, new_cache = decoder_stack(params["layers"], cfg, x, positions, cache, kv_mask)
+    hidden = L.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    if new_cache is not None:
+        new_cache = KVCache(k=new_cache.k, v=new_cache.v, length=cache.length + T)
+    logits = None
+    if return_logits:
+        h = hidden if logit_index is None else jnp.take_along_axis(hidden, logit_index[..., None], axis=1)
+        logits = lm_head(params, cfg, h)
+    return Output(logits=logits, hidden=hidden, cache=new_cache)
+
+
+def new_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+    return init_cache(cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim, dtype)
