@@ -1,0 +1,61 @@
+"""The Target: a loaded LLaMA-architecture model (config, params, tokenizer, chat template) and its jitted forward."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+
+from . import llama
+from .config import ModelConfig
+
+
+@partial(jax.jit, static_argnames=("cfg", "return_logits"))
+def _forward(params, cfg, tokens, positions, cache=None, attn_mask=None, logit_index=None, return_logits=True):
+    return llama.forward(params, cfg, tokens, positions, cache, attn_mask, logit_index, return_logits)
+
+
+@dataclass
+class Target:
+    """A target model. `params` follow `llama.param_shapes(config)`; `tokenizer` is a `tokenizers.Tokenizer`
+    (None for tokenizer-less test models); `chat_template` is the model's Jinja chat template (or None)."""
+
+    name: str
+    config: ModelConfig
+    params: dict
+    tokenizer: object | None = None
+    chat_template: str | None = None
+    special_tokens: dict = field(default_factory=dict)  # e.g. {"bos_token": "<|im_start|>", "eos_token": ...}
+
+    def __post_init__(self):
+        from .io import check_shapes
+        check_shapes(self.params, llama.param_shapes(self.config), f"target {self.name!r}")
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.config.eos_token_id)
+
+    def forward(self, tokens, positions, cache=None, attn_mask=None, logit_index=None, return_logits=True):
+        """Jitted `llama.forward` over this target's params (see there for shapes)."""
+        return _forward(self.params, self.config, tokens, positions, cache, attn_mask, logit_index, return_logits)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"target {self.name!r} has no tokenizer")
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(int(i)) for i in ids)
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of `messages` rendered with the model's chat template (plus the generation prompt)."""
+        from .chat import render_chat
+        return self.encode(render_chat(self, messages, add_generation_prompt))
+
+
+def load_target(path_or_name: str, dtype=None) -> Target:
+    """Load a target by name ("smollm2-135m-instruct") or path (our format, an HF directory, or a .gguf file)."""
+    from .loading import load_target as _load
+    return _load(path_or_name, dtype=dtype)
