@@ -1,1 +1,16 @@
-"""ddd-jax: lossless speculative decoding (EAGLE-2 trees, Dynamic Depth Decoding) in JAX."""
+"""ddd-jax: lossless speculative decoding (EAGLE-2 dynamic trees, Dynamic Depth Decoding) in JAX."""
+from .config import DDDConfig, DraftConfig, ModelConfig, TreeConfig
+from .eagle import Draft, init_draft, save_draft
+from .generate import GenerateResult, generate
+from .target import Target, load_target
+
+
+def load_draft(path_or_name, target, dtype=None):
+    """Load a draft head for `target`: a name ("smollm2-135m-instruct-eagle"), our head format, or an
+    official EAGLE PyTorch directory."""
+    from .drafts import load_draft as _load
+    return _load(path_or_name, target, dtype=dtype)
+
+
+__all__ = ["DDDConfig", "DraftConfig", "ModelConfig", "TreeConfig", "Draft", "init_draft", "save_draft",
+           "GenerateResult", "generate", "Target", "load_target", "load_draft"]

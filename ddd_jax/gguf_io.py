@@ -1,0 +1,176 @@
+"""llama.cpp GGUF (llama architecture) -> our target: dequantized float weights, config and BPE tokenizer from metadata.
+
+Weights: `gguf.quants.dequantize` to float32, then llama.cpp's Q/K row permutation (made by its
+converter for its interleaved RoPE) is undone, giving exactly the tensors transformers' own GGUF
+loader produces. Tokenizer: byte-level BPE (`tokenizer.ggml.model == "gpt2"`) rebuilt with `tokenizers`
+from the vocab and merges; control tokens become special added tokens.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .hf import Rule, SourceTensor, convert, flat_shapes, plan
+
+GGUF_LLAMA_RULES = (
+    Rule(r"token_embd\.weight", "embed"),
+    Rule(r"blk\.(\d+)\.attn_norm\.weight", "layers.attn_norm"),
+    Rule(r"blk\.(\d+)\.attn_q\.weight", "layers.wq", transpose=True, fn="unpermute_q"),
+    Rule(r"blk\.(\d+)\.attn_k\.weight", "layers.wk", transpose=True, fn="unpermute_k"),
+    Rule(r"blk\.(\d+)\.attn_v\.weight", "layers.wv", transpose=True),
+    Rule(r"blk\.(\d+)\.attn_output\.weight", "layers.wo", transpose=True),
+    Rule(r"blk\.(\d+)\.ffn_norm\.weight", "layers.mlp_norm"),
+    Rule(r"blk\.(\d+)\.ffn_gate\.weight", "layers.w_gate", transpose=True),
+    Rule(r"blk\.(\d+)\.ffn_up\.weight", "layers.w_up", transpose=True),
+    Rule(r"blk\.(\d+)\.ffn_down\.weight", "layers.w_down", transpose=True),
+    Rule(r"output_norm\.weight", "final_norm"),
+    Rule(r"output\.weight", "lm_head", transpose=True),
+)
+GGUF_IGNORE = ()
+
+_CONTROL = 3  # llama.cpp token types
+_USER_DEFINED = 4
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K permutation on an [out, in] weight (n_head: query or kv heads)."""
+    rows, cols = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def read_gguf(path):
+    import gguf
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # gguf raises ValueError / struct errors on bad magic or truncation
+        raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
+
+
+def gguf_config(reader, path="GGUF"):
+    """ModelConfig from GGUF metadata (llama architecture only)."""
+    from .config import ModelConfig
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+
+    def need(key):
+        v = _field(reader, f"llama.{key}")
+        if v is None:
+            raise ValueError(f"{path}: GGUF metadata is missing llama.{key}")
+        return v
+
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    n_heads = int(need("attention.head_count"))
+    hidden = int(need("embedding_length"))
+    vocab = _field(reader, "llama.vocab_size") or (len(tokens) if tokens is not None else None)
+    if vocab is None:
+        emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        vocab = int(emb.shape[-1])
+    head_dim = _field(reader, "llama.attention.key_length") or hidden // n_heads
+    scaling = _field(reader, "llama.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"{path}: GGUF rope scaling {scaling!r} is not supported")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError(f"{path}: GGUF has rope_freqs.weight (llama3 rope scaling); not supported for GGUF, "
+                         "convert from the HF checkpoint instead")
+    eos = [_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")]
+    eos = tuple(dict.fromkeys(int(e) for e in eos if e is not None))
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        vocab_size=int(vocab), hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
+        num_hidden_layers=int(need("block_count")), num_attention_heads=n_heads,
+        num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv") or n_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(f"{_field(reader, 'llama.attention.layer_norm_rms_epsilon', 1e-5):.7g}"),  # f32 -> 1e-05
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in names,
+        max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
+        bos_token_id=None if bos is None else int(bos), eos_token_id=eos)
+
+
+def gguf_params(reader, cfg, dtype=None, path="GGUF", as_jax: bool = True) -> dict:
+    from gguf.quants import dequantize
+
+    from . import llama
+    from .hf import resolve_dtype
+    sources = [SourceTensor(t.name, tuple(int(s) for s in reversed(list(t.shape))),
+                            lambda t=t: dequantize(t.data, t.tensor_type)) for t in reader.tensors]
+    expected = flat_shapes(llama.param_shapes(cfg))
+    slots = plan(sources, GGUF_LLAMA_RULES, expected, f"GGUF {path}", ignore=GGUF_IGNORE)
+    transforms = {"unpermute_q": lambda w: unpermute(w, cfg.num_attention_heads),
+                  "unpermute_k": lambda w: unpermute(w, cfg.num_key_value_heads)}
+    return convert(slots, expected, resolve_dtype(dtype) or np.dtype(np.float32), transforms, as_jax=as_jax)
+
+
+def gguf_tokenizer(reader, path="GGUF"):
+    """(tokenizers.Tokenizer | None, chat_template | None, special tokens dict). None for non-BPE vocabularies."""
+    import warnings
+    template = _field(reader, "tokenizer.chat_template")
+    model = _field(reader, "tokenizer.ggml.model")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    special = {}
+    if tokens is not None:
+        for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                          ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+            i = _field(reader, f"tokenizer.ggml.{key}")
+            if i is not None and 0 <= int(i) < len(tokens):
+                special[name] = tokens[int(i)]
+    if model != "gpt2" or tokens is None:
+        warnings.warn(f"{path}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2'); "
+                      "the target will have no tokenizer", stacklevel=3)
+        return None, template, special
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    merges = _field(reader, "tokenizer.ggml.merges") or []
+    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                               fuse_unk=False, byte_fallback=False))
+    split = _PRE_SPLITS.get(_field(reader, "tokenizer.ggml.pre"))
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                              use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    # In a byte-level vocabulary every real token is spelled in the byte alphabet; a "control" token
+    # that is not is a llama.cpp mislabel and is skipped (as transformers does).
+    control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
+               if int(ty) == _CONTROL and set(t) <= alphabet]
+    if control:
+        tok.add_special_tokens(control)
+    user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
+            if int(ty) == _USER_DEFINED]
+    if user:
+        tok.add_tokens(user)
+    return tok, template, special
+
+
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+               "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT}
+
+
+def load_gguf_target(path, dtype=None, name: str | None = None):
+    """A Target from a llama-architecture .gguf file."""
+    from .target import Target
+    path = Path(path)
+    reader = read_gguf(path)
+    cfg = gguf_config(reader, path)
+    params = gguf_params(reader, cfg, dtype, path)
+    tok, template, special = gguf_tokenizer(reader, path)
+    return Target(name or path.stem, cfg, params, tok, template, special)
