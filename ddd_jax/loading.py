@@ -130,7 +130,8 @@ def load_ours(path, dtype=None, name: str | None = None):
     sources = {s.name: s for s in safetensors_sources(st)}  # memory-mapped: read one tensor at a time
     dio.check_shapes(dio.unflatten({k: s for k, s in sources.items()}), llama.param_shapes(cfg), f"target {path}")
     dt = resolve_dtype(dtype)
-    params = dio.unflatten({k: jnp.asarray(s.load(), dt) for k, s in sources.items()})
+    params = dio.unflatten({k: jnp.asarray(s.load()) if dt is None else jnp.asarray(s.load()).astype(dt)
+                            for k, s in sources.items()})
     tok, template, special = read_tokenizer_files(path)
     return Target(name or raw.get("name") or path.name, cfg, params, tok, template, special)
 

