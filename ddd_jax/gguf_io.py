@@ -165,12 +165,12 @@ _PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": 
                "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT}
 
 
-def load_gguf_target(path, dtype=None, name: str | None = None):
-    """A Target from a llama-architecture .gguf file."""
+def load_gguf_target(path, dtype=None, name: str | None = None, as_jax: bool = True):
+    """A Target from a llama-architecture .gguf file (float32 unless dtype is given)."""
     from .target import Target
     path = Path(path)
     reader = read_gguf(path)
     cfg = gguf_config(reader, path)
-    params = gguf_params(reader, cfg, dtype, path)
+    params = gguf_params(reader, cfg, dtype, path, as_jax=as_jax)
     tok, template, special = gguf_tokenizer(reader, path)
     return Target(name or path.stem, cfg, params, tok, template, special)

@@ -353,3 +353,37 @@ def read_hf_config(d):
         eos = tuple(dict.fromkeys(list(cfg.eos_token_id) + [int(x) for x in extra]))
         cfg = replace(cfg, eos_token_id=eos)
     return raw, cfg
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Streaming safetensors writer (one tensor in memory at a time: big checkpoints never double in RAM)
+
+_ST_CODES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def write_safetensors(tensors: dict, path, dtype=None, metadata: dict | None = None) -> None:
+    """Write {name: array} to `path` in safetensors format, casting each tensor to `dtype` (if given)
+    only when it is written. Not atomic by itself: call inside `io.atomic_dir`."""
+    dt = resolve_dtype(dtype)
+    header, off, order = {}, 0, []
+    for name, a in tensors.items():
+        t_dt = dt if dt is not None else np.dtype(a.dtype)
+        if t_dt.name not in _ST_CODES:
+            raise ValueError(f"cannot write tensor {name!r} of dtype {t_dt} to safetensors")
+        n = int(np.prod(a.shape, dtype=np.int64)) * t_dt.itemsize
+        header[name] = {"dtype": _ST_CODES[t_dt.name], "shape": [int(s) for s in a.shape], "data_offsets": [off, off + n]}
+        order.append((name, t_dt, n))
+        off += n
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)))
+        f.write(hb)
+        for name, t_dt, n in order:
+            a = np.ascontiguousarray(np.asarray(tensors[name]).astype(t_dt, copy=False))
+            if a.nbytes != n:
+                raise ValueError(f"tensor {name!r} changed size while writing")
+            f.write(a.reshape(-1).view(np.uint8).data)
+            del a

@@ -87,19 +87,16 @@ def _cast(target, dtype):
 
 def save_target(target, path, dtype=None, extra: dict | None = None) -> None:
     """Write `target` in our format, atomically (the directory exists whole or not at all)."""
-    from .hf import resolve_dtype
+    from .hf import resolve_dtype, write_safetensors
     dt = resolve_dtype(dtype)
     with dio.atomic_dir(path) as tmp:
         cfg = target.config.to_hf_config()
         cfg.update({"format": FORMAT, "format_version": FORMAT_VERSION, "name": target.name})
         if extra:
             cfg.update(extra)
-        params = {}
-        for k, v in dio.flatten(target.params).items():
-            a = np.asarray(v)
-            params[k] = a.astype(dt) if dt is not None else a
-        cfg["dtype"] = str(next(iter(params.values())).dtype)
-        dio.save_safetensors(params, tmp / "model.safetensors")
+        flat = dio.flatten(target.params)
+        cfg["dtype"] = str(dt if dt is not None else np.dtype(flat["embed"].dtype))
+        write_safetensors(flat, tmp / "model.safetensors", dtype=dt)  # one tensor in memory at a time
         if target.tokenizer is not None:
             (tmp / "tokenizer.json").write_text(target.tokenizer.to_str())
         tc = dict(target.special_tokens)
@@ -108,6 +105,14 @@ def save_target(target, path, dtype=None, extra: dict | None = None) -> None:
         if tc:
             (tmp / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        _umask_mode(tmp)
+
+
+def _umask_mode(d: Path) -> None:
+    """mkdtemp makes 0700 directories; give the final directory the usual umask-based mode."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(d, 0o777 & ~mask)
 
 
 def load_ours(path, dtype=None, name: str | None = None):
@@ -136,13 +141,13 @@ def load_ours(path, dtype=None, name: str | None = None):
     return Target(name or raw.get("name") or path.name, cfg, params, tok, template, special)
 
 
-def load_hf_dir(path, dtype=None, name: str | None = None):
+def load_hf_dir(path, dtype=None, name: str | None = None, as_jax: bool = True):
     """A Target from an HF LLaMA directory (config.json + safetensors / sharded / pytorch .bin weights)."""
     from .hf import load_hf_params, read_hf_config, read_tokenizer_files
     from .target import Target
     path = Path(path)
     _, cfg = read_hf_config(path)
-    params = load_hf_params(path, cfg, dtype)
+    params = load_hf_params(path, cfg, dtype, as_jax=as_jax)
     tok, template, special = read_tokenizer_files(path)
     if tok is not None and special.get("eos_token") is not None:
         # make sure generation stops on the tokenizer's eos (e.g. an end-of-turn token) too
@@ -152,16 +157,11 @@ def load_hf_dir(path, dtype=None, name: str | None = None):
     return Target(name or path.name, cfg, params, tok, template, special)
 
 
-def load_target(path_or_name, dtype=None):
-    """Load a target.
-
-    path_or_name: a known name ("smollm2-135m-instruct"), a directory in our format, an HF LLaMA
-    directory, or a llama-architecture .gguf file. dtype: "float32" | "float16" | "bfloat16" (or a numpy/jax
-    dtype); None keeps the stored dtype (float32 for GGUF).
-    """
+def resolve_source(path_or_name) -> tuple[str, Path]:
+    """(kind, path) of a target source: kind in {"named", "gguf", "ours", "hf"}; clear errors otherwise."""
     s = str(path_or_name)
     if s in NAMED_TARGETS:
-        return load_named(s, dtype)
+        return "named", named_source(s)
     path = Path(s).expanduser()
     if not path.exists():
         if os.sep not in s and "/" not in s and not s.endswith(".gguf"):
@@ -169,18 +169,52 @@ def load_target(path_or_name, dtype=None):
         raise FileNotFoundError(f"no target at {path}")
     if path.is_file():
         if path.suffix == ".gguf":
-            from .gguf_io import load_gguf_target
-            return load_gguf_target(path, dtype)
+            return "gguf", path
         raise ValueError(f"{path}: unsupported file (expected a .gguf file or a model directory)")
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            from .gguf_io import load_gguf_target
-            return load_gguf_target(ggufs[0], dtype)
+            return "gguf", ggufs[0]
         raise FileNotFoundError(f"{path}: no config.json (not our format nor an HF model directory)")
     fmt = dio.read_json(path / "config.json").get("format")
     if fmt == FORMAT:
-        return load_ours(path, dtype)
+        return "ours", path
     if fmt is not None:
         raise ValueError(f"{path} holds a {fmt!r} checkpoint, not a target (draft heads load with load_draft)")
+    return "hf", path
+
+
+def convert_target(src, out, dtype=None):
+    """Convert any target source (name, HF directory, .gguf, our format) to our format at `out`.
+
+    Atomic (nothing is left at `out` on error) and host-memory lean: weights are converted into numpy
+    buffers (one full copy) and streamed to disk one tensor at a time. Returns the written path.
+    """
+    kind, path = resolve_source(src)
+    if kind == "hf":
+        target = load_hf_dir(path, dtype, as_jax=False)
+    elif kind == "gguf" or kind == "named":
+        from .gguf_io import load_gguf_target
+        target = load_gguf_target(path, dtype, name=str(src) if kind == "named" else None, as_jax=False)
+    else:
+        target = load_ours(path, None)
+    save_target(target, out, dtype=dtype)
+    return Path(out)
+
+
+def load_target(path_or_name, dtype=None):
+    """Load a target.
+
+    path_or_name: a known name ("smollm2-135m-instruct"), a directory in our format, an HF LLaMA
+    directory, or a llama-architecture .gguf file. dtype: "float32" | "float16" | "bfloat16" (or a numpy/jax
+    dtype); None keeps the stored dtype (float32 for GGUF).
+    """
+    kind, path = resolve_source(path_or_name)
+    if kind == "named":
+        return load_named(str(path_or_name), dtype)
+    if kind == "gguf":
+        from .gguf_io import load_gguf_target
+        return load_gguf_target(path, dtype)
+    if kind == "ours":
+        return load_ours(path, dtype)
     return load_hf_dir(path, dtype)

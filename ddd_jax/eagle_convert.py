@@ -1,0 +1,172 @@
+"""Official EAGLE-1/2 PyTorch heads (SafeAILab/EAGLE `cnets1.py` layout) -> our draft params, via a key table.
+
+Official layout: `config.json` (a LlamaConfig with num_hidden_layers=1; `"bias": false` means fc has no
+bias, absent means it has one) + `pytorch_model.bin` or `model.safetensors` holding
+    embed_tokens.weight [V, D]      a frozen copy of the target's embedding: compared, then dropped
+    fc.weight [D, 2D]  fc.bias [D]  over cat(embed, feature)
+    layers.0.self_attn.{q,k,v,o}_proj.weight, layers.0.mlp.{gate,up,down}_proj.weight,
+    layers.0.post_attention_layernorm.weight      (no input_layernorm on layer 0)
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from . import eagle
+from . import io as dio
+from .config import DraftConfig
+from .hf import Rule, checkpoint_sources, convert, flat_shapes, plan, resolve_dtype, source_dtype
+
+EAGLE1_RULES = (
+    Rule(r"fc\.weight", "fc_w", transpose=True),
+    Rule(r"fc\.bias", "fc_b"),
+    Rule(r"layers\.(\d+)\.self_attn\.q_proj\.weight", "layers.wq", transpose=True),
+    Rule(r"layers\.(\d+)\.self_attn\.k_proj\.weight", "layers.wk", transpose=True),
+    Rule(r"layers\.(\d+)\.self_attn\.v_proj\.weight", "layers.wv", transpose=True),
+    Rule(r"layers\.(\d+)\.self_attn\.o_proj\.weight", "layers.wo", transpose=True),
+    Rule(r"layers\.(\d+)\.post_attention_layernorm\.weight", "layers.mlp_norm"),
+    Rule(r"layers\.(\d+)\.mlp\.gate_proj\.weight", "layers.w_gate", transpose=True),
+    Rule(r"layers\.(\d+)\.mlp\.up_proj\.weight", "layers.w_up", transpose=True),
+    Rule(r"layers\.(\d+)\.mlp\.down_proj\.weight", "layers.w_down", transpose=True),
+)
+EMBED_KEY = "embed_tokens.weight"
+EAGLE1_IGNORE = (r".*rotary_emb\.inv_freq", r"embed_tokens\.weight")  # embed: compared, then dropped
+EAGLE3_MARKERS = ("midlayer.", "d2t", "t2d")
+
+
+def is_official_eagle_dir(path) -> bool:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        return False
+    try:
+        raw = dio.read_json(path / "config.json")
+    except (ValueError, OSError):
+        return False
+    return "format" not in raw
+
+
+def draft_config_from_official(raw: dict, what: str, target_name: str | None = None) -> DraftConfig:
+    """DraftConfig from an official head's config.json (LlamaConfig fields + optional "bias")."""
+    need = ["hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"]
+    missing = [k for k in need if k not in raw]
+    if missing:
+        raise ValueError(f"{what}: config.json is missing {missing}")
+    if int(raw.get("num_hidden_layers", 1)) != 1:
+        raise ValueError(f"{what}: num_hidden_layers={raw['num_hidden_layers']}; only 1-layer EAGLE-1/2 heads "
+                         "are supported")
+    if raw.get("qkv_bias") or raw.get("attention_bias"):
+        raise ValueError(f"{what}: attention biases (qkv_bias/attention_bias) are not supported")
+    heads = int(raw["num_attention_heads"])
+    rs = raw.get("rope_scaling")
+    if rs is not None and rs.get("rope_type", rs.get("type")) in ("default", None):
+        rs = None
+    from .config import _freeze
+    dcfg = DraftConfig(vocab_size=int(raw["vocab_size"]), hidden_size=int(raw["hidden_size"]),
+                       intermediate_size=int(raw["intermediate_size"]), num_attention_heads=heads,
+                       num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                       head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+                       rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                       rope_theta=float(raw.get("rope_theta") or 10000.0),
+                       rope_scaling=_freeze(rs) if rs else None, fc_bias=bool(raw.get("bias", True)),
+                       target_name=target_name)
+    try:
+        dcfg.layer_config()  # validates heads / rope scaling
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    return dcfg
+
+
+def compare_embedding(src_embed, target, what: str, mode: str = "warn", rtol: float = 1e-2) -> float:
+    """Max |head embed - target embed| relative to max |target embed|; warn or raise beyond rtol."""
+    if mode not in ("warn", "error", "ignore"):
+        raise ValueError(f"embed_check must be 'warn', 'error' or 'ignore', got {mode!r}")
+    te = target.params["embed"]
+    if tuple(src_embed.shape) != tuple(te.shape):
+        raise ValueError(f"{what}: embed_tokens.weight has shape {tuple(src_embed.shape)} but the target's "
+                         f"embedding is {tuple(te.shape)} (head made for a different vocabulary/target?)")
+    if mode == "ignore":
+        return float("nan")
+    te = np.asarray(te)
+    diff, scale = 0.0, 0.0
+    for i in range(0, te.shape[0], 8192):  # row chunks: no full float32 copies of a 7B embedding
+        a = np.asarray(src_embed[i:i + 8192], np.float32)
+        b = np.asarray(te[i:i + 8192], np.float32)
+        diff, scale = max(diff, float(np.abs(a - b).max())), max(scale, float(np.abs(b).max()))
+    rel = diff / max(scale, 1e-12)
+    if rel > rtol:
+        msg = (f"{what}: the head's embed_tokens differ from the target's embedding (max abs diff {diff:.3g}, "
+               f"{rel:.2%} of max |embed|): was the head trained for this target?")
+        if mode == "error":
+            raise ValueError(msg)
+        warnings.warn(msg, stacklevel=3)
+    return rel
+
+
+def convert_official_head(src, target, dtype=None, embed_check: str = "warn") -> "eagle.Draft":
+    """An official EAGLE-1/2 PyTorch head directory -> our `eagle.Draft` bound to `target` (in memory)."""
+    src = Path(src)
+    what = f"EAGLE head {src}"
+    if not src.exists():
+        raise FileNotFoundError(f"no EAGLE head at {src}")
+    raw = dio.read_json(src / "config.json")
+    dcfg = draft_config_from_official(raw, what, target_name=getattr(target, "name", None))
+    sources = checkpoint_sources(src)
+    names = [s.name for s in sources]
+    if any(n.startswith(m) for n in names for m in EAGLE3_MARKERS):
+        raise ValueError(f"{what}: this looks like an EAGLE-3 head (midlayer/d2t/t2d tensors); only EAGLE-1/2 "
+                         "heads are supported")
+    embed = [s for s in sources if s.name == EMBED_KEY]
+    if len(embed) > 1:
+        raise ValueError(f"{what}: duplicate tensors ['{EMBED_KEY}']")
+    # vocab / width against the target first: the clearest error for a head made for another model
+    if embed and tuple(embed[0].shape) != tuple(target.params["embed"].shape):
+        raise ValueError(f"{what}: embed_tokens.weight has shape {tuple(embed[0].shape)} but the target's "
+                         f"embedding is {tuple(target.params['embed'].shape)} (head made for a different target?)")
+    dcfg.check_target(target.config)
+    if raw.get("bias", True) is False and "fc.bias" in names:
+        raise ValueError(f"{what}: config.json says bias=false but the checkpoint has fc.bias")
+    expected = flat_shapes(eagle.param_shapes(dcfg))
+    rules = [r for r in EAGLE1_RULES if r.key in expected]
+    try:
+        slots = plan(sources, rules, expected, what, ignore=EAGLE1_IGNORE)
+    except ValueError as e:
+        if "fc_b" in str(e) and "missing" in str(e):
+            raise ValueError(f"{e} (config.json has no \"bias\": false, so fc must have a bias)") from None
+        raise
+    if embed:
+        compare_embedding(embed[0].load(), target, what, embed_check)
+    dt = resolve_dtype(dtype) or source_dtype(sources, "fc.weight")
+    params = convert(slots, expected, dt)
+    return eagle.Draft(dcfg, params, target)
+
+
+def convert_eagle_dir(src, out, target, dtype=None, embed_check: str = "warn") -> "eagle.Draft":
+    """Convert an official head to our head format at `out` (atomic: nothing is written on error)."""
+    draft = convert_official_head(src, target, dtype, embed_check)
+    eagle.save_draft(draft, out, extra={"converted_from": str(Path(src).resolve()), "source_layout": "eagle1"})
+    return draft
+
+
+def check_tokens(target, n: int = 12) -> np.ndarray:
+    """A few token ids for --check runs: a short English sentence when there is a tokenizer."""
+    if target.tokenizer is not None:
+        ids = target.encode("The quick brown fox jumps over the lazy dog, then naps in the sun.")[:n]
+        if ids:
+            return np.asarray([ids], np.int32)
+    rng = np.random.default_rng(0)
+    return rng.integers(0, target.config.vocab_size, (1, n), dtype=np.int32)
+
+
+def check_head(src, draft) -> dict:
+    """Max differences between the torch reference head at `src` and `draft` on target features of a few tokens."""
+    import jax.numpy as jnp
+
+    from .torch_ref import head_check
+    target = draft.target
+    toks = check_tokens(target)
+    T = toks.shape[1]
+    feats = target.forward(jnp.asarray(toks), jnp.broadcast_to(jnp.arange(T), toks.shape), return_logits=False).hidden
+    feats = np.asarray(feats, np.float32)[:, :-1]
+    return head_check(src, draft, toks[:, 1:], feats)
