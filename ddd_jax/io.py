@@ -58,6 +58,7 @@ def atomic_dir(final: str | os.PathLike):
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes 0700; checkpoints should be readable like any other directory
     try:
         yield tmp
         if final.exists():

@@ -1,0 +1,135 @@
+"""`ddd-jax generate`: decode one prompt with vanilla, EAGLE-2 or DDD (any sync mode) and print text or JSON."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_DRAFTS = {"smollm2-135m-instruct": "smollm2-135m-instruct-eagle"}
+
+
+def add_tree_args(p: argparse.ArgumentParser) -> None:
+    """Tree / DDD flags shared by generate and bench (None = tuned settings for this backend, else defaults)."""
+    g = p.add_argument_group("tree and DDD settings")
+    g.add_argument("--top-k", type=int, default=None, help="EAGLE-2 beam width / children per node (default 10)")
+    g.add_argument("--total-tokens", type=int, default=None, help="verified tokens incl. the root (default 60)")
+    g.add_argument("--depth", type=int, default=None, help="EAGLE-2 draft steps (default 5)")
+    g.add_argument("--ddd-checks", type=str, default=None, help="DDD check steps, comma separated (default 5,7,9)")
+    g.add_argument("--ddd-threshold", type=float, default=None, help="DDD confidence threshold x (default -0.3)")
+    g.add_argument("--ddd-max-depth", type=int, default=None, help="DDD maximum draft steps n (default 11)")
+    g.add_argument("--settings", choices=["auto", "none"], default="auto",
+                   help="auto: start from the tuned settings file for this backend if one exists")
+
+
+def tree_and_ddd(args):
+    """Build (TreeConfig, DDDConfig, source) from flags over tuned settings over defaults."""
+    import dataclasses
+
+    from .config import DDDConfig, TreeConfig
+    base_tree, base_ddd, source = {}, {}, "defaults"
+    if getattr(args, "settings", "none") == "auto":
+        try:
+            from .settings import load_settings
+        except ImportError:
+            load_settings = None
+        s = load_settings() if load_settings else None
+        if s:
+            base_tree, base_ddd, source = dict(s.get("tree", {})), dict(s.get("ddd", {})), s.get("source", "tuned")
+    tree = TreeConfig(**base_tree)
+    over = {k: v for k, v in (("top_k", args.top_k), ("total_tokens", args.total_tokens), ("depth", args.depth))
+            if v is not None}
+    tree = dataclasses.replace(tree, **over) if over else tree
+    if "check_steps" in base_ddd:
+        base_ddd["check_steps"] = tuple(base_ddd["check_steps"])
+    ddd = DDDConfig(**base_ddd)
+    over = {}
+    if args.ddd_checks is not None:
+        try:
+            over["check_steps"] = tuple(int(x) for x in args.ddd_checks.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"--ddd-checks must be comma-separated integers, got {args.ddd_checks!r}") from None
+    if args.ddd_threshold is not None:
+        over["threshold"] = args.ddd_threshold
+    if args.ddd_max_depth is not None:
+        over["max_depth"] = args.ddd_max_depth
+    ddd = dataclasses.replace(ddd, **over) if over else ddd
+    return tree, ddd, source
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with vanilla, EAGLE-2 or DDD decoding")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="target name or path (default %(default)s)")
+    p.add_argument("--draft", default=None, help="draft head name or path (default: the packaged head for the target)")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
+    p.add_argument("--method", choices=["vanilla", "eagle2", "ddd"], default="vanilla")
+    p.add_argument("--sync", choices=["host", "callback", "device"], default="device", help="DDD sync mode")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare", action="store_true",
+                   help="also run vanilla decoding and report whether the tokens are identical and the speed ratio")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and stats")
+    add_tree_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from . import generate, load_draft, load_target
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    tree, ddd, source = tree_and_ddd(args)
+    target = load_target(args.target)
+    draft = None
+    if args.method != "vanilla" or args.compare:
+        name = args.draft or DEFAULT_DRAFTS.get(args.target)
+        if name is None and args.method != "vanilla":
+            raise ValueError(f"--method {args.method} needs --draft (no packaged head for target {args.target!r})")
+        draft = load_draft(name, target) if name else None
+    ids = target.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else target.encode(args.prompt)
+    kw = dict(max_new_tokens=args.max_new_tokens, tree=tree, ddd=ddd, temperature=args.temperature,
+              top_p=args.top_p, seed=args.seed)
+
+    stream = None
+    if args.stream and not args.json:
+        shown = []
+
+        def stream(new):
+            shown.extend(new)
+            sys.stdout.write(target.decode(shown)[len(target.decode(shown[: len(shown) - len(new)])):])
+            sys.stdout.flush()
+
+    # first call compiles; report steady-state speed by running once to warm up when comparing
+    if args.compare:
+        generate(target, draft, ids, method=args.method, sync=args.sync, **kw)
+        generate(target, None, ids, **kw)
+    res = generate(target, draft, ids, method=args.method, sync=args.sync, stream=stream, **kw)
+    out = {"tokens": res.tokens, "text": res.text, "stats": res.stats,
+           "settings": {"tree": tree.__dict__, "ddd": {**ddd.__dict__}, "source": source}}
+    if args.compare:
+        van = generate(target, None, ids, **kw)
+        out["vanilla"] = {"identical": van.tokens == res.tokens, "tokens_per_s": van.stats["tokens_per_s"],
+                          "speedup": (van.stats["decode_s"] / max(len(van.tokens) - 1, 1))
+                          / max(res.stats["decode_s"] / max(len(res.tokens) - 1, 1), 1e-9)}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    if not args.stream:
+        print(res.text)
+    else:
+        print()
+    st = res.stats
+    line = (f"[{args.method}{'/' + args.sync if args.method == 'ddd' else ''}] {st['new_tokens']} tokens, "
+            f"{st['tokens_per_s']:.1f} tok/s, target calls {st['target_calls']}")
+    if args.method != "vanilla":
+        line += (f", tau {st['mean_accepted']:.2f}, mean depth {st['mean_depth']:.2f}, "
+                 f"host syncs {st['host_syncs']} (draft {st['draft_syncs']}), settings: {source}")
+    print(line, file=sys.stderr)
+    if args.compare:
+        v = out["vanilla"]
+        print(f"[vanilla] {v['tokens_per_s']:.1f} tok/s; identical tokens: {v['identical']}; "
+              f"speedup {v['speedup']:.2f}x", file=sys.stderr)
+    return 0
