@@ -164,3 +164,20 @@ def test_cli_registers_train_draft(tmp_path):
         {"step": 1, "split": "eval", "eval_loss": 2.1, "eval_acc": 0.1},
         {"step": 1, "split": "tau", "tau": 1.5}]) + "\n")
     assert plot_metrics(m, tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_ce_subsampling_is_unbiased(target, feats):
+    from train_draft.train import frozen_target_arrays, init_head_params, loss_sums
+    from ddd_jax.config import DraftConfig
+    cfg = FitConfig(batch_size=2, seq_len=80)
+    dcfg = DraftConfig.from_target(target.config)
+    params = init_head_params(dcfg, target, cfg)
+    embed, lm_w = frozen_target_arrays(target)
+    mb = jax.tree.map(lambda x: jnp.asarray(x[0]), BatchPlan(feats, cfg).batch(0))
+    f = jax.jit(lambda k, K: loss_sums(params, dcfg, embed, lm_w, mb, k, 0.0, 0.1, jnp.float32, K)[1],
+                static_argnums=1)
+    exact = f(jax.random.PRNGKey(0), 0)
+    est = jax.vmap(lambda k: f(k, 16))(jax.random.split(jax.random.PRNGKey(1), 256))
+    assert float(est["vloss"][0]) == pytest.approx(float(exact["vloss"]), rel=1e-5)
+    assert float(est["ploss"].mean()) == pytest.approx(float(exact["ploss"]), rel=0.03)
+    assert float(est["correct"].mean()) == pytest.approx(float(exact["correct"]), rel=0.1, abs=1.0)

@@ -69,7 +69,16 @@ def cmd_fit(args) -> int:
     cfg = FitConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, accum=args.accum, lr=args.lr,
                     warmup=args.warmup, end_lr_frac=args.end_lr_frac, weight_decay=args.weight_decay,
                     clip_norm=args.clip_norm, w_cls=args.w_cls, noise=args.noise, dtype=args.dtype, seed=args.seed,
-                    init=args.init)
+                    init=args.init, ce_positions=args.ce_positions)
+    src = train.manifest.get("source") or {}
+    if src.get("kind") == "sharegpt":
+        from .data import is_holdout
+        hp = src.get("holdout_percent", args.holdout_percent)
+        leaked = sum(is_holdout(i, hp) for i in train.seq_ids)
+        if leaked:
+            raise ValueError(f"{leaked} training sequences belong to the ShareGPT holdout (holdout_percent={hp})")
+        if ev is not None and not all(is_holdout(i, hp) for i in ev.seq_ids):
+            raise ValueError("--eval-features holds conversations that are not in the ShareGPT holdout")
     print(f"fit: {train.n_seqs} sequences, {train.n_tokens} tokens "
           f"({int(train.mask.sum())} loss tokens); held-out: {ev.n_seqs if ev else 0} sequences", flush=True)
     r = fit(target, train, args.out, cfg, eval_set=ev, resume=args.resume, ckpt_every=args.ckpt_every,
@@ -139,6 +148,8 @@ def add_parser(subparsers) -> None:
     f.add_argument("--noise", type=float, default=0.2, help="uniform feature noise width (EAGLE: 0.2)")
     f.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     f.add_argument("--init", choices=["random", "target-last-layer"], default="random")
+    f.add_argument("--ce-positions", type=int, default=0,
+                   help="compute the vocab terms on this many random loss positions per row (0 = all; exact EAGLE)")
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--ckpt-every", type=int, default=200)
     f.add_argument("--keep", type=int, default=3, help="checkpoints kept")

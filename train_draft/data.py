@@ -251,3 +251,21 @@ def text_examples(target, path, max_len: int) -> list[dict]:
 def shuffled(items: list, seed: int) -> list:
     order = np.random.default_rng(seed).permutation(len(items))
     return [items[i] for i in order]
+
+
+def leak_check(train_ids, holdout_percent: float, train_msgs=None, fuzzy_chars: int = 60) -> dict:
+    """Verify no training sequence is a held-out conversation and none repeats an MT-bench question.
+
+    train_ids: conversation ids of the training sequences; train_msgs (optional): their messages, searched for
+    the first `fuzzy_chars` characters of every MT-bench turn (a looser test than the exact match used to drop).
+    """
+    leaked = [i for i in train_ids if is_holdout(i, holdout_percent)]
+    out = {"train_sequences": len(train_ids), "holdout_in_train": len(leaked)}
+    if train_msgs is not None:
+        keys = [q[:fuzzy_chars] for q in mtbench_questions() if len(q) >= 20]
+        hits = 0
+        for msgs in train_msgs:
+            users = [_norm_text(m["content"]) for m in msgs if m["role"] == "user"]
+            hits += any(k in u for u in users for k in keys)
+        out["mtbench_prefix_matches_in_train"] = hits
+    return out
