@@ -65,7 +65,8 @@ def add_parser(subparsers) -> None:
                    help="a greedy mismatch is a float near-tie if the chosen token's logit is within this of the top")
     b.add_argument("--sweep", action="store_true",
                    help="add ddd-device variants over --sweep-thresholds x --sweep-checks (plots tau/speedup vs x, S)")
-    b.add_argument("--sweep-thresholds", type=_floats, default=(-0.1, -0.3, -0.6, -1.0, -2.0))
+    b.add_argument("--sweep-thresholds", type=_floats, default=(-0.1, -0.3, -0.6, -1.0, -2.0),
+                   help="write with '=': --sweep-thresholds=-0.3,-1 (default -0.1,-0.3,-0.6,-1,-2)")
     b.add_argument("--sweep-checks", default=None,
                    help="';'-separated check-step sets, e.g. '3/5/7;5/7/9' (default: the DDD checks, and shifted by -2)")
     b.add_argument("--cost-curve", action="store_true",
@@ -81,7 +82,7 @@ def add_parser(subparsers) -> None:
     t.add_argument("--grid-total-tokens", type=_ints, default=None, help="e.g. 4,8,16,32")
     t.add_argument("--grid-depth", type=_ints, default=None, help="e.g. 2,3,4,6")
     t.add_argument("--grid-top-k", type=_ints, default=None, help="e.g. 2,4,8")
-    t.add_argument("--grid-threshold", type=_floats, default=None, help="e.g. -0.1,-0.3,-0.6,-1,-2")
+    t.add_argument("--grid-threshold", type=_floats, default=None, help="write with '=': --grid-threshold=-0.1,-0.3,-1")
     t.add_argument("--grid-check-offsets", type=_ints, default=None,
                    help="first check step relative to the EAGLE-2 depth, e.g. -1,0,1")
     t.add_argument("--grid-max-depth-extra", type=_ints, default=None, help="DDD max depth - EAGLE-2 depth, e.g. 2,4")
@@ -132,6 +133,10 @@ def resolve_configs(args):
         if s is not None:
             tree, ddd = to_configs(s)
             source = f"settings file {settings_path()}"
+            tuned_for = s.get("meta", {}).get("target")
+            if tuned_for and tuned_for != args.target:
+                print(f"WARNING: {settings_path()} was tuned for target {tuned_for!r}, not {args.target!r} "
+                      "(use --settings none or re-run `ddd-jax tune`)", file=sys.stderr)
     tkw = {k: v for k, v in (("top_k", args.tree_top_k), ("total_tokens", args.total_tokens),
                               ("depth", args.depth)) if v is not None}
     dkw = {k: v for k, v in (("check_steps", args.ddd_checks), ("threshold", args.ddd_threshold),

