@@ -49,20 +49,27 @@ def bench_table(result: dict) -> str:
             f"max_new_tokens={cfg['max_new_tokens']}, temperature={cfg['temperature']}, repeat={cfg['repeat']}; "
             f"{env['backend']} ({env['device']}, {env['cpu_count']} CPUs), jax {env['jax']}, {env['date']}")
     rows = []
+    sampling = result["config"]["temperature"] > 0
     for lb, m in result["methods"].items():
         s, p = m["summary"], m["profile"]
         split = "-" if not p else "/".join(f"{p[k]:.1f}" for k in ("draft_ms_per_call", "verify_ms_per_call",
                                                                   "commit_ms_per_call"))
         ident = result["identity"]["methods"].get(lb)
-        ident_s = "ref" if lb == result["identity"].get("reference") else (
-            "-" if ident is None else f"{ident['mismatches']} ({ident.get('real_mismatches', 0)} real)")
+        if lb == result["identity"].get("reference"):
+            ident_s = "ref"
+        elif ident is None:
+            ident_s = "-"
+        elif sampling:
+            ident_s = f"{ident['mismatches']} differ (sampling)"
+        else:
+            ident_s = f"{ident['mismatches']} ({ident['real_mismatches']} real)"
         rows.append([lb, _f(s["tokens_per_s"], "{:.1f}"), _f(s.get("speedup"), "{:.3f}x"), _f(s["tau"]),
                      s["target_calls"], _f(s["mean_depth"]), _f(s["host_syncs_per_call"]), split,
                      _f(m["compile"]["compile_s_est"], "{:.1f}"), ident_s])
     table = _table(["method", "tok/s", "speedup", "tau", "target calls", "mean depth", "syncs/call",
                     "draft/verify/commit ms/call", "compile s", "mismatches"], rows)
     notes = []
-    for lb, ident in result["identity"]["methods"].items():
+    for lb, ident in ({} if sampling else result["identity"]["methods"]).items():
         for d in ident["details"][:5]:
             kind = "near-tie" if d.get("near_tie") else "REAL" if "near_tie" in d else "differs"
             notes.append(f"- {lb}: prompt {d['id']} turn {d['turn']} first differs at token {d['position']} "
