@@ -122,6 +122,10 @@ class DraftConfig:
     rope_scaling: tuple | None = None
     fc_bias: bool = True
     target_name: str | None = None  # free text: what the head was trained for
+    # Reduced draft vocabulary (lossless: the target still verifies every token). When set, the head's params
+    # carry `d2t` [draft_vocab_size] target token ids and drafting scores only those tokens, which makes a
+    # draft step far cheaper for small targets whose lm_head dominates. None = the full target vocabulary.
+    draft_vocab_size: int | None = None
 
     @classmethod
     def from_target(cls, cfg: ModelConfig, target_name: str | None = None, **over) -> "DraftConfig":

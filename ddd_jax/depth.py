@@ -21,8 +21,8 @@ from jax.experimental import io_callback
 
 from .cache import KVCache, with_length
 from .config import DraftConfig, ModelConfig
-from .eagle import head_forward
-from .llama import lm_head, tree_kv_mask, causal_mask
+from .eagle import draft_logits, head_forward
+from .llama import causal_mask, tree_kv_mask
 from .tree import Beam, confidence, expand
 
 
@@ -85,7 +85,7 @@ def draft_prefix(dparams, dcfg: DraftConfig, tparams, tcfg: ModelConfig, dcache:
     kv = tree_kv_mask(dcache.length, dcache.capacity, causal_mask(B, M))
     h, dc = head_forward(dparams, dcfg, tparams["embed"], pend_tok, pend_feat, pos, dcache, kv)
     last = jnp.take_along_axis(h, (pend_n - 1)[:, None, None], axis=1)  # [B, 1, D]
-    logp = jax.nn.log_softmax(lm_head(tparams, tcfg, last)[:, 0], axis=-1)
+    logp = draft_logits(dparams, tparams, tcfg, last[:, 0])
     return with_length(dc, dcache.length + pend_n), last[:, 0], logp
 
 
@@ -103,8 +103,8 @@ def draft_step(dparams, dcfg: DraftConfig, tparams, tcfg: ModelConfig, dcache: K
     pos = jnp.broadcast_to((base + beam.step)[:, None], (B, k)).astype(jnp.int32)
     view = with_length(dcache, base + beam.step * k)
     h, dc = head_forward(dparams, dcfg, tparams["embed"], beam.tok, beam.feat, pos, view, kv)
-    logp = jax.nn.log_softmax(lm_head(tparams, tcfg, h), axis=-1)
-    return with_length(dc, dcache.length), expand(beam, h, logp, k, max_depth)
+    logp = draft_logits(dparams, tparams, tcfg, h)
+    return with_length(dc, dcache.length), expand(beam, h, logp, k, max_depth, dparams.get("d2t"))
 
 
 def run_steps(dparams, dcfg, tparams, tcfg, dcache, base, beam: Beam, end_step, *, k: int, max_depth: int,

@@ -38,6 +38,8 @@ def param_shapes(dcfg: DraftConfig) -> dict:
     s = {"fc_w": (2 * D, D), "layers": layer_shapes(dcfg.layer_config(), 1, input_norm=False)}
     if dcfg.fc_bias:
         s["fc_b"] = (D,)
+    if dcfg.draft_vocab_size:
+        s["d2t"] = (dcfg.draft_vocab_size,)
     return s
 
 
@@ -47,7 +49,9 @@ def init_params(dcfg: DraftConfig, key, dtype=jnp.float32, std: float = 0.02) ->
     keys = jax.random.split(key, len(flat))
     out = {}
     for (name, s), k in zip(sorted(flat.items()), keys):
-        if "norm" in name:
+        if name == "d2t":
+            out[name] = jnp.arange(s[0], dtype=jnp.int32)
+        elif "norm" in name:
             out[name] = jnp.ones(s, dtype)
         elif name == "fc_b":
             out[name] = jnp.zeros(s, dtype)
@@ -74,6 +78,47 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions,
         kv_mask = causal_mask(B, T)
     x, cache = decoder_stack(dparams["layers"], dcfg.layer_config(), x, positions, cache, kv_mask)
     return x, cache
+
+
+def draft_logits(dparams, tparams, tcfg: ModelConfig, h):
+    """Draft log-probs over the draft vocabulary: [..., V] (full) or [..., V'] when the head has `d2t`
+    (then `dparams["lm_sub"]` [V', D] holds the target's output embedding rows of those tokens; see
+    `runtime_params`). Renormalised over the draft vocabulary."""
+    if "lm_sub" in dparams:
+        logits = jnp.einsum("...d,vd->...v", h, dparams["lm_sub"], preferred_element_type=jnp.float32)
+    else:
+        squeeze = h.ndim == 2
+        hh = h[:, None] if squeeze else h
+        logits = lm_head(tparams, tcfg, hh)
+        logits = logits[:, 0] if squeeze else logits
+    return jax.nn.log_softmax(logits, axis=-1)
+
+
+def runtime_params(draft: "Draft") -> dict:
+    """Params as the decode loops use them: for a reduced draft vocabulary, add `lm_sub` (the target's
+    output-embedding rows of the draft tokens; derived, never saved)."""
+    if "d2t" not in draft.params:
+        return draft.params
+    cached = getattr(draft, "_runtime", None)
+    if cached is not None and cached[0] is draft.params:
+        return cached[1]
+    tp, tcfg = draft.target.params, draft.target.config
+    w = tp["embed"] if tcfg.tie_word_embeddings else tp["lm_head"].T  # [V, D]
+    out = {**draft.params, "lm_sub": jnp.take(w, draft.params["d2t"], axis=0)}
+    draft._runtime = (draft.params, out)
+    return out
+
+
+def with_draft_vocab(draft: "Draft", token_ids) -> "Draft":
+    """The same head drafting only over `token_ids` (e.g. the most frequent target tokens of its training data)."""
+    ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    V = draft.config.vocab_size
+    if ids.size == 0 or ids.min() < 0 or ids.max() >= V or len(np.unique(ids)) != ids.size:
+        raise ValueError(f"draft vocabulary must be distinct token ids in [0, {V}); got {ids.size} ids")
+    cfg = dataclasses.replace(draft.config, draft_vocab_size=int(ids.size))
+    params = {k: v for k, v in draft.params.items() if k != "d2t"}
+    params["d2t"] = jnp.asarray(ids, jnp.int32)
+    return Draft(cfg, params, draft.target)
 
 
 def new_cache(dcfg: DraftConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
@@ -125,9 +170,10 @@ def init_draft(target, seed: int = 0, dtype=jnp.float32, **config_overrides) -> 
 
 def save_draft(draft: Draft, path, dtype=None, extra: dict | None = None) -> None:
     """Write our head format (config.json + model.safetensors) atomically: a directory that either exists whole or not at all."""
-    params = draft.params
+    params = {k: v for k, v in draft.params.items() if k != "lm_sub"}
     if dtype is not None:
-        params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
+        params = {k: jax.tree.map(lambda x: np.asarray(x).astype(np.int32 if k == "d2t" else dtype), v)
+                  for k, v in params.items()}
     with dio.atomic_dir(path) as tmp:
         cfg = {"format": FORMAT, "format_version": FORMAT_VERSION, "draft_config": draft.config.to_dict()}
         if extra:
@@ -145,5 +191,6 @@ def load_draft_dir(path, target, dtype=None) -> Draft:
     dcfg.check_target(target.config)
     params = dio.load_safetensors(path / "model.safetensors")
     dtype = dtype or target.params["embed"].dtype
-    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    params = {k: jax.tree.map(lambda x: jnp.asarray(x, jnp.int32 if k == "d2t" else dtype), v)
+              for k, v in params.items()}
     return Draft(dcfg, params, target)

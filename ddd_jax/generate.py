@@ -30,7 +30,7 @@ from . import llama
 from .cache import KVCache, commit, with_length
 from .config import DDDConfig, DraftConfig, ModelConfig, TreeConfig
 from .depth import SyncCounter, draft_prefix, run_steps, set_callback_context, threshold_policy
-from .eagle import head_forward, new_cache as new_draft_cache
+from .eagle import head_forward, new_cache as new_draft_cache, runtime_params
 from .tree import Beam, build_tree, confidence, first_beam
 from .verify import accept_greedy, accept_sample, process_logits
 
@@ -198,7 +198,7 @@ def _draft_begin(tparams, dparams, plan: Plan, s: State, end_step, threshold):
     dcache, h0, logp0 = draft_prefix(dparams, plan.dcfg, tparams, plan.tcfg, s.dcache, s.pend_tok, s.pend_feat,
                                      s.pend_n)
     base = dcache.length
-    beam = first_beam(logp0, h0, plan.top_k, plan.max_depth)
+    beam = first_beam(logp0, h0, plan.top_k, plan.max_depth, dparams.get("d2t"))
     dcache, beam = run_steps(dparams, plan.dcfg, tparams, plan.tcfg, dcache, base, beam, end_step,
                              k=plan.top_k, max_depth=plan.max_depth, mode=plan.device_mode,
                              check_steps=plan.check_steps, threshold=threshold)
@@ -276,6 +276,8 @@ def make_plan(target, draft, *, method: str, sync: str, tree: TreeConfig, ddd: D
             raise ValueError(f"method={method!r} needs a draft head (load_draft / init_draft)")
         draft.config.check_target(target.config)
         dcfg = draft.config
+        if dcfg.draft_vocab_size and tree.top_k > dcfg.draft_vocab_size:
+            raise ValueError(f"top_k={tree.top_k} exceeds the draft vocabulary ({dcfg.draft_vocab_size} tokens)")
     if method == "ddd":
         max_depth, checks, first_end = ddd.max_depth, tuple(ddd.check_steps), ddd.check_steps[0]
         if tree.total_tokens - 1 > tree.pool_size(ddd.check_steps[0]):
@@ -345,7 +347,7 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
         raise ValueError("sync='host' reads the confidence on the host each check: it needs loop='host'")
     batched, toks, plen, capacity = _prepare_prompts(target, prompt_ids, plan, capacity)
     tparams = target.params
-    dparams = draft.params if plan.method != "vanilla" else None
+    dparams = runtime_params(draft) if plan.method != "vanilla" else None
     threshold = jnp.float32(ddd.threshold)
     counter = SyncCounter()
     times = {"draft_s": 0.0, "verify_s": 0.0, "commit_s": 0.0}

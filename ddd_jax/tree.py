@@ -56,11 +56,14 @@ def pool_size(k: int, max_depth: int) -> int:
     return k + max_depth * k * k
 
 
-def first_beam(logp, h0, k: int, max_depth: int) -> Beam:
-    """Beam after step 0. logp: [B, V] draft log-probs at the prefix's last pair; h0: [B, D] its output feature."""
+def first_beam(logp, h0, k: int, max_depth: int, tok_map=None) -> Beam:
+    """Beam after step 0. logp: [B, V] draft log-probs at the prefix's last pair; h0: [B, D] its output feature.
+    tok_map: optional [V'] target ids of a reduced draft vocabulary (logp is then over V')."""
     B = logp.shape[0]
     P, W = pool_size(k, max_depth), max_depth * k
     score, tok = jax.lax.top_k(logp, k)  # [B, k]
+    if tok_map is not None:
+        tok = jnp.take(tok_map, tok)
     pool_tok = jnp.zeros((B, P), jnp.int32).at[:, :k].set(tok)
     pool_score = jnp.full((B, P), NEG, jnp.float32).at[:, :k].set(score)
     pool_parent = jnp.full((B, P), -1, jnp.int32)
@@ -71,7 +74,7 @@ def first_beam(logp, h0, k: int, max_depth: int) -> Beam:
                 anc=anc, pool_tok=pool_tok, pool_score=pool_score, pool_parent=pool_parent)
 
 
-def expand(beam: Beam, h, logp, k: int, max_depth: int) -> Beam:
+def expand(beam: Beam, h, logp, k: int, max_depth: int, tok_map=None) -> Beam:
     """Bookkeeping of step j = beam.step + 1 given the head's outputs on the beam.
 
     h: [B, k, D] predicted features of the beam nodes; logp: [B, k, V] their children's log-probs.
@@ -80,6 +83,8 @@ def expand(beam: Beam, h, logp, k: int, max_depth: int) -> Beam:
     B, _, D = h.shape
     j = beam.step + 1
     child_lp, child_tok = jax.lax.top_k(logp, k)  # [B, k, k]
+    if tok_map is not None:
+        child_tok = jnp.take(tok_map, child_tok)
     cu = beam.score[:, :, None] + child_lp  # [B, k, k]
     cu = jnp.where(beam.active[:, None, None], cu, NEG)
     flat_cu = cu.reshape(B, k * k)

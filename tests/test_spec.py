@@ -76,6 +76,25 @@ def test_token_identical_batch1(setup, method, sync):
         check_identical(target, [ps[i]], [ref.tokens[i]], [r.tokens], f"B=1 {method}/{sync}")
 
 
+@pytest.mark.parametrize("method,sync", [("eagle2", "device"), ("ddd", "host")])
+def test_reduced_draft_vocabulary_is_lossless(setup, method, sync):
+    from ddd_jax.eagle import with_draft_vocab
+    target, draft, ps, ref = setup
+    # the draft may only propose the 48 tokens it sees most in the reference continuations
+    counts = np.bincount(np.concatenate([np.asarray(t, int) for t in ref.tokens]), minlength=96)
+    small = with_draft_vocab(draft, np.argsort(-counts, kind="stable")[:48])
+    tree = TreeConfig(top_k=4, total_tokens=12, depth=3)
+    res = generate(target, small, ps, max_new_tokens=32, method=method, sync=sync, tree=tree, ddd=SMALL_DDD)
+    check_identical(target, ps, ref.tokens, res.tokens, f"reduced vocab {method}/{sync}")
+    assert np.mean([s["mean_accepted"] for s in res.stats["per_sequence"]]) > 1.5
+    drafted = set(np.asarray(small.params["d2t"]).tolist())
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        generate(target, with_draft_vocab(draft, [1, 2]), ps[0], method="eagle2", tree=tree)
+    with pytest.raises(ValueError, match="distinct"):
+        with_draft_vocab(draft, [1, 1])
+    assert len(drafted) == 48
+
+
 def n_checks(depth, checks):
     return sum(1 for s in checks if s <= depth)
 
