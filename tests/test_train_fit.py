@@ -142,6 +142,10 @@ def test_export_load_forward_and_target_check(target, feats, tmp_path):
     f = jnp.asarray(feats.features[None, :16], jnp.float32)
     for a, b in zip(d.forward(tok, f), ref.forward(tok, f)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    from train_draft.train import init_head_params
+    warm = init_head_params(r["draft_config"], target, FitConfig(init=f"head:{tmp_path / 'head'}"))
+    for a, b in zip(jax.tree.leaves(warm), jax.tree.leaves(d.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="hidden_size"):
         eagle.load_draft_dir(tmp_path / "head", tiny_target(hidden=48))
     with pytest.raises(ValueError, match="vocab_size"):

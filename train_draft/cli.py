@@ -147,7 +147,8 @@ def add_parser(subparsers) -> None:
     f.add_argument("--w-cls", type=float, default=0.1, help="weight of the soft-label cross-entropy")
     f.add_argument("--noise", type=float, default=0.2, help="uniform feature noise width (EAGLE: 0.2)")
     f.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    f.add_argument("--init", choices=["random", "target-last-layer"], default="random")
+    f.add_argument("--init", default="random",
+                   help="random | target-last-layer | head:<dir> (warm start from an exported head)")
     f.add_argument("--ce-positions", type=int, default=0,
                    help="compute the vocab terms on this many random loss positions per row (0 = all; exact EAGLE)")
     f.add_argument("--seed", type=int, default=0)

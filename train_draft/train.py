@@ -66,7 +66,7 @@ class FitConfig:
     noise: float = 0.2
     dtype: str = "float32"  # compute dtype of the head forward ("bfloat16" option); master weights stay float32
     seed: int = 0
-    init: str = "random"  # or "target-last-layer"
+    init: str = "random"  # or "target-last-layer" or "head:<dir>" (warm start)
     ce_positions: int = 0  # >0: vocab terms (CE, top-1) from this many random loss positions per row (unbiased)
 
     def to_dict(self) -> dict:
@@ -295,16 +295,22 @@ def make_eval_step(dcfg: DraftConfig, cfg: FitConfig):
 # ---------------------------------------------------------------------------------------------- init / state
 
 def init_head_params(dcfg: DraftConfig, target, cfg: FitConfig) -> dict:
-    """Random head (EAGLE init) or, with init="target-last-layer", the target's last decoder layer (minus its input
-    norm) and an fc that passes the feature half through unchanged (embedding half random)."""
+    """Random head (EAGLE init); init="target-last-layer": the target's last decoder layer (minus its input norm)
+    and an fc that passes the feature half through unchanged (embedding half random); init="head:<dir>": warm
+    start from an exported head."""
     params = eagle.init_params(dcfg, jax.random.PRNGKey(cfg.seed), jnp.float32)
     if cfg.init == "target-last-layer":
         lp = target.params["layers"]
         params["layers"] = {k: jnp.asarray(lp[k][-1:], jnp.float32) for k in params["layers"]}
         D = dcfg.hidden_size
         params["fc_w"] = params["fc_w"].at[D:].set(jnp.eye(D, dtype=jnp.float32))
+    elif cfg.init.startswith("head:"):  # warm start from a head directory in our format
+        d = eagle.load_draft_dir(cfg.init[len("head:"):], target, dtype=jnp.float32)
+        if d.config != dcfg:
+            raise ValueError(f"init head {cfg.init!r} has config {d.config}, expected {dcfg}")
+        params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), d.params)
     elif cfg.init != "random":
-        raise ValueError(f"unknown init {cfg.init!r} (random | target-last-layer)")
+        raise ValueError(f"unknown init {cfg.init!r} (random | target-last-layer | head:<dir>)")
     return params
 
 
