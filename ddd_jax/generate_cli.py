@@ -27,22 +27,16 @@ def tree_and_ddd(args):
     import dataclasses
 
     from .config import DDDConfig, TreeConfig
-    base_tree, base_ddd, source = {}, {}, "defaults"
+    tree, ddd, source = TreeConfig(), DDDConfig(), "defaults"
     if getattr(args, "settings", "none") == "auto":
-        try:
-            from .settings import load_settings
-        except ImportError:
-            load_settings = None
-        s = load_settings() if load_settings else None
+        from .settings import load_settings, settings_path, to_configs
+        s = load_settings()
         if s:
-            base_tree, base_ddd, source = dict(s.get("tree", {})), dict(s.get("ddd", {})), s.get("source", "tuned")
-    tree = TreeConfig(**base_tree)
+            tree, ddd = to_configs(s)
+            source = f"tuned ({settings_path()})"
     over = {k: v for k, v in (("top_k", args.top_k), ("total_tokens", args.total_tokens), ("depth", args.depth))
             if v is not None}
     tree = dataclasses.replace(tree, **over) if over else tree
-    if "check_steps" in base_ddd:
-        base_ddd["check_steps"] = tuple(base_ddd["check_steps"])
-    ddd = DDDConfig(**base_ddd)
     over = {}
     if args.ddd_checks is not None:
         try:
