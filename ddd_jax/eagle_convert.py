@@ -17,19 +17,12 @@ import numpy as np
 from . import eagle
 from . import io as dio
 from .config import DraftConfig
-from .hf import Rule, checkpoint_sources, convert, flat_shapes, plan, resolve_dtype, source_dtype
+from .hf import Rule, checkpoint_sources, llama_layer_rules, convert, flat_shapes, plan, resolve_dtype, source_dtype
 
 EAGLE1_RULES = (
     Rule(r"fc\.weight", "fc_w", transpose=True),
     Rule(r"fc\.bias", "fc_b"),
-    Rule(r"layers\.(\d+)\.self_attn\.q_proj\.weight", "layers.wq", transpose=True),
-    Rule(r"layers\.(\d+)\.self_attn\.k_proj\.weight", "layers.wk", transpose=True),
-    Rule(r"layers\.(\d+)\.self_attn\.v_proj\.weight", "layers.wv", transpose=True),
-    Rule(r"layers\.(\d+)\.self_attn\.o_proj\.weight", "layers.wo", transpose=True),
-    Rule(r"layers\.(\d+)\.post_attention_layernorm\.weight", "layers.mlp_norm"),
-    Rule(r"layers\.(\d+)\.mlp\.gate_proj\.weight", "layers.w_gate", transpose=True),
-    Rule(r"layers\.(\d+)\.mlp\.up_proj\.weight", "layers.w_up", transpose=True),
-    Rule(r"layers\.(\d+)\.mlp\.down_proj\.weight", "layers.w_down", transpose=True),
+    *llama_layer_rules("", input_norm=False),  # EAGLE-1/2 layer 0 has no input_layernorm
 )
 EMBED_KEY = "embed_tokens.weight"
 EAGLE1_IGNORE = (r".*rotary_emb\.inv_freq", r"embed_tokens\.weight")  # embed: compared, then dropped

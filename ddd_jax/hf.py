@@ -40,18 +40,20 @@ class Rule:
     fn: str | None = None
 
 
+def llama_layer_rules(prefix: str, input_norm: bool = True) -> tuple:
+    """Rules for HF-named decoder layers `<prefix>layers.N.*` (shared by targets and EAGLE heads)."""
+    p = re.escape(prefix) + r"layers\.(\d+)\."
+    rules = [Rule(p + r"input_layernorm\.weight", "layers.attn_norm")] if input_norm else []
+    rules += [Rule(p + f"self_attn\\.{n}_proj\\.weight", f"layers.w{n}", transpose=True) for n in "qkvo"]
+    rules.append(Rule(p + r"post_attention_layernorm\.weight", "layers.mlp_norm"))
+    rules += [Rule(p + f"mlp\\.{n}_proj\\.weight", f"layers.w_{n}", transpose=True) for n in ("gate", "up", "down")]
+    return tuple(rules)
+
+
 # HF `LlamaForCausalLM` state-dict names -> `llama.param_shapes` keys.
 HF_LLAMA_RULES = (
     Rule(r"model\.embed_tokens\.weight", "embed"),
-    Rule(r"model\.layers\.(\d+)\.input_layernorm\.weight", "layers.attn_norm"),
-    Rule(r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight", "layers.wq", transpose=True),
-    Rule(r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight", "layers.wk", transpose=True),
-    Rule(r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight", "layers.wv", transpose=True),
-    Rule(r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", "layers.wo", transpose=True),
-    Rule(r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.mlp_norm"),
-    Rule(r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", "layers.w_gate", transpose=True),
-    Rule(r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", "layers.w_up", transpose=True),
-    Rule(r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "layers.w_down", transpose=True),
+    *llama_layer_rules("model."),
     Rule(r"model\.norm\.weight", "final_norm"),
     Rule(r"lm_head\.weight", "lm_head", transpose=True),
 )

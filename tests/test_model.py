@@ -41,20 +41,28 @@ def test_cached_decoding_equals_full_forward(params):
     assert np.asarray(cache.length).tolist() == [20, 20]
 
 
-def test_tree_masked_forward_equals_each_branch(params):
-    prefix = [5, 9, 13, 2, 77]
-    # tree: root r=40; children a=41 (slot1), b=42 (slot2); a's children c=43 (slot3), d=44 (slot4); b's child e=45
-    tokens = [40, 41, 42, 43, 44, 45]
-    parent = [0, 0, 0, 1, 1, 2]
-    n = len(tokens)
+# tree: root r=40; children a=41 (slot1), b=42 (slot2); a's children c=43 (slot3), d=44 (slot4); b's child e=45
+TREE_TOKENS = [40, 41, 42, 43, 44, 45]
+TREE_PARENT = [0, 0, 0, 1, 1, 2]
+
+
+def run_tree(params, prefix):
+    """Prefill `prefix`, then one tree-masked forward of TREE_TOKENS. Returns (output, ancestor matrix)."""
+    n = len(TREE_TOKENS)
     anc = np.eye(n, dtype=bool)
     for i in range(1, n):
-        anc[i] |= anc[parent[i]]
+        anc[i] |= anc[TREE_PARENT[i]]
     depth = anc.sum(1) - 1
     cache = llama.new_cache(CFG, 1, 32)
-    o = llama.forward(params, CFG, np.array([prefix]), np.arange(5)[None], cache)
-    L = len(prefix)
-    tree = llama.forward(params, CFG, np.array([tokens]), (L + depth)[None], o.cache, attn_mask=anc[None])
+    c = llama.forward(params, CFG, np.array([prefix]), np.arange(len(prefix))[None], cache).cache
+    out = llama.forward(params, CFG, np.array([TREE_TOKENS]), (len(prefix) + depth)[None], c, attn_mask=anc[None])
+    return out, anc
+
+
+def test_tree_masked_forward_equals_each_branch(params):
+    prefix = [5, 9, 13, 2, 77]
+    tree, anc = run_tree(params, prefix)
+    tokens, n = TREE_TOKENS, len(TREE_TOKENS)
     got = np.asarray(tree.logits[0])
     for i in range(n):
         branch = [tokens[j] for j in range(n) if anc[i, j]]  # ancestors in slot (= depth) order
@@ -64,17 +72,8 @@ def test_tree_masked_forward_equals_each_branch(params):
 
 def test_commit_keeps_the_accepted_path(params):
     prefix = [3, 1, 4, 1, 5]
-    tokens = [40, 41, 42, 43, 44, 45]
-    parent = [0, 0, 0, 1, 1, 2]
-    n = len(tokens)
-    anc = np.eye(n, dtype=bool)
-    for i in range(1, n):
-        anc[i] |= anc[parent[i]]
-    depth = anc.sum(1) - 1
-    cache = llama.new_cache(CFG, 1, 32)
-    c = llama.forward(params, CFG, np.array([prefix]), np.arange(5)[None], cache).cache
+    o, _ = run_tree(params, prefix)
     L = len(prefix)
-    o = llama.forward(params, CFG, np.array([tokens]), (L + depth)[None], c, attn_mask=anc[None])
     path = [0, 1, 4]  # root -> a -> d
     c2 = commit(o.cache, jnp.array([L]), jnp.array([path + [0, 0]]), jnp.array([3]))
     assert int(c2.length[0]) == L + 3
