@@ -104,6 +104,14 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_vocab(args) -> int:
+    from ddd_jax import load_target
+    from .vocab import apply_draft_vocab
+    summary = apply_draft_vocab(args.head, load_target(args.target), args.features, args.size, args.out)
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("train-draft", help="train an EAGLE draft head for a target model")
     sub = p.add_subparsers(dest="train_command", required=True)
@@ -177,3 +185,11 @@ def add_parser(subparsers) -> None:
     pl.add_argument("--metrics", default=None)
     pl.add_argument("--out", default=None)
     pl.set_defaults(func=cmd_plot)
+
+    v = sub.add_parser("draft-vocab", help="give a head a reduced draft vocabulary (most frequent training tokens)")
+    v.add_argument("--target", required=True)
+    v.add_argument("--head", required=True, help="head directory (our format); rewritten atomically unless --out")
+    v.add_argument("--features", required=True, help="the feature directory the head was trained on")
+    v.add_argument("--size", type=int, default=8192, help="draft vocabulary size (default %(default)s)")
+    v.add_argument("--out", default=None)
+    v.set_defaults(func=cmd_vocab)
