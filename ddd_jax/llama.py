@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from . import layers as L
-from .cache import KVCache, init_cache, write
+from .cache import KVCache, init_cache
 from .config import ModelConfig
 
 
@@ -91,37 +91,36 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
     eps = cfg.rms_norm_eps
     n_layers = lp["wq"].shape[0]
 
-    def layer(x, p, kc, vc):
+    def qkv(x, p):
         h = L.rms_norm(x, p["attn_norm"], eps) if "attn_norm" in p else x
         q = (h @ p["wq"]).reshape(B, T, N, H)
         k = (h @ p["wk"]).reshape(B, T, K, H)
         v = (h @ p["wv"]).reshape(B, T, K, H)
-        q = L.apply_rope(q, positions, inv)
-        k = L.apply_rope(k, positions, inv)
-        if kc is not None:
-            kc = write(kc, k, cache.length)
-            vc = write(vc, v, cache.length)
-            a = L.attention(q, kc, vc, kv_mask)
-        else:
-            a = L.attention(q, k, v, kv_mask)
+        return L.apply_rope(q, positions, inv), L.apply_rope(k, positions, inv), v
+
+    def rest(x, p, a):
         x = x + a @ p["wo"]
         h = L.rms_norm(x, p["mlp_norm"], eps)
-        x = x + L.mlp(h, p["w_gate"], p["w_up"], p["w_down"])
-        return x, kc, vc
+        return x + L.mlp(h, p["w_gate"], p["w_up"], p["w_down"])
 
     if cache is None:
         def body(x, p):
-            x, _, _ = layer(x, p, None, None)
-            return x, None
+            q, k, v = qkv(x, p)
+            return rest(x, p, L.attention(q, k, v, kv_mask)), None
         x, _ = jax.lax.scan(body, x, lp)
         return x, None
+
+    b_idx = jnp.arange(B)[:, None]
+    dst = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T] slots of the new tokens
 
     def body(carry, xs):
         x, kall, vall = carry
         p, i = xs
-        x, kc, vc = layer(x, p, kall[i], vall[i])
-        kall = jax.lax.dynamic_update_index_in_dim(kall, kc, i, 0)
-        vall = jax.lax.dynamic_update_index_in_dim(vall, vc, i, 0)
+        q, k, v = qkv(x, p)
+        # scatter straight into the carried [L, B, S, K, H] buffers (in place), then attend over layer i
+        kall = kall.at[i, b_idx, dst].set(k.astype(kall.dtype), mode="drop")
+        vall = vall.at[i, b_idx, dst].set(v.astype(vall.dtype), mode="drop")
+        x = rest(x, p, L.attention(q, kall[i], vall[i], kv_mask))
         return (x, kall, vall), None
 
     (x, kall, vall), _ = jax.lax.scan(body, (x, cache.k, cache.v), (lp, jnp.arange(n_layers)))
