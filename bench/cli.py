@@ -69,6 +69,9 @@ def add_parser(subparsers) -> None:
                    help="write with '=': --sweep-thresholds=-0.3,-1 (default -0.1,-0.3,-0.6,-1,-2)")
     b.add_argument("--sweep-checks", default=None,
                    help="';'-separated check-step sets, e.g. '3/5/7;5/7/9' (default: the DDD checks, and shifted by -2)")
+    b.add_argument("--acceptance-only", action="store_true",
+                   help="only tau / depth / identity for eagle2 and ddd, decoded in batches (no timing)")
+    b.add_argument("--batch-size", type=int, default=8, help="batch size for --acceptance-only")
     b.add_argument("--cost-curve", action="store_true",
                    help="only measure target forward time vs tokens verified (1..64) and draft step time")
     b.add_argument("--cost-sizes", type=_ints, default=(1, 2, 4, 8, 16, 32, 64))
@@ -161,6 +164,26 @@ def sweep_methods(tree, ddd, thresholds, checks_text: str | None) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------- commands
+def run_acceptance(args, tree, ddd, source, out) -> int:
+    """--acceptance-only: τ / depth / identity for eagle2 and ddd (device) over the prompts, batched, untimed."""
+    import json
+
+    from . import report
+    from .acceptance import measure_acceptance
+    from .run import build_prompt, normalize_prompts
+    target, draft, draft_name = load_models(args)
+    prompts = [build_prompt(target, p, 0, []) for p in normalize_prompts(load_prompts(args))]
+    res = measure_acceptance(target, draft, prompts, tree=tree, ddd=ddd, max_new_tokens=args.max_new_tokens,
+                             batch_size=args.batch_size, progress=not args.no_progress)
+    summary = {m: {k: v for k, v in r.items() if k != "per_prompt"} for m, r in res.items()}
+    report.write_json({"draft": draft_name, "tree": tree.__dict__, "ddd": ddd.__dict__, "settings_source": source,
+                       "max_new_tokens": args.max_new_tokens, "results": res}, out / "acceptance.json")
+    print(f"acceptance on {len(prompts)} prompts, {args.max_new_tokens} new tokens, tree {tree}, ddd {ddd}:")
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {out}/acceptance.json")
+    return 0 if all(r["identical"] == r["prompts"] for r in res.values()) else 1
+
+
 def run_bench(args) -> int:
     from . import plots, report
     from .run import DEFAULT_METHODS, run_benchmark, split_methods
@@ -180,6 +203,8 @@ def run_bench(args) -> int:
         print(f"\nwrote {out}/cost_curve.json and cost_curve.png")
         return 0
     tree, ddd, source = resolve_configs(args)
+    if args.acceptance_only:
+        return run_acceptance(args, tree, ddd, source, out)
     methods = split_methods(args.methods) if args.methods else list(DEFAULT_METHODS)
     if args.sweep:
         methods += [m for m in sweep_methods(tree, ddd, args.sweep_thresholds, args.sweep_checks) if m not in methods]
