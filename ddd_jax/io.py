@@ -80,6 +80,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -96,6 +97,7 @@ def save_safetensors(params: dict, path: str | os.PathLike, metadata: dict | Non
     os.close(fd)
     try:
         save_file(flat, tmp, metadata={k: str(v) for k, v in (metadata or {}).items()})
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
