@@ -173,7 +173,10 @@ def run_acceptance(args, tree, ddd, source, out) -> int:
     from .run import build_prompt, normalize_prompts
     target, draft, draft_name = load_models(args)
     prompts = [build_prompt(target, p, 0, []) for p in normalize_prompts(load_prompts(args))]
-    res = measure_acceptance(target, draft, prompts, tree=tree, ddd=ddd, max_new_tokens=args.max_new_tokens,
+    methods = tuple(m.strip() for m in args.methods.split(",")) if args.methods else ("eagle2", "ddd")
+    if not set(methods) <= {"eagle2", "ddd"}:
+        raise ValueError(f"--acceptance-only takes --methods eagle2 and/or ddd, got {args.methods!r}")
+    res = measure_acceptance(target, draft, prompts, methods, tree=tree, ddd=ddd, max_new_tokens=args.max_new_tokens,
                              batch_size=args.batch_size, progress=not args.no_progress)
     summary = {m: {k: v for k, v in r.items() if k != "per_prompt"} for m, r in res.items()}
     report.write_json({"draft": draft_name, "tree": tree.__dict__, "ddd": ddd.__dict__, "settings_source": source,
