@@ -73,36 +73,35 @@ def atomic_dir(final: str | os.PathLike):
         raise
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike):
+    """Yield a temp file path next to `path`; on success it is made readable (0644) and renamed onto `path`,
+    on error it is removed, so `path` is never half-written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        yield tmp
         os.chmod(tmp, 0o644)  # mkstemp makes 0600
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_file(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
 
 
 def save_safetensors(params: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
     """Write nested params as flat safetensors (keys joined with '.'); atomic."""
     from safetensors.numpy import save_file
-    path = Path(path)
     flat = {k: np.ascontiguousarray(np.asarray(v)) for k, v in flatten(params).items()}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_file(path) as tmp:
         save_file(flat, tmp, metadata={k: str(v) for k, v in (metadata or {}).items()})
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def load_safetensors(path: str | os.PathLike) -> dict:
