@@ -11,6 +11,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ddd_jax import DDDConfig, TreeConfig, generate
+from ddd_jax.generate import cache_capacity, make_plan
 
 
 def measure_acceptance(target, draft, prompt_ids: list, methods=("eagle2", "ddd"), *, tree: TreeConfig,
@@ -18,8 +19,10 @@ def measure_acceptance(target, draft, prompt_ids: list, methods=("eagle2", "ddd"
     """{method: {"tau", "mean_depth", "depth_hist", "target_calls", "new_tokens", "identical", "per_prompt"}}."""
     # one cache size for every batch: one compile per method
     longest = max(len(p) for p in prompt_ids)
-    slack = tree.total_tokens + ddd.max_depth * (tree.top_k + 1) + 64
-    capacity = -(-(longest + max_new_tokens + slack) // 256) * 256
+    capacity = max(cache_capacity(longest, make_plan(target, draft if m != "vanilla" else None, method=m,
+                                                     sync="device", tree=tree, ddd=ddd, temperature=0.0, top_p=1.0,
+                                                     max_new_tokens=max_new_tokens))
+                   for m in ("vanilla", *methods))
     batches = [prompt_ids[i:i + batch_size] for i in range(0, len(prompt_ids), batch_size)]
     out = {m: {"per_prompt": []} for m in methods}
     bar = tqdm(total=len(batches) * (len(methods) + 1), desc="acceptance", disable=not progress)

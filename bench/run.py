@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import ddd_jax
-from ddd_jax.config import DDDConfig, TreeConfig
-from ddd_jax.generate import bucket_length, make_plan
+from ddd_jax.config import DDDConfig, TreeConfig, check_tree_for_ddd
+from ddd_jax.generate import bucket_length, cache_capacity, make_plan
 
 # name -> (method, sync, loop). loop None = generate's default for that sync.
 BASE_METHODS = {
@@ -128,9 +128,11 @@ def parse_method(text: str, tree: TreeConfig | None = None, ddd: DDDConfig | Non
         raise ValueError(f"method {text!r}: S/x/n are DDD settings; eagle2 takes k, N, d")
     tree = replace(tree, **tkw) if tkw else tree
     ddd = replace(ddd, **dkw) if dkw else ddd
-    if method == "ddd" and tree.total_tokens - 1 > tree.pool_size(ddd.check_steps[0]):
-        raise ValueError(f"method {text!r}: total_tokens={tree.total_tokens} exceeds the candidate pool at the "
-                         f"first check step {ddd.check_steps[0]} ({tree.pool_size(ddd.check_steps[0])} + root)")
+    if method == "ddd":
+        try:
+            check_tree_for_ddd(tree, ddd)
+        except ValueError as e:
+            raise ValueError(f"method {text!r}: {e}") from None
     return MethodSpec(label=re.sub(r"\s+", "", text), base=base, method=method, sync=sync, loop=loop, tree=tree,
                       ddd=ddd)
 
@@ -215,20 +217,13 @@ def _length_bound(target, prompt: dict, turn: int, max_new: int, chat: bool) -> 
     return len(skeleton) + turn * (max_new + 16)
 
 
-def _slack(spec: MethodSpec, target, draft, max_new: int, temperature: float, top_p: float) -> int:
-    """Cache slots past prompt + max_new that generate reserves (mirrors generate._prepare_prompts)."""
-    plan = make_plan(target, draft, method=spec.method, sync=spec.sync if spec.method == "ddd" else "device",
-                     tree=spec.tree, ddd=spec.ddd, temperature=temperature, top_p=top_p, max_new_tokens=max_new)
-    return plan.n_tree + plan.M + plan.scratch + 8 if plan.method != "vanilla" else plan.M + 8
-
-
 def required_capacity(target, draft, specs, prompt_lengths, max_new_tokens: int, temperature: float = 0.0,
                       top_p: float = 1.0) -> int:
     """One KV-cache capacity that fits every (spec, prompt): all runs then share one decode-loop compile."""
-    slack = max(_slack(s, target, draft, max_new_tokens, temperature, top_p) for s in specs)
     P = max(prompt_lengths)
-    need = max(bucket_length(P), P + max_new_tokens + slack)
-    return -(-need // 256) * 256
+    return max(cache_capacity(P, make_plan(target, draft, method=s.method, sync=s.sync, tree=s.tree, ddd=s.ddd,
+                                           temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens))
+               for s in specs)
 
 
 # ----------------------------------------------------------------------------------------------- environment

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import jax
 
-from ddd_jax.config import DDDConfig, TreeConfig
+from ddd_jax.config import DDDConfig, TreeConfig, check_tree_for_ddd
 from ddd_jax.settings import save_settings
 
 from .run import MethodSpec, environment, method_label, normalize_prompts, parse_method, required_capacity, run_benchmark, \
@@ -95,9 +95,10 @@ def _valid_ddd(tree: TreeConfig, check_steps, threshold, max_depth) -> DDDConfig
         return None
     try:
         d = DDDConfig(check_steps=check_steps, threshold=threshold, max_depth=max_depth)
+        check_tree_for_ddd(tree, d)
     except ValueError:
         return None
-    return d if tree.total_tokens - 1 <= tree.pool_size(d.check_steps[0]) else None
+    return d
 
 
 def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_tokens: int = 64, repeat: int = 1,

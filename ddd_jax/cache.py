@@ -29,17 +29,6 @@ def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, he
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=jnp.zeros((batch,), jnp.int32))
 
 
-def write(layer_cache, new, pos):
-    """Write new entries [B, T, K, H] into one layer's cache [B, S, K, H] at per-sequence slot pos[B].
-
-    A scatter (not a vmapped dynamic_update_slice, which XLA lowers to a copy of the whole buffer): in place
-    when the cache is donated or carried by a loop. Slots past the capacity are dropped; callers size caches so
-    that never happens (`generate` checks it on the host)."""
-    B, T = new.shape[:2]
-    dst = jnp.asarray(pos, jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
-    return layer_cache.at[jnp.arange(B)[:, None], dst].set(new.astype(layer_cache.dtype), mode="drop")
-
-
 def commit(cache: KVCache, start, accepted_slots, n) -> KVCache:
     """Move the KV entries of an accepted tree path to contiguous slots.
 

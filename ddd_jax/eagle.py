@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
@@ -27,7 +27,8 @@ import numpy as np
 from . import io as dio
 from .cache import KVCache, init_cache
 from .config import DraftConfig, ModelConfig
-from .llama import causal_mask, decoder_stack, layer_shapes, lm_head
+from .layers import causal_mask
+from .llama import decoder_stack, layer_shapes, lm_head, output_embedding
 
 FORMAT = "ddd-jax-eagle-head"
 FORMAT_VERSION = 1
@@ -83,30 +84,12 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions,
 def draft_logits(dparams, tparams, tcfg: ModelConfig, h):
     """Draft log-probs over the draft vocabulary: [..., V] (full) or [..., V'] when the head has `d2t`
     (then `dparams["lm_sub"]` [V', D] holds the target's output embedding rows of those tokens; see
-    `runtime_params`). Renormalised over the draft vocabulary."""
+    `Draft.decode_params`). Renormalised over the draft vocabulary."""
     if "lm_sub" in dparams:
         logits = jnp.einsum("...d,vd->...v", h, dparams["lm_sub"], preferred_element_type=jnp.float32)
     else:
-        squeeze = h.ndim == 2
-        hh = h[:, None] if squeeze else h
-        logits = lm_head(tparams, tcfg, hh)
-        logits = logits[:, 0] if squeeze else logits
+        logits = lm_head(tparams, tcfg, h)
     return jax.nn.log_softmax(logits, axis=-1)
-
-
-def runtime_params(draft: "Draft") -> dict:
-    """Params as the decode loops use them: for a reduced draft vocabulary, add `lm_sub` (the target's
-    output-embedding rows of the draft tokens; derived, never saved)."""
-    if "d2t" not in draft.params:
-        return draft.params
-    cached = getattr(draft, "_runtime", None)
-    if cached is not None and cached[0] is draft.params:
-        return cached[1]
-    tp, tcfg = draft.target.params, draft.target.config
-    w = tp["embed"] if tcfg.tie_word_embeddings else tp["lm_head"].T  # [V, D]
-    out = {**draft.params, "lm_sub": jnp.take(w, draft.params["d2t"], axis=0)}
-    draft._runtime = (draft.params, out)
-    return out
 
 
 def with_draft_vocab(draft: "Draft", token_ids) -> "Draft":
@@ -130,12 +113,21 @@ class Draft:
     """A draft head bound to its target (whose embed/lm_head it shares)."""
 
     config: DraftConfig
-    params: dict
+    params: dict  # see the module docstring; `d2t` [V'] int32 when drafting over a reduced vocabulary
     target: object  # ddd_jax Target (has .config and .params)
+    # [V', D] the target's output-embedding rows of the draft vocabulary (derived from d2t once; never saved)
+    lm_sub: jax.Array | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self):
         self.config.check_target(self.target.config)
         dio.check_shapes(self.params, param_shapes(self.config), "draft head")
+        if "d2t" in self.params:
+            w = output_embedding(self.target.params, self.target.config)
+            self.lm_sub = jnp.take(w, self.params["d2t"], axis=0)
+
+    def decode_params(self) -> dict:
+        """Params as the decode loops use them: the head's params, plus `lm_sub` for a reduced draft vocabulary."""
+        return self.params if self.lm_sub is None else {**self.params, "lm_sub": self.lm_sub}
 
     def forward(self, tokens, features):
         """Causal, cache-free run over aligned pairs: tokens[:, j] is the token at position j+1 and
@@ -159,7 +151,7 @@ def _forward_impl(dparams, dcfg, tparams, tcfg, tokens, features):
     return h, lm_head(tparams, tcfg, h)
 
 
-_forward_jit = jax.jit(_forward_impl, static_argnums=(1, 3))
+_forward_jit = jax.jit(_forward_impl, static_argnames=("dcfg", "tcfg"))
 
 
 def init_draft(target, seed: int = 0, dtype=jnp.float32, **config_overrides) -> Draft:
@@ -170,7 +162,7 @@ def init_draft(target, seed: int = 0, dtype=jnp.float32, **config_overrides) -> 
 
 def save_draft(draft: Draft, path, dtype=None, extra: dict | None = None) -> None:
     """Write our head format (config.json + model.safetensors) atomically: a directory that either exists whole or not at all."""
-    params = {k: v for k, v in draft.params.items() if k != "lm_sub"}
+    params = dict(draft.params)
     if dtype is not None:
         params = {k: jax.tree.map(lambda x: np.asarray(x).astype(np.int32 if k == "d2t" else dtype), v)
                   for k, v in params.items()}

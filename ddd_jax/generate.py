@@ -1,16 +1,19 @@
 """Generation: prefill, vanilla decoding (the baseline), and the speculative cycle (draft -> verify -> commit).
 
+The draft phase -- how deep to draft and every DDD stop decision -- lives in `ddd_jax.drafting`; this module
+asks it for a beam, verifies the tree in one target forward and commits what was accepted.
+
 Loops:
 * vanilla: one jitted `lax.while_loop` over tokens (``loop="device"``) or a Python loop (``loop="host"``,
   streaming).
 * speculative ``method="eagle2"`` / ``"ddd"`` with ``sync="device"`` or ``"callback"``: by default the whole
   generation is one jitted `lax.while_loop` over cycles; ``loop="host"`` runs one fused jitted cycle per
   Python iteration (one sync per cycle to read the done flag).
-* ``sync="host"``: Python loop over cycles; each draft phase is a first jitted segment (prefix + steps up to
-  the first check) followed, per check, by a host read of the confidence and possibly another segment.
+* ``sync="host"`` (and ``profile=True``): a Python loop over cycles whose phases are separate jitted calls;
+  drafting is `drafting.draft_from_host` (for sync="host": a segment per check and a host read at each).
 
-``profile=True`` runs each phase as its own jitted call and blocks after it to split wall time into
-draft / verify / commit (same tokens; the blocking adds time, so use it for the split, not for speed).
+``profile=True`` blocks after each phase to split wall time into draft / verify / commit (same tokens; the
+blocking adds time, so use it for the split, not for speed).
 
 Every sync counted in ``stats["host_syncs"]`` happens during decoding; the final transfer of results is not
 counted. ``draft_syncs`` counts those inside draft phases (one per DDD check executed in host and callback
@@ -18,20 +21,21 @@ modes; 0 in device mode and for EAGLE-2).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import llama
+from . import drafting, llama
 from .cache import KVCache, commit, with_length
-from .config import DDDConfig, DraftConfig, ModelConfig, TreeConfig
-from .depth import SyncCounter, draft_prefix, run_steps, set_callback_context, threshold_policy
-from .eagle import head_forward, new_cache as new_draft_cache, runtime_params
-from .tree import Beam, build_tree, confidence, first_beam
+from .config import DDDConfig, DraftConfig, ModelConfig, TreeConfig, check_tree_for_ddd
+from .drafting import SyncCounter, threshold_policy
+from .tree import build_tree
 from .verify import accept_greedy, accept_sample, process_logits
 
 METHODS = ("vanilla", "eagle2", "ddd")
@@ -45,17 +49,17 @@ class Plan:
 
     tcfg: ModelConfig
     dcfg: DraftConfig | None
-    method: str
-    sync: str
+    method: str  # "vanilla" | "eagle2" | "ddd"
+    sync: str  # DDD's stop decision: "host" | "callback" | "device" ("device" for eagle2 / vanilla)
     top_k: int
-    n_tree: int
+    total_tokens: int  # verified tokens per cycle: root + total_tokens - 1 drafted nodes
     max_depth: int  # maximum draft steps (EAGLE-2: tree.depth; DDD: ddd.max_depth)
-    first_end: int  # steps run before the first host check (host mode)
-    check_steps: tuple
+    check_steps: tuple  # DDD check steps (empty for EAGLE-2)
     temperature: float
     top_p: float
-    max_new: int
+    max_new_tokens: int
     eos: tuple
+    policy: Callable | None = None  # DDD host policy (sync "host" / "callback"): see `drafting.Policy`
 
     @property
     def M(self) -> int:  # longest accepted path incl. root (= most tokens one cycle emits)
@@ -66,10 +70,8 @@ class Plan:
         return self.max_depth * self.top_k
 
     @property
-    def device_mode(self) -> str:
-        if self.method == "eagle2":
-            return "none"
-        return {"device": "device", "callback": "callback", "host": "none"}[self.sync]
+    def host_checks(self) -> bool:  # DDD decisions taken by the host between jitted segments
+        return self.method == "ddd" and self.sync == "host"
 
 
 @jax.tree_util.register_dataclass
@@ -81,13 +83,14 @@ class State:
     pend_tok: jax.Array  # [B, M] int32 draft pairs to commit next cycle: token at position p+1 ...
     pend_feat: jax.Array  # [B, M, D] ... and the target feature at position p
     pend_n: jax.Array  # [B] int32
-    out: jax.Array  # [B, max_new + M] int32 emitted tokens
+    out: jax.Array  # [B, max_new_tokens + M] int32 emitted tokens
     out_len: jax.Array  # [B] int32
     done: jax.Array  # [B] bool
     key: jax.Array  # PRNG key
     cycle: jax.Array  # [] int32 target calls after the prefill
     acc_hist: jax.Array  # [C, B] int32 tokens emitted per target call
     depth_hist: jax.Array  # [C, B] int32 draft steps per cycle
+    checks: jax.Array  # [] int32 DDD checks executed inside jitted draft loops
 
 
 @dataclass
@@ -104,6 +107,20 @@ def bucket_length(n: int) -> int:
     return -(-n // 2048) * 2048
 
 
+def cache_slack(plan: Plan) -> int:
+    """Cache slots a decode needs past prompt + max_new_tokens: one cycle's tree, its accepted path and the
+    draft scratch (speculative), or one path (vanilla), plus a little margin."""
+    if plan.method == "vanilla":
+        return plan.M + 8
+    return plan.total_tokens + plan.M + plan.scratch + 8
+
+
+def cache_capacity(prompt_len: int, plan: Plan) -> int:
+    """The smallest KV-cache capacity (a multiple of 256) for a prompt of `prompt_len` tokens under `plan`."""
+    need = max(bucket_length(prompt_len), prompt_len + plan.max_new_tokens + cache_slack(plan))
+    return -(-need // 256) * 256
+
+
 def _choose(logits, key, temperature: float, top_p: float):
     if temperature <= 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -111,7 +128,7 @@ def _choose(logits, key, temperature: float, top_p: float):
 
 
 def _emit(plan: Plan, state_out, out_len, done, emitted, n):
-    """Append n[b] of emitted[b] to the output, cut at EOS (kept) and at max_new. Returns (out, out_len, done, kept)."""
+    """Append n[b] of emitted[b] to the output, cut at EOS (kept) and at max_new_tokens. Returns (out, out_len, done, kept)."""
     B, M = emitted.shape
     live = ~done
     i = jnp.arange(M)[None]
@@ -120,13 +137,13 @@ def _emit(plan: Plan, state_out, out_len, done, emitted, n):
     has_eos = jnp.any(is_eos, axis=1)
     first = jnp.argmax(is_eos, axis=1)
     keep = jnp.where(has_eos, jnp.minimum(n, first + 1), n)
-    keep = jnp.minimum(keep, plan.max_new - out_len)
+    keep = jnp.minimum(keep, plan.max_new_tokens - out_len)
     keep = jnp.where(live, keep, 0)
     out = jax.vmap(lambda o, e, p: jax.lax.dynamic_update_slice(o, e, (p,)))(state_out, emitted, out_len)
     out = jnp.where(live[:, None], out, state_out)
     new_len = out_len + keep
     hit_eos = has_eos & (first < keep)
-    new_done = done | (live & (hit_eos | (new_len >= plan.max_new)))
+    new_done = done | (live & (hit_eos | (new_len >= plan.max_new_tokens)))
     return out, new_len, new_done, keep
 
 
@@ -144,26 +161,21 @@ def _prefill(tparams, dparams, plan: Plan, tokens, plen, key, *, capacity: int) 
     D = plan.tcfg.hidden_size
     feat_last = jnp.take_along_axis(out.hidden, (plen - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
     dcache = None
-    if plan.dcfg is not None:
-        # pairs (x_{i+1}, f_i) for i < plen-1 enter the draft prefix now; the last pair (first, f_{plen-1})
-        # is pending and is processed by the first cycle's step 0.
-        shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
-        dcache = new_draft_cache(plan.dcfg, B, capacity, tparams["embed"].dtype)
-        _, dcache = head_forward(dparams, plan.dcfg, tparams["embed"], shifted, out.hidden, pos, dcache,
-                                 llama.tree_kv_mask(dcache.length, capacity, llama.causal_mask(B, T)))
-        dcache = with_length(dcache, plen - 1)
-    C = plan.max_new
+    if plan.dcfg is not None:  # the last pair (first, f_{plen-1}) stays pending for the first cycle's step 0
+        dcache = drafting.fill_prefix(dparams, plan, tparams, tokens, out.hidden, pos, plen, capacity)
+    C = plan.max_new_tokens
     state = State(
         tcache=tcache, dcache=dcache, root=first,
         pend_tok=jnp.zeros((B, M), jnp.int32).at[:, 0].set(first),
         pend_feat=jnp.zeros((B, M, D), out.hidden.dtype).at[:, 0].set(feat_last),
         pend_n=jnp.ones((B,), jnp.int32),
-        out=jnp.zeros((B, plan.max_new + M), jnp.int32), out_len=jnp.zeros((B,), jnp.int32),
+        out=jnp.zeros((B, plan.max_new_tokens + M), jnp.int32), out_len=jnp.zeros((B,), jnp.int32),
         done=jnp.zeros((B,), bool), key=key, cycle=jnp.zeros((), jnp.int32),
-        acc_hist=jnp.zeros((C, B), jnp.int32), depth_hist=jnp.zeros((C, B), jnp.int32))
+        acc_hist=jnp.zeros((C, B), jnp.int32), depth_hist=jnp.zeros((C, B), jnp.int32),
+        checks=jnp.zeros((), jnp.int32))
     out_buf, out_len, done, _ = _emit(plan, state.out, state.out_len, state.done, first[:, None].repeat(M, 1),
                                       jnp.ones((B,), jnp.int32))
-    return State(**{**state.__dict__, "out": out_buf, "out_len": out_len, "done": done})
+    return dataclasses.replace(state, out=out_buf, out_len=out_len, done=done)
 
 
 # ----------------------------------------------------------------------------------------------- vanilla
@@ -177,41 +189,26 @@ def _vanilla_step(tparams, plan: Plan, s: State) -> State:
     M = plan.M
     out, out_len, done, keep = _emit(plan, s.out, s.out_len, s.done, nxt[:, None].repeat(M, 1), jnp.ones((B,), jnp.int32))
     tcache = with_length(o.cache, jnp.where(live, L + 1, L))
-    return State(tcache=tcache, dcache=s.dcache, root=jnp.where(live, nxt, s.root), pend_tok=s.pend_tok,
-                 pend_feat=s.pend_feat, pend_n=s.pend_n, out=out, out_len=out_len, done=done, key=key,
-                 cycle=s.cycle + 1, acc_hist=s.acc_hist.at[s.cycle].set(keep),
-                 depth_hist=s.depth_hist)
+    return dataclasses.replace(s, tcache=tcache, root=jnp.where(live, nxt, s.root), out=out, out_len=out_len,
+                               done=done, key=key, cycle=s.cycle + 1, acc_hist=s.acc_hist.at[s.cycle].set(keep))
 
 
-_vanilla_step_jit = jax.jit(_vanilla_step, static_argnums=(1,), donate_argnums=(2,))
+_vanilla_step_jit = jax.jit(_vanilla_step, static_argnames=("plan",), donate_argnames=("s",))
 
 
-@partial(jax.jit, static_argnums=(1,), donate_argnums=(2,))
+def _unfinished(plan: Plan, s: State):
+    return ~jnp.all(s.done) & (s.cycle < plan.max_new_tokens)
+
+
+@partial(jax.jit, static_argnames=("plan",), donate_argnames=("s",))
 def _vanilla_loop(tparams, plan: Plan, s: State) -> State:
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (s.cycle < plan.max_new),
-                              lambda s: _vanilla_step(tparams, plan, s), s)
+    return jax.lax.while_loop(partial(_unfinished, plan), lambda s: _vanilla_step(tparams, plan, s), s)
 
 
 # ----------------------------------------------------------------------------------------------- speculative
-def _draft_begin(tparams, dparams, plan: Plan, s: State, end_step, threshold):
-    """Step 0 + first beam + steps up to end_step (with in-loop checks for device/callback modes)."""
-    dcache, h0, logp0 = draft_prefix(dparams, plan.dcfg, tparams, plan.tcfg, s.dcache, s.pend_tok, s.pend_feat,
-                                     s.pend_n)
-    base = dcache.length
-    beam = first_beam(logp0, h0, plan.top_k, plan.max_depth, dparams.get("d2t"))
-    dcache, beam = run_steps(dparams, plan.dcfg, tparams, plan.tcfg, dcache, base, beam, end_step,
-                             k=plan.top_k, max_depth=plan.max_depth, mode=plan.device_mode,
-                             check_steps=plan.check_steps, threshold=threshold)
-    return dcache, base, beam
-
-
-def _draft_segment(tparams, dparams, plan: Plan, dcache, base, beam: Beam, end_step):
-    return run_steps(dparams, plan.dcfg, tparams, plan.tcfg, dcache, base, beam, end_step,
-                     k=plan.top_k, max_depth=plan.max_depth, mode="none")
-
-
-def _verify(tparams, plan: Plan, s: State, beam: Beam):
-    tree = build_tree(s.root, beam, plan.n_tree)
+def _verify(tparams, plan: Plan, s: State, d: drafting.Draft):
+    """One target forward over the tree built from the draft's pool; greedy or lossless-sampling acceptance."""
+    tree = build_tree(s.root, d.beam, plan.total_tokens)
     L = s.tcache.length
     o = llama.forward(tparams, plan.tcfg, tree.tokens, L[:, None] + tree.depth, s.tcache, attn_mask=tree.anc)
     if plan.temperature <= 0.0:
@@ -223,45 +220,45 @@ def _verify(tparams, plan: Plan, s: State, beam: Beam):
     return o.cache, o.hidden, acc, key
 
 
-def _commit(plan: Plan, s: State, tcache_new, hidden, acc, key, dcache, base, beam: Beam) -> State:
+def _commit(plan: Plan, s: State, tcache_new, hidden, acc, key, d: drafting.Draft) -> State:
+    """Keep the accepted path's KV, emit its tokens, and queue its (token, feature) pairs for the next step 0."""
     live = ~s.done
     L = s.tcache.length
     tcache = commit(tcache_new, L, acc.path, acc.n)
     tcache = with_length(tcache, jnp.where(live, tcache.length, L))
-    dcache = with_length(dcache, jnp.where(live, base, s.dcache.length))
+    dcache = with_length(d.dcache, jnp.where(live, d.base, s.dcache.length))
     out, out_len, done, keep = _emit(plan, s.out, s.out_len, s.done, acc.emitted, acc.n)
     feat = jnp.take_along_axis(hidden, acc.path[:, :, None], axis=1)  # [B, M, D]
     root = jnp.take_along_axis(acc.emitted, (acc.n - 1)[:, None], axis=1)[:, 0]
-    pick = lambda new, old: jnp.where(live.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
-    return State(tcache=tcache, dcache=dcache, root=pick(root, s.root), pend_tok=pick(acc.emitted, s.pend_tok),
-                 pend_feat=pick(feat.astype(s.pend_feat.dtype), s.pend_feat), pend_n=pick(acc.n, s.pend_n),
-                 out=out, out_len=out_len, done=done, key=key, cycle=s.cycle + 1,
-                 acc_hist=s.acc_hist.at[s.cycle].set(keep),
-                 depth_hist=s.depth_hist.at[s.cycle].set(jnp.where(live, beam.depth, 0)))
+    pick = lambda new, old: jnp.where(live.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
+    return dataclasses.replace(
+        s, tcache=tcache, dcache=dcache, root=pick(root, s.root), pend_tok=pick(acc.emitted, s.pend_tok),
+        pend_feat=pick(feat.astype(s.pend_feat.dtype), s.pend_feat), pend_n=pick(acc.n, s.pend_n),
+        out=out, out_len=out_len, done=done, key=key, cycle=s.cycle + 1, acc_hist=s.acc_hist.at[s.cycle].set(keep),
+        depth_hist=s.depth_hist.at[s.cycle].set(jnp.where(live, d.beam.depth, 0)), checks=s.checks + d.checks)
 
 
 def _cycle(tparams, dparams, plan: Plan, s: State, threshold) -> State:
-    dcache, base, beam = _draft_begin(tparams, dparams, plan, s, plan.max_depth, threshold)
-    tcache_new, hidden, acc, key = _verify(tparams, plan, s, beam)
-    return _commit(plan, s, tcache_new, hidden, acc, key, dcache, base, beam)
+    d = drafting.draft_in_program(tparams, dparams, plan, s.dcache, s.pend_tok, s.pend_feat, s.pend_n, threshold)
+    tcache_new, hidden, acc, key = _verify(tparams, plan, s, d)
+    return _commit(plan, s, tcache_new, hidden, acc, key, d)
 
 
-_cycle_jit = jax.jit(_cycle, static_argnums=(2,), donate_argnums=(3,))
-_draft_begin_jit = jax.jit(_draft_begin, static_argnums=(2,))
-_draft_segment_jit = jax.jit(_draft_segment, static_argnums=(2,), donate_argnums=(3, 5))
-_verify_jit = jax.jit(_verify, static_argnums=(1,))
-_commit_jit = jax.jit(_commit, static_argnums=(0,), donate_argnums=(1, 2))
+_cycle_jit = jax.jit(_cycle, static_argnames=("plan",), donate_argnames=("s",))
+_verify_jit = jax.jit(_verify, static_argnames=("plan",))
+_commit_jit = jax.jit(_commit, static_argnames=("plan",), donate_argnames=("s", "tcache_new"))
 
 
-@partial(jax.jit, static_argnums=(2,), donate_argnums=(3,))
+@partial(jax.jit, static_argnames=("plan",), donate_argnames=("s",))
 def _spec_loop(tparams, dparams, plan: Plan, s: State, threshold) -> State:
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (s.cycle < plan.max_new),
-                              lambda s: _cycle(tparams, dparams, plan, s, threshold), s)
+    return jax.lax.while_loop(partial(_unfinished, plan), lambda s: _cycle(tparams, dparams, plan, s, threshold), s)
 
 
 # ----------------------------------------------------------------------------------------------- public API
 def make_plan(target, draft, *, method: str, sync: str, tree: TreeConfig, ddd: DDDConfig, temperature: float,
-              top_p: float, max_new_tokens: int) -> Plan:
+              top_p: float, max_new_tokens: int, policy=None) -> Plan:
+    """Check the arguments of one decode and freeze them into a `Plan` (sync is normalised to "device" for
+    methods other than DDD)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if sync not in SYNCS:
@@ -270,6 +267,10 @@ def make_plan(target, draft, *, method: str, sync: str, tree: TreeConfig, ddd: D
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0 or not (0.0 < top_p <= 1.0):
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got temperature={temperature}, top_p={top_p}")
+    if method != "ddd":
+        sync = "device"
+    if policy is not None and sync == "device":
+        raise ValueError("a DDD policy runs on the host: use method='ddd' with sync='host' or 'callback'")
     dcfg = None
     if method != "vanilla":
         if draft is None:
@@ -279,16 +280,14 @@ def make_plan(target, draft, *, method: str, sync: str, tree: TreeConfig, ddd: D
         if dcfg.draft_vocab_size and tree.top_k > dcfg.draft_vocab_size:
             raise ValueError(f"top_k={tree.top_k} exceeds the draft vocabulary ({dcfg.draft_vocab_size} tokens)")
     if method == "ddd":
-        max_depth, checks, first_end = ddd.max_depth, tuple(ddd.check_steps), ddd.check_steps[0]
-        if tree.total_tokens - 1 > tree.pool_size(ddd.check_steps[0]):
-            raise ValueError(
-                f"total_tokens - 1 = {tree.total_tokens - 1} exceeds the candidate pool at DDD's shallowest stop "
-                f"(step {ddd.check_steps[0]}): {tree.pool_size(ddd.check_steps[0])}")
+        check_tree_for_ddd(tree, ddd)
+        max_depth, checks, policy = ddd.max_depth, tuple(ddd.check_steps), policy or threshold_policy
     else:
-        max_depth, checks, first_end = tree.depth, (), tree.depth
-    return Plan(tcfg=target.config, dcfg=dcfg, method=method, sync=sync, top_k=tree.top_k, n_tree=tree.total_tokens,
-                max_depth=max_depth, first_end=first_end, check_steps=checks, temperature=float(temperature),
-                top_p=float(top_p), max_new=int(max_new_tokens), eos=tuple(target.eos_token_ids))
+        max_depth, checks = tree.depth, ()
+    return Plan(tcfg=target.config, dcfg=dcfg, method=method, sync=sync, top_k=tree.top_k,
+                total_tokens=tree.total_tokens, max_depth=max_depth, check_steps=checks,
+                temperature=float(temperature), top_p=float(top_p), max_new_tokens=int(max_new_tokens),
+                eos=tuple(target.eos_token_ids), policy=policy)
 
 
 def _prepare_prompts(target, prompt_ids, plan: Plan, capacity: int | None):
@@ -305,15 +304,14 @@ def _prepare_prompts(target, prompt_ids, plan: Plan, capacity: int | None):
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {V})")
     P = max(len(p) for p in prompts)
     T = bucket_length(P)
-    slack = plan.n_tree + plan.M + plan.scratch + 8 if plan.method != "vanilla" else plan.M + 8
-    need = max(T, P + plan.max_new + slack)
+    need = max(T, P + plan.max_new_tokens + cache_slack(plan))
     if capacity is None:
-        capacity = -(-need // 256) * 256
+        capacity = cache_capacity(P, plan)
     elif need > capacity:
-        raise ValueError(f"prompt of {P} tokens + max_new_tokens={plan.max_new} (+{slack} slots of tree scratch) "
-                         f"needs a cache of {need} slots, but capacity={capacity}")
-    if P + plan.max_new > target.config.max_position_embeddings:
-        raise ValueError(f"prompt of {P} tokens + max_new_tokens={plan.max_new} exceeds the model's "
+        raise ValueError(f"prompt of {P} tokens + max_new_tokens={plan.max_new_tokens} (+{cache_slack(plan)} slots "
+                         f"of tree scratch) needs a cache of {need} slots, but capacity={capacity}")
+    if P + plan.max_new_tokens > target.config.max_position_embeddings:
+        raise ValueError(f"prompt of {P} tokens + max_new_tokens={plan.max_new_tokens} exceeds the model's "
                          f"max_position_embeddings={target.config.max_position_embeddings}")
     toks = np.zeros((len(prompts), T), np.int32)
     for i, p in enumerate(prompts):
@@ -329,44 +327,60 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
     """Generate new tokens for `prompt_ids` (list[int], or a list of lists for a batch).
 
     method: "vanilla" (baseline), "eagle2" (fixed-depth EAGLE-2 tree), "ddd" (Dynamic Depth Decoding).
-    sync (ddd only): "host" | "callback" | "device" (see `ddd_jax.depth`). loop: "device" (one jitted loop
+    sync (ddd only): "host" | "callback" | "device" (see `ddd_jax.drafting`). loop: "device" (one jitted loop
     over the whole generation) or "host" (Python loop over cycles/tokens); default "device" except for
-    sync="host", profile=True or stream. policy: host function for sync="callback"
-    ((step, confidence, active, threshold) -> keep-drafting mask). stream: callable(new_token_ids) invoked
-    after each cycle (forces loop="host").
+    sync="host", profile=True or stream. policy: host function for sync="host" or "callback"
+    ((step, confidence, active, threshold) -> keep-drafting mask; default: DDD's threshold rule). It is part of
+    the static plan, so each distinct policy compiles once. stream: callable(new_token_ids) invoked after each
+    cycle (forces loop="host").
     """
     tree = tree or TreeConfig()
     ddd = ddd or DDDConfig()
-    plan = make_plan(target, draft, method=method, sync=sync if method == "ddd" else "device", tree=tree, ddd=ddd,
-                     temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+    plan = make_plan(target, draft, method=method, sync=sync, tree=tree, ddd=ddd, temperature=temperature,
+                     top_p=top_p, max_new_tokens=max_new_tokens, policy=policy)
     if loop is None:
-        loop = "host" if (profile or stream is not None or plan.sync == "host") else "device"
+        loop = "host" if (profile or stream is not None or plan.host_checks) else "device"
     if loop not in ("host", "device"):
         raise ValueError(f"loop must be 'host' or 'device', got {loop!r}")
-    if plan.sync == "host" and plan.method == "ddd" and loop == "device":
+    if plan.host_checks and loop == "device":
         raise ValueError("sync='host' reads the confidence on the host each check: it needs loop='host'")
     batched, toks, plen, capacity = _prepare_prompts(target, prompt_ids, plan, capacity)
     tparams = target.params
-    dparams = runtime_params(draft) if plan.method != "vanilla" else None
+    dparams = draft.decode_params() if plan.method != "vanilla" else None
     threshold = jnp.float32(ddd.threshold)
     counter = SyncCounter()
-    times = {"draft_s": 0.0, "verify_s": 0.0, "commit_s": 0.0}
+    clock = _PhaseClock(profile)
 
     t0 = time.perf_counter()
     s = _prefill(tparams, dparams, plan, toks, plen, jax.random.PRNGKey(seed), capacity=capacity)
     jax.block_until_ready(s)
     t1 = time.perf_counter()
-    set_callback_context(policy if plan.sync == "callback" else None, counter)
-    try:
-        if plan.method == "vanilla":
-            s = _run_vanilla(tparams, plan, s, loop, counter, stream)
-        else:
-            s = _run_spec(tparams, dparams, plan, s, threshold, loop, counter, profile, times, stream)
-        jax.block_until_ready(s)
-    finally:
-        set_callback_context(None, None)
+    if plan.method == "vanilla":
+        s = _run_vanilla(tparams, plan, s, loop, counter, stream)
+    else:
+        s = _run_spec(tparams, dparams, plan, s, threshold, loop, counter, clock, stream)
+    jax.block_until_ready(s)
     t2 = time.perf_counter()
-    return _result(target, plan, s, batched, counter, times, t1 - t0, t2 - t1)
+    return _result(target, plan, s, batched, counter, clock.times, t1 - t0, t2 - t1)
+
+
+class _PhaseClock:
+    """Wall time per phase of a Python-loop cycle; blocks on each phase's output only when profiling."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.times = {"draft_s": 0.0, "verify_s": 0.0, "commit_s": 0.0}
+        self._t = 0.0
+
+    def start(self) -> None:
+        self._t = time.perf_counter()
+
+    def lap(self, phase: str, out) -> None:
+        if self.enabled:
+            jax.block_until_ready(out)
+            now = time.perf_counter()
+            self.times[phase + "_s"] += now - self._t
+            self._t = now
 
 
 def _run_vanilla(tparams, plan, s, loop, counter, stream):
@@ -388,42 +402,24 @@ def _poll(s: State, plan: Plan, counter: SyncCounter, stream, shown: int):
         done, cyc, out, n = counter.read((s.done, s.cycle, s.out, s.out_len))
         stream([int(t) for t in out[0, shown:int(n[0])]])
         shown = int(n[0])
-    return shown, bool(done.all()) or int(cyc) >= plan.max_new
+    return shown, bool(done.all()) or int(cyc) >= plan.max_new_tokens
 
 
-def _run_spec(tparams, dparams, plan, s, threshold, loop, counter, profile, times, stream):
-    if loop == "device" and not profile:
+def _run_spec(tparams, dparams, plan, s, threshold, loop, counter, clock: _PhaseClock, stream):
+    if loop == "device" and not clock.enabled:
         return _spec_loop(tparams, dparams, plan, s, threshold)
+    phases = clock.enabled or plan.host_checks  # else one fused jitted cycle per iteration
     shown = 0
     while True:
-        if plan.sync == "host" and plan.method == "ddd" or profile:
-            ta = time.perf_counter()
-            end = plan.first_end if (plan.sync == "host" and plan.method == "ddd") else plan.max_depth
-            dcache, base, beam = _draft_begin_jit(tparams, dparams, plan, s, end, threshold)
-            if plan.sync == "host" and plan.method == "ddd":
-                checks = plan.check_steps
-                for i, step in enumerate(checks):
-                    conf, active = counter.read((confidence(beam), beam.active), draft=True)
-                    keep = threshold_policy(step, conf, active, float(threshold))
-                    beam = Beam(**{**beam.__dict__, "active": jnp.asarray(keep)})
-                    if not keep.any():
-                        break
-                    nxt = checks[i + 1] if i + 1 < len(checks) else plan.max_depth
-                    dcache, beam = _draft_segment_jit(tparams, dparams, plan, dcache, base, beam, nxt)
-            if profile:
-                jax.block_until_ready(beam)
-            tb = time.perf_counter()
-            tc_new, hidden, acc, key = _verify_jit(tparams, plan, s, beam)
-            if profile:
-                jax.block_until_ready(acc)
-            tcc = time.perf_counter()
-            s = _commit_jit(plan, s, tc_new, hidden, acc, key, dcache, base, beam)
-            if profile:
-                jax.block_until_ready(s)
-                td = time.perf_counter()
-                times["draft_s"] += tb - ta
-                times["verify_s"] += tcc - tb
-                times["commit_s"] += td - tcc
+        if phases:
+            clock.start()
+            d = drafting.draft_from_host(tparams, dparams, plan, s.dcache, s.pend_tok, s.pend_feat, s.pend_n,
+                                         threshold, counter)
+            clock.lap("draft", d)
+            tc_new, hidden, acc, key = _verify_jit(tparams, plan, s, d)
+            clock.lap("verify", acc)
+            s = _commit_jit(plan, s, tc_new, hidden, acc, key, d)
+            clock.lap("commit", s)
         else:
             s = _cycle_jit(tparams, dparams, plan, s, threshold)
         shown, finished = _poll(s, plan, counter, stream, shown)
@@ -435,6 +431,9 @@ def _result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, t
     out = np.asarray(s.out)
     out_len = np.asarray(s.out_len)
     cycles = int(np.asarray(s.cycle))
+    # DDD checks: read by the host in sync="host"; inside jitted loops otherwise (an io_callback each in "callback")
+    in_loop = int(np.asarray(s.checks))
+    callbacks = in_loop if plan.method == "ddd" and plan.sync == "callback" else 0
     acc_hist = np.asarray(s.acc_hist)[:cycles]
     depth_hist = np.asarray(s.depth_hist)[:cycles]
     toks = [[int(t) for t in out[b, : out_len[b]]] for b in range(out.shape[0])]
@@ -450,7 +449,8 @@ def _result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, t
             "draft_steps": int(sum(d + 1 for d in dep)),
             "accepted_per_call": acc, "mean_accepted": float(np.mean(acc)) if acc else 0.0,
             "depth_per_call": dep, "mean_depth": float(np.mean(dep)) if dep else 0.0,
-            "draft_syncs": counter.draft, "host_syncs": counter.total,
+            "ddd_checks": counter.draft + in_loop, "draft_syncs": counter.draft + callbacks,
+            "host_syncs": counter.total + callbacks,
             "prefill_s": prefill_s, "decode_s": decode_s, "total_s": prefill_s + decode_s,
             "tokens_per_s": (n_new - 1) / decode_s if decode_s > 0 and n_new > 1 else 0.0,
             **times,
@@ -464,5 +464,5 @@ def _result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, t
 
 def _merge(stats: list) -> dict:
     return {"new_tokens": sum(s["new_tokens"] for s in stats), "host_syncs": stats[0]["host_syncs"],
-            "draft_syncs": stats[0]["draft_syncs"], "prefill_s": stats[0]["prefill_s"],
+            "draft_syncs": stats[0]["draft_syncs"], "ddd_checks": stats[0]["ddd_checks"], "prefill_s": stats[0]["prefill_s"],
             "decode_s": stats[0]["decode_s"]}

@@ -1,4 +1,5 @@
-"""Pure LLaMA building blocks: RMSNorm, rotary embeddings, masked GQA attention over a KV cache, SwiGLU MLP.
+"""Pure LLaMA building blocks: RMSNorm, rotary embeddings, attention masks, masked GQA attention over a KV cache,
+SwiGLU MLP.
 
 Axis letters: B batch, T new tokens, S cache slots, D model width, N query heads, K kv heads,
 G = N/K query heads per kv head, H head dim, F MLP width.
@@ -51,6 +52,21 @@ def apply_rope(x, positions, inv_freq):
     x1, x2 = jnp.split(x32, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def causal_mask(B: int, T: int):
+    """[B, T, T] lower-triangular mask over T new tokens."""
+    return jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+
+
+def tree_kv_mask(length, capacity: int, attn_mask):
+    """[B, T, S] mask over cache slots: every committed slot (< length[b]) plus the new tokens at slots
+    [length, length+T) as attn_mask [B, T, T] allows (causal, or a tree's ancestor matrix)."""
+    T = attn_mask.shape[-1]
+    rel = jnp.arange(capacity)[None, :] - length[:, None]  # [B, S]
+    in_new = (rel >= 0) & (rel < T)
+    new_part = jnp.take_along_axis(attn_mask, jnp.clip(rel, 0, T - 1)[:, None, :].repeat(attn_mask.shape[1], 1), axis=2)
+    return (rel < 0)[:, None, :] | (in_new[:, None, :] & new_part)
 
 
 def attention(q, k, v, mask):

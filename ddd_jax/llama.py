@@ -73,10 +73,6 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.float32, std: float = 0.02) -> 
     return jax.tree.unflatten(treedef, out)
 
 
-def count_params(params) -> int:
-    return sum(int(x.size) for x in jax.tree.leaves(params))
-
-
 def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | None, kv_mask):
     """Run stacked decoder layers.
 
@@ -127,23 +123,14 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
     return x, KVCache(k=kall, v=vall, length=cache.length)
 
 
-def tree_kv_mask(length, capacity: int, attn_mask):
-    """[B, T, S] mask: every committed slot (< length) plus new tokens [length, length+T) per attn_mask [B, T, T]."""
-    T = attn_mask.shape[-1]
-    s = jnp.arange(capacity)
-    rel = s[None, :] - length[:, None]  # [B, S]
-    in_new = (rel >= 0) & (rel < T)
-    new_part = jnp.take_along_axis(attn_mask, jnp.clip(rel, 0, T - 1)[:, None, :].repeat(attn_mask.shape[1], 1), axis=2)
-    return (rel < 0)[:, None, :] | (in_new[:, None, :] & new_part)
-
-
-def causal_mask(B: int, T: int):
-    return jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+def output_embedding(params, cfg: ModelConfig):
+    """The output projection as [V, D] rows (the embedding when tied): the one place that knows about tying."""
+    return params["embed"] if cfg.tie_word_embeddings else params["lm_head"].T
 
 
 def lm_head(params, cfg: ModelConfig, hidden):
-    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.einsum("btd,dv->btv", hidden, w, preferred_element_type=jnp.float32)
+    """Logits [..., V] float32 of hidden [..., D]."""
+    return jnp.einsum("...d,vd->...v", hidden, output_embedding(params, cfg), preferred_element_type=jnp.float32)
 
 
 def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None = None, attn_mask=None,
@@ -160,10 +147,10 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None =
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
     if attn_mask is None:
-        attn_mask = causal_mask(B, T)
+        attn_mask = L.causal_mask(B, T)
     x = jnp.take(params["embed"], tokens, axis=0)
     if cache is not None:
-        kv_mask = tree_kv_mask(cache.length, cache.capacity, attn_mask)
+        kv_mask = L.tree_kv_mask(cache.length, cache.capacity, attn_mask)
     else:
         kv_mask = attn_mask
     x, new_cache = decoder_stack(params["layers"], cfg, x, positions, cache, kv_mask)

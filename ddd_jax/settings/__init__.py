@@ -77,12 +77,10 @@ def save_settings(settings: dict, backend: str | None = None, path: str | os.Pat
 
 def to_configs(settings: dict):
     """(TreeConfig, DDDConfig) from a settings dict."""
-    from ..config import DDDConfig, TreeConfig
+    from ..config import DDDConfig, TreeConfig, check_tree_for_ddd
     t, d = settings["tree"], settings["ddd"]
     tree = TreeConfig(top_k=int(t["top_k"]), total_tokens=int(t["total_tokens"]), depth=int(t["depth"]))
     ddd = DDDConfig(check_steps=tuple(int(x) for x in d["check_steps"]), threshold=float(d["threshold"]),
                     max_depth=int(d["max_depth"]))
-    if tree.total_tokens - 1 > tree.pool_size(ddd.check_steps[0]):
-        raise ValueError(f"total_tokens={tree.total_tokens} does not fit DDD's shallowest stop (step "
-                         f"{ddd.check_steps[0]}, pool {tree.pool_size(ddd.check_steps[0])})")
+    check_tree_for_ddd(tree, ddd)
     return tree, ddd

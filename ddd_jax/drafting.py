@@ -1,0 +1,199 @@
+"""The draft phase of a speculative cycle: step 0, EAGLE-2 beam expansion, and when to stop (fixed depth, or DDD
+in its three sync modes), with every host sync counted. `generate` asks this module for a beam; nothing else
+decides when drafting stops.
+
+Step numbering (see `TreeConfig`): step 0 runs the head over the newly committed pairs and gives the first beam;
+step j >= 1 expands the depth-j beam. A DDD check at step s happens after step s and looks at the beam that step
+produced: drafting stops for a sequence whose confidence `logsumexp(beam scores)` is below the threshold.
+
+How the decision is taken (``plan.sync``, DDD only; EAGLE-2 never checks):
+
+* ``host``     -- the paper's shape: the steps between checks are separate jitted `while_loop` segments and the
+                  host reads the confidence at each check (`SyncCounter.read`) and applies the plan's policy,
+                  breaking lazy evaluation.
+* ``callback`` -- one jitted loop; each check calls the plan's host policy through `io_callback`.
+* ``device``   -- one jitted loop; `confidence >= threshold` is taken with `jnp.where`, no host sync.
+
+All three take the same decisions on the same inputs. The callback policy is part of the static `Plan` (a
+function is a valid static jit argument), and checks executed inside jitted loops are counted on device in the
+returned `Draft.checks`, so concurrent `generate` calls share no state.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from .cache import KVCache, with_length
+from .eagle import draft_logits, head_forward, new_cache
+from .layers import causal_mask, tree_kv_mask
+from .tree import Beam, confidence, expand, first_beam
+
+# (step, confidence [B], active [B], threshold) -> keep drafting [B] bool. Runs on the host (sync="callback").
+Policy = Callable[[int, np.ndarray, np.ndarray, float], np.ndarray]
+
+
+def threshold_policy(step: int, conf: np.ndarray, active: np.ndarray, threshold: float) -> np.ndarray:
+    """DDD's rule: keep drafting while the beam's confidence is at least the threshold."""
+    return active & (conf >= threshold)
+
+
+class SyncCounter:
+    """Every device->host read of a Python decode loop goes through here, so sync statistics are exact.
+    One per `generate` call (never shared)."""
+
+    def __init__(self):
+        self.total = 0
+        self.draft = 0
+
+    def read(self, x, draft: bool = False):
+        """One device->host transfer of a pytree of arrays (counted once)."""
+        self.total += 1
+        self.draft += int(draft)
+        return jax.tree.map(np.asarray, jax.device_get(x))
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Draft:
+    """What the draft phase hands to verification."""
+
+    dcache: KVCache  # draft cache: prefix extended by the committed pairs; beam K/V in the scratch past `base`
+    base: jax.Array  # [B] int32 first scratch slot (= draft prefix length after step 0)
+    beam: Beam  # final beam and the candidate pool the tree is built from
+    checks: jax.Array  # [] int32 DDD checks executed inside jitted loops (sync="callback": one io_callback each)
+
+
+# ----------------------------------------------------------------------------------------------- head steps
+def fill_prefix(dparams, plan, tparams, tokens, hidden, positions, length, capacity: int) -> KVCache:
+    """Prefill of the draft cache: pairs (x_{i+1}, f_i) for i < length-1 (the last pair stays pending for the
+    first cycle's step 0). tokens, positions [B, T]; hidden [B, T, D] target features. Returns the draft cache."""
+    B, T = tokens.shape
+    shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
+    dcache = new_cache(plan.dcfg, B, capacity, tparams["embed"].dtype)
+    _, dcache = head_forward(dparams, plan.dcfg, tparams["embed"], shifted, hidden, positions, dcache,
+                             tree_kv_mask(dcache.length, capacity, causal_mask(B, T)))
+    return with_length(dcache, length - 1)
+
+
+def draft_prefix(dparams, plan, tparams, dcache: KVCache, pend_tok, pend_feat, pend_n):
+    """Step 0: run the head over the newly committed pairs (pend_n[b] of M), extend the draft prefix.
+
+    Returns (dcache with length += pend_n, h0 [B, D] output at the last real pair, logp0 [B, V'])."""
+    B, M = pend_tok.shape
+    pos = dcache.length[:, None] + jnp.arange(M, dtype=jnp.int32)[None]
+    kv = tree_kv_mask(dcache.length, dcache.capacity, causal_mask(B, M))
+    h, dc = head_forward(dparams, plan.dcfg, tparams["embed"], pend_tok, pend_feat, pos, dcache, kv)
+    last = jnp.take_along_axis(h, (pend_n - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+    return with_length(dc, dcache.length + pend_n), last, draft_logits(dparams, tparams, plan.tcfg, last)
+
+
+def draft_step(dparams, plan, tparams, dcache: KVCache, base, beam: Beam) -> tuple[KVCache, Beam]:
+    """One expansion step: the head on the beam (each node sees the prefix [0, base) and its ancestors in the
+    scratch area [base, base + max_depth*k)), then `tree.expand`."""
+    k, W = plan.top_k, plan.scratch
+    B = beam.tok.shape[0]
+    rel = jnp.arange(dcache.capacity)[None, :] - base[:, None]  # [B, S]
+    in_scr = (rel >= 0) & (rel < W)
+    anc = jnp.take_along_axis(beam.anc, jnp.broadcast_to(jnp.clip(rel, 0, W - 1)[:, None, :],
+                                                         (B, k, dcache.capacity)), axis=2)
+    kv = (rel < 0)[:, None, :] | (in_scr[:, None, :] & anc)
+    pos = jnp.broadcast_to((base + beam.step)[:, None], (B, k)).astype(jnp.int32)
+    view = with_length(dcache, base + beam.step * k)
+    h, dc = head_forward(dparams, plan.dcfg, tparams["embed"], beam.tok, beam.feat, pos, view, kv)
+    logp = draft_logits(dparams, tparams, plan.tcfg, h)
+    return with_length(dc, dcache.length), expand(beam, h, logp, k, plan.max_depth, dparams.get("d2t"))
+
+
+# ----------------------------------------------------------------------------------------------- stop decisions
+def _ask_policy(policy: Policy, step, conf, active, threshold):
+    keep = policy(int(step), np.asarray(conf), np.asarray(active), float(threshold))
+    return np.asarray(keep, dtype=bool).reshape(np.shape(active))
+
+
+def _decide(plan, beam: Beam, threshold):
+    """DDD's decision after a check step, on device or through the host policy (traced)."""
+    conf = confidence(beam)
+    if plan.sync == "device":
+        return beam.active & (conf >= threshold)
+    return io_callback(partial(_ask_policy, plan.policy), jax.ShapeDtypeStruct(beam.active.shape, jnp.bool_),
+                       beam.step, conf, beam.active, threshold, ordered=False)
+
+
+def run_steps(dparams, plan, tparams, dcache: KVCache, base, beam: Beam, end_step, threshold, *,
+              decide: bool) -> tuple[KVCache, Beam, jax.Array]:
+    """Draft steps until `end_step` or until no sequence is active, as one `lax.while_loop`.
+
+    decide=True takes DDD's decisions inside the loop (sync "device" or "callback"); decide=False runs plain
+    steps (EAGLE-2, and the segments between host checks). Returns (dcache, beam, checks executed)."""
+    checks = jnp.asarray(plan.check_steps or (-1,), jnp.int32)
+    in_loop = decide and plan.method == "ddd" and plan.sync != "host"
+
+    def cond(c):
+        _, b, _ = c
+        return (b.step < end_step) & jnp.any(b.active)
+
+    def body(c):
+        dc, b, n = c
+        dc, b = draft_step(dparams, plan, tparams, dc, base, b)
+        if in_loop:
+            is_check = jnp.any(b.step == checks)
+            act = jax.lax.cond(is_check, lambda: _decide(plan, b, threshold), lambda: b.active)
+            b = dataclasses.replace(b, active=act)
+            n = n + is_check.astype(jnp.int32)
+        return dc, b, n
+
+    return jax.lax.while_loop(cond, body, (dcache, beam, jnp.zeros((), jnp.int32)))
+
+
+# ----------------------------------------------------------------------------------------------- the phase
+def begin(tparams, dparams, plan, dcache: KVCache, pend_tok, pend_feat, pend_n, threshold, *, end_step: int,
+          decide: bool = True) -> Draft:
+    """Step 0, the first beam, and steps up to `end_step` (traceable)."""
+    dcache, h0, logp0 = draft_prefix(dparams, plan, tparams, dcache, pend_tok, pend_feat, pend_n)
+    base = dcache.length
+    beam = first_beam(logp0, h0, plan.top_k, plan.max_depth, dparams.get("d2t"))
+    dcache, beam, checks = run_steps(dparams, plan, tparams, dcache, base, beam, end_step, threshold, decide=decide)
+    return Draft(dcache=dcache, base=base, beam=beam, checks=checks)
+
+
+def draft_in_program(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold) -> Draft:
+    """The whole draft phase inside one traced program (EAGLE-2; DDD with sync "device" or "callback")."""
+    return begin(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold, end_step=plan.max_depth)
+
+
+_begin_jit = jax.jit(begin, static_argnames=("plan", "end_step", "decide"))
+
+
+@partial(jax.jit, static_argnames=("plan", "end_step"), donate_argnames=("dcache", "beam"))
+def _segment_jit(tparams, dparams, plan, dcache, base, beam, *, end_step: int):
+    dcache, beam, _ = run_steps(dparams, plan, tparams, dcache, base, beam, end_step, jnp.float32(0), decide=False)
+    return dcache, beam
+
+
+def draft_from_host(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold,
+                    counter: SyncCounter) -> Draft:
+    """The draft phase driven from a Python loop: one jitted program, or for DDD sync="host" the paper's shape --
+    a segment up to each check step, a counted host read of the confidence, and the host's decision."""
+    if not plan.host_checks:
+        return _begin_jit(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold,
+                          end_step=plan.max_depth)
+    steps = plan.check_steps
+    d = _begin_jit(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold, end_step=steps[0],
+                   decide=False)
+    dcache, beam = d.dcache, d.beam
+    for i, step in enumerate(steps):
+        conf, active = counter.read((confidence(beam), beam.active), draft=True)
+        keep = _ask_policy(plan.policy, step, conf, active, threshold)
+        beam = dataclasses.replace(beam, active=jnp.asarray(keep))
+        if not keep.any():
+            break
+        end = steps[i + 1] if i + 1 < len(steps) else plan.max_depth
+        dcache, beam = _segment_jit(tparams, dparams, plan, dcache, d.base, beam, end_step=end)
+    return Draft(dcache=dcache, base=d.base, beam=beam, checks=d.checks)
