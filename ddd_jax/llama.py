@@ -73,10 +73,6 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.float32, std: float = 0.02) -> 
     return jax.tree.unflatten(treedef, out)
 
 
-def count_params(params) -> int:
-    return sum(int(x.size) for x in jax.tree.leaves(params))
-
-
 def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | None, kv_mask):
     """Run stacked decoder layers.
 
