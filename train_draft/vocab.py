@@ -42,7 +42,6 @@ def apply_draft_vocab(head_dir, target, feature_dir, size: int, out=None) -> dic
     from ddd_jax.checkpoints.loading import load_draft
     from ddd_jax.checkpoints.ours import save_draft
     from ddd_jax.eagle import with_draft_vocab
-    import json
     head_dir = Path(head_dir)
     meta = dio.read_json(head_dir / "config.json")
     draft = load_draft(str(head_dir), target)
