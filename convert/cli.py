@@ -1,5 +1,5 @@
-"""`ddd-jax convert target|eagle SRC OUT`: thin argparse front over ddd_jax.loading.convert_target and
-ddd_jax.eagle_convert.convert_eagle_dir, with an optional --check against the PyTorch reference."""
+"""`ddd-jax convert target|eagle SRC OUT`: thin argparse front over ddd_jax.checkpoints (loading.convert_target,
+eagle_official.convert_eagle_dir), with an optional --check against the PyTorch reference (torch_ref)."""
 from __future__ import annotations
 
 import argparse
@@ -43,7 +43,7 @@ def _report(diffs: dict, tol) -> int:
 
 
 def run_target(args: argparse.Namespace) -> int:
-    from ddd_jax.loading import convert_target, load_target, resolve_source
+    from ddd_jax.checkpoints.loading import convert_target, load_target, resolve_source
     out = convert_target(args.src, args.out, dtype=args.dtype)
     print(f"wrote {out}")
     if not args.check:
@@ -52,21 +52,21 @@ def run_target(args: argparse.Namespace) -> int:
     if kind == "ours":
         print("--check: the source is already in our format; there is no torch reference to compare with")
         return 0
-    from ddd_jax.eagle_convert import check_tokens
-    from ddd_jax.torch_ref import target_check
+    from ddd_jax.checkpoints.torch_ref import check_tokens, target_check
     target = load_target(out)
     print(f"check against transformers ({path}):")
     return _report(target_check(path, target, check_tokens(target)), args.check_tol)
 
 
 def run_eagle(args: argparse.Namespace) -> int:
-    from ddd_jax.eagle_convert import check_head, convert_eagle_dir
-    from ddd_jax.loading import load_target
+    from ddd_jax.checkpoints.eagle_official import convert_eagle_dir
+    from ddd_jax.checkpoints.loading import load_target
     target = load_target(args.target)
     convert_eagle_dir(args.src, args.out, target, dtype=args.dtype, embed_check=args.embed_check)
     print(f"wrote {args.out}")
     if not args.check:
         return 0
-    from ddd_jax.drafts import load_draft
+    from ddd_jax.checkpoints.loading import load_draft
+    from ddd_jax.checkpoints.torch_ref import check_head
     print("check against the torch reference head:")
     return _report(check_head(args.src, load_draft(args.out, target)), args.check_tol)

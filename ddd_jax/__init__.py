@@ -1,16 +1,10 @@
 """ddd-jax: lossless speculative decoding (EAGLE-2 dynamic trees, Dynamic Depth Decoding) in JAX."""
+from .checkpoints.loading import load_draft, load_target
+from .checkpoints.ours import save_draft
 from .config import DDDConfig, DraftConfig, ModelConfig, TreeConfig
-from .eagle import Draft, init_draft, save_draft
+from .eagle import Draft, init_draft
 from .generate import GenerateResult, generate
-from .target import Target, load_target
-
-
-def load_draft(path_or_name, target, dtype=None):
-    """Load a draft head for `target`: a name ("smollm2-135m-instruct-eagle"), our head format, or an
-    official EAGLE PyTorch directory."""
-    from .drafts import load_draft as _load
-    return _load(path_or_name, target, dtype=dtype)
-
+from .target import Target
 
 __all__ = ["DDDConfig", "DraftConfig", "ModelConfig", "TreeConfig", "Draft", "init_draft", "save_draft",
            "GenerateResult", "generate", "Target", "load_target", "load_draft"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -14,6 +14,21 @@ def _freeze(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return tuple(_freeze(x) for x in v)
     return v
+
+
+def normalize_rope(d: dict) -> tuple[float, tuple | None]:
+    """(rope_theta, frozen rope_scaling or None) from an HF config dict: rope_theta defaults to 10000; transformers 5
+    nests both in `rope_parameters`; a "default" (or untyped) rope_scaling means none."""
+    rs = d.get("rope_scaling")
+    rope_theta = d.get("rope_theta")
+    if rope_theta is None:  # transformers 5 nests it in rope_parameters
+        rp = d.get("rope_parameters") or {}
+        rope_theta = rp.get("rope_theta", 10000.0)
+        if rs is None and rp.get("rope_type", "default") not in ("default", None):
+            rs = {k: v for k, v in rp.items() if k != "rope_theta"}
+    if rs is not None and rs.get("rope_type", rs.get("type")) in ("default", None):
+        rs = None
+    return float(rope_theta), _freeze(rs) if rs else None
 
 
 @dataclass(frozen=True)
@@ -66,15 +81,7 @@ class ModelConfig:
         head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
         eos = d.get("eos_token_id")
         eos = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),))
-        rs = d.get("rope_scaling")
-        rope_theta = d.get("rope_theta")
-        if rope_theta is None:  # transformers 5 nests it in rope_parameters
-            rp = d.get("rope_parameters") or {}
-            rope_theta = rp.get("rope_theta", 10000.0)
-            if rs is None and rp.get("rope_type", "default") not in ("default", None):
-                rs = {k: v for k, v in rp.items() if k != "rope_theta"}
-        if rs is not None and rs.get("rope_type", rs.get("type")) in ("default", None):
-            rs = None
+        rope_theta, rope_scaling = normalize_rope(d)
         return cls(
             vocab_size=int(d["vocab_size"]),
             hidden_size=int(d["hidden_size"]),
@@ -84,8 +91,8 @@ class ModelConfig:
             num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            rope_scaling=_freeze(rs) if rs else None,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             bos_token_id=d.get("bos_token_id"),

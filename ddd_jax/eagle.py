@@ -16,9 +16,7 @@ Draft params (nested dict; the target's embed / lm_head are passed separately, n
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,12 +24,10 @@ import numpy as np
 
 from . import io as dio
 from .cache import KVCache, init_cache
+from .checkpoints.keytable import check_shapes
 from .config import DraftConfig, ModelConfig
 from .layers import causal_mask
 from .llama import decoder_stack, layer_shapes, lm_head, output_embedding
-
-FORMAT = "ddd-jax-eagle-head"
-FORMAT_VERSION = 1
 
 
 def param_shapes(dcfg: DraftConfig) -> dict:
@@ -120,7 +116,7 @@ class Draft:
 
     def __post_init__(self):
         self.config.check_target(self.target.config)
-        dio.check_shapes(self.params, param_shapes(self.config), "draft head")
+        check_shapes(self.params, param_shapes(self.config), "draft head")
         if "d2t" in self.params:
             w = output_embedding(self.target.params, self.target.config)
             self.lm_sub = jnp.take(w, self.params["d2t"], axis=0)
@@ -158,31 +154,3 @@ def init_draft(target, seed: int = 0, dtype=jnp.float32, **config_overrides) -> 
     """A fresh random head for `target` (tests, training)."""
     dcfg = DraftConfig.from_target(target.config, target_name=getattr(target, "name", None), **config_overrides)
     return Draft(dcfg, init_params(dcfg, jax.random.PRNGKey(seed), dtype), target)
-
-
-def save_draft(draft: Draft, path, dtype=None, extra: dict | None = None) -> None:
-    """Write our head format (config.json + model.safetensors) atomically: a directory that either exists whole or not at all."""
-    params = dict(draft.params)
-    if dtype is not None:
-        params = {k: jax.tree.map(lambda x: np.asarray(x).astype(np.int32 if k == "d2t" else dtype), v)
-                  for k, v in params.items()}
-    with dio.atomic_dir(path) as tmp:
-        cfg = {"format": FORMAT, "format_version": FORMAT_VERSION, "draft_config": draft.config.to_dict()}
-        if extra:
-            cfg["extra"] = extra
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        dio.save_safetensors(jax.tree.map(np.asarray, params), tmp / "model.safetensors")
-
-
-def load_draft_dir(path, target, dtype=None) -> Draft:
-    path = Path(path)
-    meta = dio.read_json(path / "config.json")
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}/config.json is not a {FORMAT} head (format={meta.get('format')!r})")
-    dcfg = DraftConfig.from_dict(meta["draft_config"])
-    dcfg.check_target(target.config)
-    params = dio.load_safetensors(path / "model.safetensors")
-    dtype = dtype or target.params["embed"].dtype
-    params = {k: jax.tree.map(lambda x: jnp.asarray(x, jnp.int32 if k == "d2t" else dtype), v)
-              for k, v in params.items()}
-    return Draft(dcfg, params, target)

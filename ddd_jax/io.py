@@ -1,4 +1,4 @@
-"""Checkpoint file helpers: flat safetensors <-> nested param dicts, atomic writes that never leave half files."""
+"""Generic file helpers: nested dict <-> flat '.'-joined keys, JSON reads, atomic writes that never leave half files."""
 from __future__ import annotations
 
 import contextlib
@@ -7,8 +7,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-
-import numpy as np
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -31,25 +29,6 @@ def unflatten(flat: dict) -> dict:
             node = node.setdefault(p, {})
         node[parts[-1]] = v
     return out
-
-
-def check_shapes(params: dict, expected: dict, what: str) -> None:
-    """Fail with a clear message on missing, unexpected or misshaped tensors (expected: nested shape tuples)."""
-    fp = flatten(params)
-    fe = flatten(expected)
-    missing = sorted(set(fe) - set(fp))
-    unexpected = sorted(set(fp) - set(fe))
-    bad = sorted(f"{k}: got {tuple(fp[k].shape)}, expected {tuple(fe[k])}" for k in set(fe) & set(fp)
-                 if tuple(fp[k].shape) != tuple(fe[k]))
-    problems = []
-    if missing:
-        problems.append(f"missing tensors {missing}")
-    if unexpected:
-        problems.append(f"unexpected tensors {unexpected}")
-    if bad:
-        problems.append("misshaped tensors " + "; ".join(bad))
-    if problems:
-        raise ValueError(f"{what}: " + "; ".join(problems))
 
 
 @contextlib.contextmanager
@@ -94,22 +73,6 @@ def atomic_file(path: str | os.PathLike):
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     with atomic_file(path) as tmp, open(tmp, "w") as f:
         f.write(text)
-
-
-def save_safetensors(params: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
-    """Write nested params as flat safetensors (keys joined with '.'); atomic."""
-    from safetensors.numpy import save_file
-    flat = {k: np.ascontiguousarray(np.asarray(v)) for k, v in flatten(params).items()}
-    with atomic_file(path) as tmp:
-        save_file(flat, tmp, metadata={k: str(v) for k, v in (metadata or {}).items()})
-
-
-def load_safetensors(path: str | os.PathLike) -> dict:
-    from safetensors.numpy import load_file
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no safetensors file at {path}")
-    return unflatten(load_file(str(path)))
 
 
 def read_json(path: str | os.PathLike) -> dict:

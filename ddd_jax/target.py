@@ -7,6 +7,7 @@ from functools import partial
 import jax
 
 from . import llama
+from .checkpoints.keytable import check_shapes
 from .config import ModelConfig
 
 
@@ -28,7 +29,6 @@ class Target:
     special_tokens: dict = field(default_factory=dict)  # e.g. {"bos_token": "<|im_start|>", "eos_token": ...}
 
     def __post_init__(self):
-        from .io import check_shapes
         check_shapes(self.params, llama.param_shapes(self.config), f"target {self.name!r}")
 
     @property
@@ -53,9 +53,3 @@ class Target:
         """Token ids of `messages` rendered with the model's chat template (plus the generation prompt)."""
         from .chat import render_chat
         return self.encode(render_chat(self, messages, add_generation_prompt))
-
-
-def load_target(path_or_name: str, dtype=None) -> Target:
-    """Load a target by name ("smollm2-135m-instruct") or path (our format, an HF directory, or a .gguf file)."""
-    from .loading import load_target as _load
-    return _load(path_or_name, dtype=dtype)

@@ -118,7 +118,6 @@ def confidence(beam: Beam):
 
 
 def _build_one(root, pool_tok, pool_score, pool_parent, n: int) -> Tree:
-    P = pool_tok.shape[0]
     order = jnp.argsort(-pool_score, stable=True)  # best first; ties -> smaller index (parents first)
     kept = jnp.sort(order[: n - 1])  # pool indices, ascending: parents before children
     kept_score = pool_score[kept]

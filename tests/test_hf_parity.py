@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from ddd_jax import io as dio
-from ddd_jax.loading import load_target, save_target
+from ddd_jax.checkpoints.loading import load_target
+from ddd_jax.checkpoints.ours import save_target
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -6,9 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from ddd_jax import loading
+from ddd_jax.checkpoints import loading
 from ddd_jax.chat import render_chat
-from ddd_jax.loading import load_target, save_target
+from ddd_jax.checkpoints.loading import load_target
+from ddd_jax.checkpoints.ours import save_target
 
 pytest.importorskip("torch")
 

@@ -11,8 +11,8 @@ import pytest
 from ddd_jax import eagle, llama
 from ddd_jax.config import ModelConfig
 from ddd_jax.target import Target
-from train_draft.extract import extract, load_features, shard_name, target_features
-from train_draft.train import FitConfig, BatchPlan, fit, pack_rows
+from ddd_jax.train_draft.extract import extract, load_features, shard_name, target_features
+from ddd_jax.train_draft.train import FitConfig, BatchPlan, fit, pack_rows
 
 V = 64
 
@@ -128,33 +128,34 @@ def test_resume_is_bit_exact(target, feats, tmp_path):
 
 
 def test_export_load_forward_and_target_check(target, feats, tmp_path):
-    from train_draft.export import export_run
+    from ddd_jax.checkpoints.ours import load_draft_dir
+    from ddd_jax.train_draft.export import export_run
     cfg = FitConfig(steps=2, batch_size=2, seq_len=80, init="target-last-layer")
     r = fit(target, feats, tmp_path / "run", cfg, progress=False)
     extra = export_run(tmp_path / "run", target, tmp_path / "head")
     assert extra["trained_for"] == "tiny" and extra["step"] == 2
     meta = json.loads((tmp_path / "head" / "config.json").read_text())
     assert meta["draft_config"]["target_name"] == "tiny"
-    d = eagle.load_draft_dir(tmp_path / "head", target)
+    d = load_draft_dir(tmp_path / "head", target)
     ref = eagle.Draft(r["draft_config"], jax.tree.map(lambda x: jnp.asarray(x, jnp.float16).astype(jnp.float32),
                                                       r["params"]), target)
     tok = feats.ids[None, 1:17]
     f = jnp.asarray(feats.features[None, :16], jnp.float32)
     for a, b in zip(d.forward(tok, f), ref.forward(tok, f)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    from train_draft.train import init_head_params
+    from ddd_jax.train_draft.train import init_head_params
     warm = init_head_params(r["draft_config"], target, FitConfig(init=f"head:{tmp_path / 'head'}"))
     for a, b in zip(jax.tree.leaves(warm), jax.tree.leaves(d.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="hidden_size"):
-        eagle.load_draft_dir(tmp_path / "head", tiny_target(hidden=48))
+        load_draft_dir(tmp_path / "head", tiny_target(hidden=48))
     with pytest.raises(ValueError, match="vocab_size"):
         export_run(tmp_path / "run", tiny_target(vocab=80), tmp_path / "head2")
 
 
 def test_cli_registers_train_draft(tmp_path):
     from ddd_jax.cli import build_parser
-    from train_draft.plot import plot_metrics
+    from ddd_jax.train_draft.plot import plot_metrics
     a = build_parser().parse_args(["train-draft", "fit", "--target", "t", "--features", "f", "--out", "o",
                                    "--steps", "5", "--init", "target-last-layer"])
     assert a.steps == 5 and a.init == "target-last-layer" and callable(a.func)
@@ -171,7 +172,7 @@ def test_cli_registers_train_draft(tmp_path):
 
 
 def test_ce_subsampling_is_unbiased(target, feats):
-    from train_draft.train import frozen_target_arrays, init_head_params, loss_sums
+    from ddd_jax.train_draft.train import frozen_target_arrays, init_head_params, loss_sums
     from ddd_jax.config import DraftConfig
     cfg = FitConfig(batch_size=2, seq_len=80)
     dcfg = DraftConfig.from_target(target.config)

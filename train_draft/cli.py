@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def _load_target(name):
-    from ddd_jax.target import load_target
+    from ddd_jax import load_target
     return load_target(name)
 
 

@@ -42,6 +42,7 @@ import optax
 
 from ddd_jax import eagle
 from ddd_jax import io as dio
+from ddd_jax.checkpoints.ours import load_draft_dir, save_draft
 from ddd_jax.config import DraftConfig
 
 from .extract import FeatureSet
@@ -305,7 +306,7 @@ def init_head_params(dcfg: DraftConfig, target, cfg: FitConfig) -> dict:
         D = dcfg.hidden_size
         params["fc_w"] = params["fc_w"].at[D:].set(jnp.eye(D, dtype=jnp.float32))
     elif cfg.init.startswith("head:"):  # warm start from a head directory in our format
-        d = eagle.load_draft_dir(cfg.init[len("head:"):], target, dtype=jnp.float32)
+        d = load_draft_dir(cfg.init[len("head:"):], target, dtype=jnp.float32)
         if d.config != dcfg:
             raise ValueError(f"init head {cfg.init!r} has config {d.config}, expected {dcfg}")
         params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), d.params)
@@ -324,7 +325,7 @@ def frozen_target_arrays(target):
 def save_head(target, dcfg: DraftConfig, params, out, extra: dict | None = None) -> None:
     """Write our head format (float16 head weights only; embeddings/lm_head stay with the target)."""
     draft = eagle.Draft(dcfg, jax.tree.map(np.asarray, params), target)
-    eagle.save_draft(draft, out, dtype=np.float16, extra=extra)
+    save_draft(draft, out, dtype=np.float16, extra=extra)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints

@@ -39,9 +39,9 @@ def coverage(counts: np.ndarray, ids: np.ndarray) -> float:
 
 def apply_draft_vocab(head_dir, target, feature_dir, size: int, out=None) -> dict:
     """Rewrite a head directory (atomically) with a `d2t` draft vocabulary of `size` tokens; returns a summary."""
-    from ddd_jax.drafts import load_draft
-    from ddd_jax.eagle import save_draft, with_draft_vocab
-    import json
+    from ddd_jax.checkpoints.loading import load_draft
+    from ddd_jax.checkpoints.ours import save_draft
+    from ddd_jax.eagle import with_draft_vocab
     head_dir = Path(head_dir)
     meta = dio.read_json(head_dir / "config.json")
     draft = load_draft(str(head_dir), target)

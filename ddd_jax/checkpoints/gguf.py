@@ -11,7 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .hf import Rule, SourceTensor, convert, flat_shapes, plan
+from .. import llama
+from ..config import ModelConfig
+from ..target import Target
+from .keytable import Rule, SourceTensor, convert, flat_shapes, plan, resolve_dtype
 
 GGUF_LLAMA_RULES = (
     Rule(r"token_embd\.weight", "embed"),
@@ -59,7 +62,6 @@ def read_gguf(path):
 
 def gguf_config(reader, path="GGUF"):
     """ModelConfig from GGUF metadata (llama architecture only)."""
-    from .config import ModelConfig
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
@@ -102,9 +104,6 @@ def gguf_config(reader, path="GGUF"):
 
 def gguf_params(reader, cfg, dtype=None, path="GGUF", as_jax: bool = True) -> dict:
     from gguf.quants import dequantize
-
-    from . import llama
-    from .hf import resolve_dtype
     sources = [SourceTensor(t.name, tuple(int(s) for s in reversed(list(t.shape))),
                             lambda t=t: dequantize(t.data, t.tensor_type)) for t in reader.tensors]
     expected = flat_shapes(llama.param_shapes(cfg))
@@ -165,9 +164,8 @@ _PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": 
                "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT}
 
 
-def load_gguf_target(path, dtype=None, name: str | None = None, as_jax: bool = True):
+def load_gguf_target(path, dtype=None, name: str | None = None, as_jax: bool = True) -> Target:
     """A Target from a llama-architecture .gguf file (float32 unless dtype is given)."""
-    from .target import Target
     path = Path(path)
     reader = read_gguf(path)
     cfg = gguf_config(reader, path)

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from . import eagle
-from . import io as dio
-from .config import DraftConfig
-from .hf import Rule, checkpoint_sources, llama_layer_rules, convert, flat_shapes, plan, resolve_dtype, source_dtype
+from .. import eagle
+from .. import io as dio
+from ..config import DraftConfig, normalize_rope
+from .hf import checkpoint_sources, llama_layer_rules
+from .keytable import Rule, convert, flat_shapes, plan, resolve_dtype, source_dtype
+from .ours import save_draft
 
 EAGLE1_RULES = (
     Rule(r"fc\.weight", "fc_w", transpose=True),
@@ -27,17 +29,6 @@ EAGLE1_RULES = (
 EMBED_KEY = "embed_tokens.weight"
 EAGLE1_IGNORE = (r".*rotary_emb\.inv_freq", r"embed_tokens\.weight")  # embed: compared, then dropped
 EAGLE3_MARKERS = ("midlayer.", "d2t", "t2d")
-
-
-def is_official_eagle_dir(path) -> bool:
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        return False
-    try:
-        raw = dio.read_json(path / "config.json")
-    except (ValueError, OSError):
-        return False
-    return "format" not in raw
 
 
 def draft_config_from_official(raw: dict, what: str, target_name: str | None = None) -> DraftConfig:
@@ -52,17 +43,13 @@ def draft_config_from_official(raw: dict, what: str, target_name: str | None = N
     if raw.get("qkv_bias") or raw.get("attention_bias"):
         raise ValueError(f"{what}: attention biases (qkv_bias/attention_bias) are not supported")
     heads = int(raw["num_attention_heads"])
-    rs = raw.get("rope_scaling")
-    if rs is not None and rs.get("rope_type", rs.get("type")) in ("default", None):
-        rs = None
-    from .config import _freeze
+    rope_theta, rope_scaling = normalize_rope(raw)
     dcfg = DraftConfig(vocab_size=int(raw["vocab_size"]), hidden_size=int(raw["hidden_size"]),
                        intermediate_size=int(raw["intermediate_size"]), num_attention_heads=heads,
                        num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
                        head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
                        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                       rope_theta=float(raw.get("rope_theta") or 10000.0),
-                       rope_scaling=_freeze(rs) if rs else None, fc_bias=bool(raw.get("bias", True)),
+                       rope_theta=rope_theta, rope_scaling=rope_scaling, fc_bias=bool(raw.get("bias", True)),
                        target_name=target_name)
     try:
         dcfg.layer_config()  # validates heads / rope scaling
@@ -138,28 +125,5 @@ def convert_official_head(src, target, dtype=None, embed_check: str = "warn") ->
 def convert_eagle_dir(src, out, target, dtype=None, embed_check: str = "warn") -> "eagle.Draft":
     """Convert an official head to our head format at `out` (atomic: nothing is written on error)."""
     draft = convert_official_head(src, target, dtype, embed_check)
-    eagle.save_draft(draft, out, extra={"converted_from": str(Path(src).resolve()), "source_layout": "eagle1"})
+    save_draft(draft, out, extra={"converted_from": str(Path(src).resolve()), "source_layout": "eagle1"})
     return draft
-
-
-def check_tokens(target, n: int = 12) -> np.ndarray:
-    """A few token ids for --check runs: a short English sentence when there is a tokenizer."""
-    if target.tokenizer is not None:
-        ids = target.encode("The quick brown fox jumps over the lazy dog, then naps in the sun.")[:n]
-        if ids:
-            return np.asarray([ids], np.int32)
-    rng = np.random.default_rng(0)
-    return rng.integers(0, target.config.vocab_size, (1, n), dtype=np.int32)
-
-
-def check_head(src, draft) -> dict:
-    """Max differences between the torch reference head at `src` and `draft` on target features of a few tokens."""
-    import jax.numpy as jnp
-
-    from .torch_ref import head_check
-    target = draft.target
-    toks = check_tokens(target)
-    T = toks.shape[1]
-    feats = target.forward(jnp.asarray(toks), jnp.broadcast_to(jnp.arange(T), toks.shape), return_logits=False).hidden
-    feats = np.asarray(feats, np.float32)[:, :-1]
-    return head_check(src, draft, toks[:, 1:], feats)

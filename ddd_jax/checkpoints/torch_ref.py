@@ -1,6 +1,6 @@
-"""PyTorch references for conversion checks: a small EAGLE-1/2 head (official state-dict layout) and transformers targets.
+"""PyTorch references for `convert --check` and tests: an EAGLE-1/2 head in the official state-dict layout, transformers targets.
 
-Importing this module imports torch; the rest of ddd_jax never does except through here.
+Importing this module imports torch; the rest of ddd_jax never does except through here (and `hf.torch_bin_sources`).
 The head mirrors EAGLE's `cnets1.py` `Model`: fc(cat(embed(tokens), features)) -> one LLaMA decoder layer
 whose layer 0 has no input_layernorm; its `state_dict()` uses the official key names.
 """
@@ -13,6 +13,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+
+from .hf import checkpoint_sources
+from ..llama import output_embedding
 
 
 class _RMSNorm(nn.Module):
@@ -159,7 +162,6 @@ def write_official_eagle_head(head: TorchEagleHead, path, fmt: str = "bin", extr
 
 def load_official_head(src, dtype=torch.float32) -> TorchEagleHead:
     """The torch reference head from an official EAGLE-1/2 directory (for --check)."""
-    from .hf import checkpoint_sources
     src = Path(src)
     cfg = json.loads((src / "config.json").read_text())
     head = TorchEagleHead(cfg)
@@ -182,7 +184,7 @@ def head_check(src, draft, tokens, features) -> dict:
     with torch.no_grad():
         head.embed_tokens.weight.copy_(torch.from_numpy(np.array(tp["embed"], np.float32)))
         ref = head(torch.from_numpy(np.array(features, np.float32)), torch.from_numpy(np.array(tokens)).long())
-        w = np.asarray(tp["embed"] if draft.target.config.tie_word_embeddings else tp["lm_head"].T, np.float32)
+        w = np.asarray(output_embedding(tp, draft.target.config), np.float32)
         ref_logits = ref @ torch.from_numpy(w).T
     feats, logits = draft.forward(tokens, features)
     return {"max_feature_diff": float(np.abs(np.asarray(feats, np.float32) - ref.numpy()).max()),
@@ -207,3 +209,24 @@ def target_check(src, target, tokens) -> dict:
                      np.float32)
     return {"max_logit_diff": float(np.abs(got - ref).max()),
             "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).mean())}
+
+
+def check_tokens(target, n: int = 12) -> np.ndarray:
+    """A few token ids for --check runs: a short English sentence when there is a tokenizer."""
+    if target.tokenizer is not None:
+        ids = target.encode("The quick brown fox jumps over the lazy dog, then naps in the sun.")[:n]
+        if ids:
+            return np.asarray([ids], np.int32)
+    rng = np.random.default_rng(0)
+    return rng.integers(0, target.config.vocab_size, (1, n), dtype=np.int32)
+
+
+def check_head(src, draft) -> dict:
+    """Max differences between the torch reference head at `src` and `draft` on target features of a few tokens."""
+    import jax.numpy as jnp
+    target = draft.target
+    toks = check_tokens(target)
+    T = toks.shape[1]
+    feats = target.forward(jnp.asarray(toks), jnp.broadcast_to(jnp.arange(T), toks.shape), return_logits=False).hidden
+    feats = np.asarray(feats, np.float32)[:, :-1]
+    return head_check(src, draft, toks[:, 1:], feats)

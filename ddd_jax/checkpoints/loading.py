@@ -1,0 +1,108 @@
+"""`load_target` / `load_draft` / `convert_target`: tell what a name or path holds and hand it to that format's reader.
+
+Targets: a known name (`registry.NAMED_TARGETS`, cached in our format), our target format, an HF LLaMA
+directory, or a llama-architecture .gguf file. Draft heads: a packaged name, our head format, or an official
+EAGLE-1/2 PyTorch head directory (converted on the fly).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .. import io as dio
+from ..eagle import Draft
+from ..target import Target
+from . import registry
+from .eagle_official import convert_official_head
+from .gguf import load_gguf_target
+from .hf import load_hf_dir
+from .ours import HEAD_FORMAT, TARGET_FORMAT, load_draft_dir, load_target_dir, save_target
+from .registry import NAMED_TARGETS, named_source
+
+
+def resolve_source(path_or_name) -> tuple[str, Path]:
+    """(kind, path) of a target source: kind in {"named", "gguf", "ours", "hf"}; clear errors otherwise."""
+    s = str(path_or_name)
+    if s in NAMED_TARGETS:
+        return "named", named_source(s)
+    path = Path(s).expanduser()
+    if not path.exists():
+        if os.sep not in s and "/" not in s and not s.endswith(".gguf"):
+            raise ValueError(f"unknown target name {s!r} (and no such path); known names: {sorted(NAMED_TARGETS)}")
+        raise FileNotFoundError(f"no target at {path}")
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return "gguf", path
+        raise ValueError(f"{path}: unsupported file (expected a .gguf file or a model directory)")
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return "gguf", ggufs[0]
+        raise FileNotFoundError(f"{path}: no config.json (not our format nor an HF model directory)")
+    fmt = dio.read_json(path / "config.json").get("format")
+    if fmt == TARGET_FORMAT:
+        return "ours", path
+    if fmt is not None:
+        raise ValueError(f"{path} holds a {fmt!r} checkpoint, not a target (draft heads load with load_draft)")
+    return "hf", path
+
+
+def load_target(path_or_name, dtype=None) -> Target:
+    """Load a target.
+
+    path_or_name: a known name ("smollm2-135m-instruct"), a directory in our format, an HF LLaMA
+    directory, or a llama-architecture .gguf file. dtype: "float32" | "float16" | "bfloat16" (or a numpy/jax
+    dtype); None keeps the stored dtype (float32 for GGUF).
+    """
+    kind, path = resolve_source(path_or_name)
+    if kind == "named":
+        return registry.load_named(str(path_or_name), path, dtype)
+    if kind == "gguf":
+        return load_gguf_target(path, dtype)
+    if kind == "ours":
+        return load_target_dir(path, dtype)
+    return load_hf_dir(path, dtype)
+
+
+def convert_target(src, out, dtype=None) -> Path:
+    """Convert any target source (name, HF directory, .gguf, our format) to our format at `out`.
+
+    Atomic (nothing is left at `out` on error) and host-memory lean: weights are converted into numpy
+    buffers (one full copy) and streamed to disk one tensor at a time. Returns the written path.
+    """
+    kind, path = resolve_source(src)
+    if kind == "hf":
+        target = load_hf_dir(path, dtype, as_jax=False)
+    elif kind == "gguf" or kind == "named":
+        target = load_gguf_target(path, dtype, name=str(src) if kind == "named" else None, as_jax=False)
+    else:
+        target = load_target_dir(path, None)
+    save_target(target, out, dtype=dtype)
+    return Path(out)
+
+
+def load_draft(path_or_name, target: Target, dtype=None) -> Draft:
+    """A draft head bound to `target`.
+
+    path_or_name: a packaged name ("smollm2-135m-instruct-eagle"), a directory in our head format
+    (`save_draft`), or an official EAGLE-1/2 PyTorch head (config.json + pytorch_model.bin /
+    model.safetensors), converted on the fly. dtype defaults to the target's parameter dtype.
+    """
+    s = str(path_or_name)
+    dtype = dtype or target.params["embed"].dtype
+    if s in registry.NAMED_DRAFTS:
+        return load_draft_dir(registry.named_draft_dir(s), target, dtype=dtype)
+    path = Path(s).expanduser()
+    if not path.exists():
+        if "/" not in s and "\\" not in s:
+            raise ValueError(f"unknown draft head name {s!r} (and no such path); known names: "
+                             f"{sorted(registry.NAMED_DRAFTS)}")
+        raise FileNotFoundError(f"no draft head at {path}")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: a draft head is a directory with a config.json")
+    fmt = dio.read_json(path / "config.json").get("format")
+    if fmt == HEAD_FORMAT:
+        return load_draft_dir(path, target, dtype=dtype)
+    if fmt is not None:
+        raise ValueError(f"{path} holds a {fmt!r} checkpoint, not a draft head")
+    return convert_official_head(path, target, dtype=dtype)
