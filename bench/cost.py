@@ -2,7 +2,8 @@
 
 This is what decides tree sizes: a tree of N tokens pays t(N) per target call and wins only if
 tau(N) * t(1) > t(N) + draft time. On accelerators t(N) is flat up to a large N; on CPU it grows quickly.
-The draft-step curve (one head forward + vocab projection for a beam of k tokens) prices each draft step.
+The draft-step curve (one head forward + projection onto the head's draft vocabulary for a beam of k tokens,
+as `drafting.draft_step` runs it) prices each draft step.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import numpy as np
 
 from ddd_jax import llama
 from ddd_jax.cache import with_length
-from ddd_jax.eagle import head_forward, new_cache as new_draft_cache
+from ddd_jax.eagle import draft_logits, head_forward, new_cache as new_draft_cache
+from ddd_jax.layers import causal_mask, tree_kv_mask
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -45,8 +47,8 @@ def _target_step(params, cfg, cache, tokens, positions, mask):
 @partial(jax.jit, static_argnames=("dcfg", "tcfg"), donate_argnames=("cache",))
 def _draft_step(dparams, dcfg, tparams, tcfg, cache, tokens, feats, positions, mask):
     h, new = head_forward(dparams, dcfg, tparams["embed"], tokens, feats, positions, cache,
-                          llama.tree_kv_mask(cache.length, cache.capacity, mask))
-    return jax.nn.log_softmax(llama.lm_head(tparams, tcfg, h), axis=-1), with_length(new, cache.length)
+                          tree_kv_mask(cache.length, cache.capacity, mask))
+    return draft_logits(dparams, tparams, tcfg, h), with_length(new, cache.length)
 
 
 class _Looper:
@@ -81,7 +83,7 @@ def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capa
     for n in it:
         toks = jnp.asarray(np.arange(n, dtype=np.int32)[None] % cfg.vocab_size)
         pos = context + jnp.arange(n, dtype=jnp.int32)[None]
-        mask = llama.causal_mask(1, n)
+        mask = causal_mask(1, n)
         run = _Looper(lambda c: _target_step(target.params, cfg, c, toks, pos, mask), cache)
         first, times = _time(run, repeat)
         cache = run.cache
@@ -89,7 +91,8 @@ def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capa
                "target_ms_all": [1e3 * t for t in times], "target_compile_s": first}
         if draft is not None:
             feats = jnp.zeros((1, n, cfg.hidden_size), dtype)
-            run = _Looper(lambda c: _draft_step(draft.params, draft.config, target.params, cfg, c, toks, feats, pos,
+            dparams = draft.decode_params()
+            run = _Looper(lambda c: _draft_step(dparams, draft.config, target.params, cfg, c, toks, feats, pos,
                                                 mask), dcache)
             first, times = _time(run, repeat)
             dcache = run.cache
