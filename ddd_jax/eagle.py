@@ -111,6 +111,7 @@ class Draft:
     config: DraftConfig
     params: dict  # see the module docstring; `d2t` [V'] int32 when drafting over a reduced vocabulary
     target: object  # ddd_jax Target (has .config and .params)
+    name: str | None = None  # what it was loaded as (a packaged name or a path): selects tuned settings
     # [V', D] the target's output-embedding rows of the draft vocabulary (derived from d2t once; never saved)
     lm_sub: jax.Array | None = field(init=False, default=None, repr=False)
 

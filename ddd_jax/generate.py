@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import drafting, llama
+from . import drafting, llama, settings
 from .cache import KVCache, commit, with_length
 from .config import DDDConfig, DraftConfig, ModelConfig, TreeConfig, check_tree_for_ddd
 from .drafting import SyncCounter, threshold_policy
@@ -327,6 +327,8 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
     """Generate new tokens for `prompt_ids` (list[int], or a list of lists for a batch).
 
     method: "vanilla" (baseline), "eagle2" (fixed-depth EAGLE-2 tree), "ddd" (Dynamic Depth Decoding).
+    tree / ddd: None = this backend's tuned settings for this target and head when `ddd-jax tune` saved some,
+    else the paper's defaults (`ddd_jax.settings.resolve`); stats["settings"] says which were used and why.
     sync (ddd only): "host" | "callback" | "device" (see `ddd_jax.drafting`). loop: "device" (one jitted loop
     over the whole generation) or "host" (Python loop over cycles/tokens); default "device" except for
     sync="host", profile=True or stream. policy: host function for sync="host" or "callback"
@@ -334,8 +336,10 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
     the static plan, so each distinct policy compiles once. stream: callable(new_token_ids) invoked after each
     cycle (forces loop="host").
     """
-    tree = tree or TreeConfig()
-    ddd = ddd or DDDConfig()
+    if method == "vanilla":
+        tree, ddd, source = tree or TreeConfig(), ddd or DDDConfig(), None
+    else:
+        tree, ddd, source = settings.resolve(target, draft, tree, ddd)
     plan = make_plan(target, draft, method=method, sync=sync, tree=tree, ddd=ddd, temperature=temperature,
                      top_p=top_p, max_new_tokens=max_new_tokens, policy=policy)
     if loop is None:
@@ -361,7 +365,9 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
         s = _run_spec(tparams, dparams, plan, s, threshold, loop, counter, clock, stream)
     jax.block_until_ready(s)
     t2 = time.perf_counter()
-    return _result(target, plan, s, batched, counter, clock.times, t1 - t0, t2 - t1)
+    used = None if source is None else {"tree": dataclasses.asdict(tree), "source": source,
+                                        **({"ddd": dataclasses.asdict(ddd)} if method == "ddd" else {})}
+    return _result(target, plan, s, batched, counter, clock.times, t1 - t0, t2 - t1, used)
 
 
 class _PhaseClock:
@@ -427,7 +433,8 @@ def _run_spec(tparams, dparams, plan, s, threshold, loop, counter, clock: _Phase
             return s
 
 
-def _result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, times, prefill_s, decode_s):
+def _result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, times, prefill_s, decode_s,
+            used_settings):
     out = np.asarray(s.out)
     out_len = np.asarray(s.out_len)
     cycles = int(np.asarray(s.cycle))
@@ -453,7 +460,7 @@ def _result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, t
             "host_syncs": counter.total + callbacks,
             "prefill_s": prefill_s, "decode_s": decode_s, "total_s": prefill_s + decode_s,
             "tokens_per_s": (n_new - 1) / decode_s if decode_s > 0 and n_new > 1 else 0.0,
-            **times,
+            "settings": used_settings, **times,
         }
         stats.append(st)
     texts = [target.decode(t) for t in toks]
@@ -464,5 +471,6 @@ def _result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, t
 
 def _merge(stats: list) -> dict:
     return {"new_tokens": sum(s["new_tokens"] for s in stats), "host_syncs": stats[0]["host_syncs"],
-            "draft_syncs": stats[0]["draft_syncs"], "ddd_checks": stats[0]["ddd_checks"], "prefill_s": stats[0]["prefill_s"],
+            "draft_syncs": stats[0]["draft_syncs"], "ddd_checks": stats[0]["ddd_checks"],
+            "settings": stats[0]["settings"], "prefill_s": stats[0]["prefill_s"],
             "decode_s": stats[0]["decode_s"]}

@@ -6,6 +6,7 @@ EAGLE-1/2 PyTorch head directory (converted on the fly).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -91,7 +92,7 @@ def load_draft(path_or_name, target: Target, dtype=None) -> Draft:
     s = str(path_or_name)
     dtype = dtype or target.params["embed"].dtype
     if s in registry.NAMED_DRAFTS:
-        return load_draft_dir(registry.named_draft_dir(s), target, dtype=dtype)
+        return dataclasses.replace(load_draft_dir(registry.named_draft_dir(s), target, dtype=dtype), name=s)
     path = Path(s).expanduser()
     if not path.exists():
         if "/" not in s and "\\" not in s:
@@ -101,8 +102,8 @@ def load_draft(path_or_name, target: Target, dtype=None) -> Draft:
     if not path.is_dir() or not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: a draft head is a directory with a config.json")
     fmt = dio.read_json(path / "config.json").get("format")
-    if fmt == HEAD_FORMAT:
-        return load_draft_dir(path, target, dtype=dtype)
-    if fmt is not None:
+    if fmt is not None and fmt != HEAD_FORMAT:
         raise ValueError(f"{path} holds a {fmt!r} checkpoint, not a draft head")
-    return convert_official_head(path, target, dtype=dtype)
+    d = load_draft_dir(path, target, dtype=dtype) if fmt == HEAD_FORMAT else convert_official_head(path, target,
+                                                                                                     dtype=dtype)
+    return dataclasses.replace(d, name=s)
