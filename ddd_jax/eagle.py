@@ -25,12 +25,15 @@ import numpy as np
 from . import io as dio
 from .cache import KVCache, init_cache
 from .checkpoints.keytable import check_shapes
+from . import eagle3
 from .config import DraftConfig, ModelConfig
 from .layers import causal_mask
 from .llama import decoder_stack, layer_shapes, lm_head, output_embedding
 
 
 def param_shapes(dcfg: DraftConfig) -> dict:
+    if dcfg.head_type == "eagle3":
+        return eagle3.param_shapes(dcfg)
     D = dcfg.hidden_size
     s = {"fc_w": (2 * D, D), "layers": layer_shapes(dcfg.layer_config(), 1, input_norm=False)}
     if dcfg.fc_bias:
@@ -41,6 +44,8 @@ def param_shapes(dcfg: DraftConfig) -> dict:
 
 
 def init_params(dcfg: DraftConfig, key, dtype=jnp.float32, std: float = 0.02) -> dict:
+    if dcfg.head_type == "eagle3":
+        return eagle3.init_params(dcfg, key, dtype, std)
     shapes = param_shapes(dcfg)
     flat = dio.flatten(shapes)
     keys = jax.random.split(key, len(flat))
@@ -65,6 +70,8 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions,
     kv_mask is [B, T, S]; without, kv_mask is [B, T, T] (default causal). Returns (next_features [B,T,D],
     cache with K/V written and length unchanged).
     """
+    if dcfg.head_type == "eagle3":  # features are the head's width here: see `project_features`
+        return eagle3.head_forward(dparams, dcfg, embed, tokens, features, positions, cache, kv_mask)
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
     e = jnp.take(embed, tokens, axis=0).astype(features.dtype)
@@ -77,10 +84,23 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions,
     return x, cache
 
 
-def draft_logits(dparams, tparams, tcfg: ModelConfig, h):
+def project_features(dparams, dcfg: DraftConfig, feats):
+    """Target features -> what the head's layer reads as its hidden input: identity for EAGLE-1/2; EAGLE-3's fc
+    over the three layers' features. Drafting applies it to target features only (never to the head's outputs)."""
+    if dcfg.head_type == "eagle3":
+        return eagle3.project_features(dparams, dcfg, feats)
+    return feats
+
+
+def draft_logits(dparams, tparams, tcfg: ModelConfig, h, dcfg: DraftConfig | None = None):
     """Draft log-probs over the draft vocabulary: [..., V] (full) or [..., V'] when the head has `d2t`
     (then `dparams["lm_sub"]` [V', D] holds the target's output embedding rows of those tokens; see
-    `Draft.decode_params`). Renormalised over the draft vocabulary."""
+    `Draft.decode_params`). Renormalised over the draft vocabulary. EAGLE-3 heads (pass `dcfg`) use their own
+    norm and lm_head."""
+    if "final_norm" in dparams:
+        if dcfg is None or dcfg.head_type != "eagle3":
+            raise ValueError("draft_logits: an EAGLE-3 head's params need its DraftConfig (dcfg=...)")
+        return jax.nn.log_softmax(eagle3.logits(dparams, dcfg, h), axis=-1)
     if "lm_sub" in dparams:
         logits = jnp.einsum("...d,vd->...v", h, dparams["lm_sub"], preferred_element_type=jnp.float32)
     else:
@@ -90,6 +110,8 @@ def draft_logits(dparams, tparams, tcfg: ModelConfig, h):
 
 def with_draft_vocab(draft: "Draft", token_ids) -> "Draft":
     """The same head drafting only over `token_ids` (e.g. the most frequent target tokens of its training data)."""
+    if draft.config.head_type == "eagle3":
+        raise ValueError("with_draft_vocab: an EAGLE-3 head's draft vocabulary is fixed by its own lm_head")
     ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
     V = draft.config.vocab_size
     if ids.size == 0 or ids.min() < 0 or ids.max() >= V or len(np.unique(ids)) != ids.size:
@@ -119,6 +141,8 @@ class Draft:
         self.config.check_target(self.target.config)
         check_shapes(self.params, param_shapes(self.config), "draft head")
         if "d2t" in self.params:
+            _check_d2t(self.params["d2t"], self.config.vocab_size)
+        if "d2t" in self.params and self.config.head_type == "eagle1":
             w = output_embedding(self.target.params, self.target.config)
             self.lm_sub = jnp.take(w, self.params["d2t"], axis=0)
 
@@ -135,7 +159,13 @@ class Draft:
         if tokens.ndim != 2 or features.ndim != 3 or features.shape[:2] != tokens.shape:
             raise ValueError(f"draft.forward: tokens must be [B,T] and features [B,T,D]; got {tokens.shape}, "
                              f"{features.shape}")
-        if features.shape[-1] != self.config.hidden_size:
+        if features.shape[-1] != self.config.feature_size:
+            if self.config.head_type == "eagle3":
+                raise ValueError(
+                    f"draft.forward: an EAGLE-3 head takes target features [B,T,{self.config.feature_size}] "
+                    f"(the residual stream entering target layers 2, L//2, L-3, concatenated); got width "
+                    f"{features.shape[-1]}" + (" -- EAGLE-1/2 features (the final hidden state)?"
+                                               if features.shape[-1] * 3 == self.config.feature_size else ""))
             raise ValueError(f"draft.forward: feature width {features.shape[-1]} != hidden_size "
                              f"{self.config.hidden_size}")
         return _forward_jit(self.params, self.config, self.target.params, self.target.config, tokens, features)
@@ -144,8 +174,19 @@ class Draft:
 def _forward_impl(dparams, dcfg, tparams, tcfg, tokens, features):
     B, T = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    h, _ = head_forward(dparams, dcfg, tparams["embed"], tokens, features, pos)
+    h, _ = head_forward(dparams, dcfg, tparams["embed"], tokens, project_features(dparams, dcfg, features), pos)
+    if dcfg.head_type == "eagle3":
+        return h, eagle3.to_target_vocab(dparams, eagle3.logits(dparams, dcfg, h), tcfg.vocab_size)
     return h, lm_head(tparams, tcfg, h)
+
+
+def _check_d2t(d2t, vocab_size: int) -> None:
+    if isinstance(d2t, jax.core.Tracer):
+        return
+    ids = np.asarray(d2t)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"draft head: d2t maps draft ids to target ids in [{int(ids.min())}, {int(ids.max())}], "
+                         f"outside the target vocabulary [0, {vocab_size})")
 
 
 _forward_jit = jax.jit(_forward_impl, static_argnames=("dcfg", "tcfg"))

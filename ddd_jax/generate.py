@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import drafting, llama, settings
+from . import drafting, eagle3, llama, settings
 from .cache import KVCache, commit, with_length
 from .config import DDDConfig, DraftConfig, ModelConfig, TreeConfig, check_tree_for_ddd
 from .drafting import SyncCounter, threshold_policy
@@ -81,7 +81,7 @@ class State:
     dcache: KVCache | None
     root: jax.Array  # [B] int32 last emitted token (not yet in the target cache)
     pend_tok: jax.Array  # [B, M] int32 draft pairs to commit next cycle: token at position p+1 ...
-    pend_feat: jax.Array  # [B, M, D] ... and the target feature at position p
+    pend_feat: jax.Array  # [B, M, Df] ... and the target feature at position p (Df = dcfg.feature_size)
     pend_n: jax.Array  # [B] int32
     out: jax.Array  # [B, max_new_tokens + M] int32 emitted tokens
     out_len: jax.Array  # [B] int32
@@ -148,26 +148,38 @@ def _emit(plan: Plan, state_out, out_len, done, emitted, n):
 
 
 # ----------------------------------------------------------------------------------------------- prefill
+def _aux_layers(plan: Plan) -> tuple:
+    """Target layers whose inputs the head reads (EAGLE-3), collected in the same target pass; () otherwise."""
+    return eagle3.feature_layers(plan.tcfg) if plan.dcfg is not None and plan.dcfg.head_type == "eagle3" else ()
+
+
+def _features(plan: Plan, out: llama.Output):
+    """The draft head's target features: [B, T, 3D] layer inputs (EAGLE-3) or the final hidden [B, T, D]."""
+    return out.aux if _aux_layers(plan) else out.hidden
+
+
 @partial(jax.jit, static_argnames=("plan", "capacity"))
 def _prefill(tparams, dparams, plan: Plan, tokens, plen, key, *, capacity: int) -> State:
     B, T = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     tcache = llama.new_cache(plan.tcfg, B, capacity, tparams["embed"].dtype)
-    out = llama.forward(tparams, plan.tcfg, tokens, pos, tcache, logit_index=(plen - 1)[:, None])
+    out = llama.forward(tparams, plan.tcfg, tokens, pos, tcache, logit_index=(plen - 1)[:, None],
+                        aux_layers=_aux_layers(plan))
+    feats = _features(plan, out)
     tcache = with_length(out.cache, plen)
     key, sub = jax.random.split(key)
     first = _choose(out.logits[:, 0], sub, plan.temperature, plan.top_p)
     M = plan.M
-    D = plan.tcfg.hidden_size
-    feat_last = jnp.take_along_axis(out.hidden, (plen - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+    D = feats.shape[-1]
+    feat_last = jnp.take_along_axis(feats, (plen - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
     dcache = None
     if plan.dcfg is not None:  # the last pair (first, f_{plen-1}) stays pending for the first cycle's step 0
-        dcache = drafting.fill_prefix(dparams, plan, tparams, tokens, out.hidden, pos, plen, capacity)
+        dcache = drafting.fill_prefix(dparams, plan, tparams, tokens, feats, pos, plen, capacity)
     C = plan.max_new_tokens
     state = State(
         tcache=tcache, dcache=dcache, root=first,
         pend_tok=jnp.zeros((B, M), jnp.int32).at[:, 0].set(first),
-        pend_feat=jnp.zeros((B, M, D), out.hidden.dtype).at[:, 0].set(feat_last),
+        pend_feat=jnp.zeros((B, M, D), feats.dtype).at[:, 0].set(feat_last),
         pend_n=jnp.ones((B,), jnp.int32),
         out=jnp.zeros((B, plan.max_new_tokens + M), jnp.int32), out_len=jnp.zeros((B,), jnp.int32),
         done=jnp.zeros((B,), bool), key=key, cycle=jnp.zeros((), jnp.int32),
@@ -210,14 +222,15 @@ def _verify(tparams, plan: Plan, s: State, d: drafting.Draft):
     """One target forward over the tree built from the draft's pool; greedy or lossless-sampling acceptance."""
     tree = build_tree(s.root, d.beam, plan.total_tokens)
     L = s.tcache.length
-    o = llama.forward(tparams, plan.tcfg, tree.tokens, L[:, None] + tree.depth, s.tcache, attn_mask=tree.anc)
+    o = llama.forward(tparams, plan.tcfg, tree.tokens, L[:, None] + tree.depth, s.tcache, attn_mask=tree.anc,
+                      aux_layers=_aux_layers(plan))
     if plan.temperature <= 0.0:
         acc = accept_greedy(tree, o.logits, plan.M)
         key = s.key
     else:
         key, sub = jax.random.split(s.key)
         acc = accept_sample(tree, o.logits, sub, plan.temperature, plan.top_p, plan.M)
-    return o.cache, o.hidden, acc, key
+    return o.cache, _features(plan, o), acc, key
 
 
 def _commit(plan: Plan, s: State, tcache_new, hidden, acc, key, d: drafting.Draft) -> State:

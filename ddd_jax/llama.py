@@ -28,6 +28,7 @@ class Output(NamedTuple):
     logits: jax.Array | None  # [B, T, V] float32 (or [B, R, V] with logit_index)
     hidden: jax.Array  # [B, T, D] final-normed features
     cache: KVCache | None
+    aux: jax.Array | None = None  # [B, T, A*D] residual stream entering each of `aux_layers` (EAGLE-3 features)
 
 
 def layer_shapes(cfg: ModelConfig, n_layers: int, input_norm: bool = True) -> dict:
@@ -73,13 +74,17 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.float32, std: float = 0.02) -> 
     return jax.tree.unflatten(treedef, out)
 
 
-def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | None, kv_mask):
+def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | None, kv_mask,
+                  aux_layers: tuple = (), qkv_input=None):
     """Run stacked decoder layers.
 
     lp: stacked layer params (leading L axis); x: [B, T, D]; positions: [B, T].
     With a cache: new K/V are written at slots cache.length[b] + t and kv_mask is [B, T, S] over all
     slots (after the write). Without a cache: kv_mask is [B, T, T] over the new tokens.
-    Returns (x, cache with k/v written; length unchanged).
+    aux_layers (static): also return the residual stream *entering* these layers (HF `hidden_states[i]`),
+    collected inside the scan. qkv_input: optional (x, p) -> what q/k/v read, replacing the input norm
+    (EAGLE-3's layer: cat(norm(embed), hidden_norm(x)) while the residual stream stays x).
+    Returns (x, cache with k/v written; length unchanged), plus aux [A, B, T, D] when aux_layers is given.
     """
     B, T, _ = x.shape
     N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -89,6 +94,7 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
 
     def qkv(x, p):
         h = L.rms_norm(x, p["attn_norm"], eps) if "attn_norm" in p else x
+        h = h if qkv_input is None else qkv_input(x, p)
         q = (h @ p["wq"]).reshape(B, T, N, H)
         k = (h @ p["wk"]).reshape(B, T, K, H)
         v = (h @ p["wv"]).reshape(B, T, K, H)
@@ -99,28 +105,37 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
         h = L.rms_norm(x, p["mlp_norm"], eps)
         return x + L.mlp(h, p["w_gate"], p["w_up"], p["w_down"])
 
+    def keep(aux, x, i):  # the stream entering layer i, into every aux slot that names layer i
+        return tuple(jnp.where(i == j, x, a) for a, j in zip(aux, aux_layers))
+
+    aux0 = tuple(jnp.zeros_like(x) for _ in aux_layers)
     if cache is None:
-        def body(x, p):
+        def body(c, xs):
+            x, aux = c
+            p, i = xs
+            aux = keep(aux, x, i)
             q, k, v = qkv(x, p)
-            return rest(x, p, L.attention(q, k, v, kv_mask)), None
-        x, _ = jax.lax.scan(body, x, lp)
-        return x, None
+            return (rest(x, p, L.attention(q, k, v, kv_mask)), aux), None
+        (x, aux), _ = jax.lax.scan(body, (x, aux0), (lp, jnp.arange(n_layers)))
+        return (x, None, jnp.stack(aux)) if aux_layers else (x, None)
 
     b_idx = jnp.arange(B)[:, None]
     dst = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T] slots of the new tokens
 
     def body(carry, xs):
-        x, kall, vall = carry
+        x, kall, vall, aux = carry
         p, i = xs
+        aux = keep(aux, x, i)
         q, k, v = qkv(x, p)
         # scatter straight into the carried [L, B, S, K, H] buffers (in place), then attend over layer i
         kall = kall.at[i, b_idx, dst].set(k.astype(kall.dtype), mode="drop")
         vall = vall.at[i, b_idx, dst].set(v.astype(vall.dtype), mode="drop")
         x = rest(x, p, L.attention(q, kall[i], vall[i], kv_mask))
-        return (x, kall, vall), None
+        return (x, kall, vall, aux), None
 
-    (x, kall, vall), _ = jax.lax.scan(body, (x, cache.k, cache.v), (lp, jnp.arange(n_layers)))
-    return x, KVCache(k=kall, v=vall, length=cache.length)
+    (x, kall, vall, aux), _ = jax.lax.scan(body, (x, cache.k, cache.v, aux0), (lp, jnp.arange(n_layers)))
+    new = KVCache(k=kall, v=vall, length=cache.length)
+    return (x, new, jnp.stack(aux)) if aux_layers else (x, new)
 
 
 def output_embedding(params, cfg: ModelConfig):
@@ -134,7 +149,7 @@ def lm_head(params, cfg: ModelConfig, hidden):
 
 
 def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None = None, attn_mask=None,
-            logit_index=None, return_logits: bool = True) -> Output:
+            logit_index=None, return_logits: bool = True, aux_layers: tuple = ()) -> Output:
     """Target forward.
 
     tokens, positions: [B, T] int32. attn_mask: [B, T, T] bool over the new tokens (default causal);
@@ -142,7 +157,9 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None =
     slots [length, length+T) and length advances by T (use `cache.commit` to keep only a tree path).
     logit_index: optional [B, R] rows of the new tokens to compute logits for (e.g. the last real
     prompt token), saving the vocab projection elsewhere. Shapes are static; the caller guarantees
-    length + T <= capacity (`generate` checks it on the host).
+    length + T <= capacity (`generate` checks it on the host). aux_layers (static tuple of layer indices,
+    e.g. `eagle3.feature_layers(cfg)`): Output.aux [B, T, A*D] holds the residual stream entering each of them
+    (transformers' `hidden_states[i]`), concatenated in the given order, from this same pass.
     """
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
@@ -153,7 +170,15 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None =
         kv_mask = L.tree_kv_mask(cache.length, cache.capacity, attn_mask)
     else:
         kv_mask = attn_mask
-    x, new_cache = decoder_stack(params["layers"], cfg, x, positions, cache, kv_mask)
+    aux = None
+    if aux_layers:
+        bad = [i for i in aux_layers if not 0 <= i < cfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"aux_layers {bad} outside the target's layers [0, {cfg.num_hidden_layers})")
+        x, new_cache, aux = decoder_stack(params["layers"], cfg, x, positions, cache, kv_mask, aux_layers=aux_layers)
+        aux = jnp.concatenate(list(aux), axis=-1)
+    else:
+        x, new_cache = decoder_stack(params["layers"], cfg, x, positions, cache, kv_mask)
     hidden = L.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if new_cache is not None:
         new_cache = KVCache(k=new_cache.k, v=new_cache.v, length=cache.length + T)
@@ -161,7 +186,7 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None =
     if return_logits:
         h = hidden if logit_index is None else jnp.take_along_axis(hidden, logit_index[..., None], axis=1)
         logits = lm_head(params, cfg, h)
-    return Output(logits=logits, hidden=hidden, cache=new_cache)
+    return Output(logits=logits, hidden=hidden, cache=new_cache, aux=aux)
 
 
 def new_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
