@@ -1,4 +1,5 @@
-"""Official EAGLE-1/2 PyTorch heads (SafeAILab/EAGLE `cnets1.py` layout) -> our draft params, via a key table.
+"""Official EAGLE-1/2 PyTorch heads (SafeAILab/EAGLE `cnets1.py` layout) -> our draft params, via a key table
+(EAGLE-3 heads are recognised by their tensor names and handed to `eagle3_official`).
 
 Official layout: `config.json` (a LlamaConfig with num_hidden_layers=1; `"bias": false` means fc has no
 bias, absent means it has one) + `pytorch_model.bin` or `model.safetensors` holding
@@ -28,7 +29,6 @@ EAGLE1_RULES = (
 )
 EMBED_KEY = "embed_tokens.weight"
 EAGLE1_IGNORE = (r".*rotary_emb\.inv_freq", r"embed_tokens\.weight")  # embed: compared, then dropped
-EAGLE3_MARKERS = ("midlayer.", "d2t", "t2d")
 
 
 def draft_config_from_official(raw: dict, what: str, target_name: str | None = None) -> DraftConfig:
@@ -91,12 +91,12 @@ def convert_official_head(src, target, dtype=None, embed_check: str = "warn") ->
     if not src.exists():
         raise FileNotFoundError(f"no EAGLE head at {src}")
     raw = dio.read_json(src / "config.json")
-    dcfg = draft_config_from_official(raw, what, target_name=getattr(target, "name", None))
     sources = checkpoint_sources(src)
     names = [s.name for s in sources]
-    if any(n.startswith(m) for n in names for m in EAGLE3_MARKERS):
-        raise ValueError(f"{what}: this looks like an EAGLE-3 head (midlayer/d2t/t2d tensors); only EAGLE-1/2 "
-                         "heads are supported")
+    from .eagle3_official import convert_official_eagle3, is_eagle3
+    if is_eagle3(names):  # midlayer / hidden_norm / d2t / t2d tensors
+        return convert_official_eagle3(src, target, dtype, embed_check)
+    dcfg = draft_config_from_official(raw, what, target_name=getattr(target, "name", None))
     embed = [s for s in sources if s.name == EMBED_KEY]
     if len(embed) > 1:
         raise ValueError(f"{what}: duplicate tensors ['{EMBED_KEY}']")
@@ -125,5 +125,5 @@ def convert_official_head(src, target, dtype=None, embed_check: str = "warn") ->
 def convert_eagle_dir(src, out, target, dtype=None, embed_check: str = "warn") -> "eagle.Draft":
     """Convert an official head to our head format at `out` (atomic: nothing is written on error)."""
     draft = convert_official_head(src, target, dtype, embed_check)
-    save_draft(draft, out, extra={"converted_from": str(Path(src).resolve()), "source_layout": "eagle1"})
+    save_draft(draft, out, extra={"converted_from": str(Path(src).resolve()), "source_layout": draft.config.head_type})
     return draft

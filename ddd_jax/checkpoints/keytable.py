@@ -72,7 +72,7 @@ def plan(sources: Iterable[SourceTensor], rules, expected: dict, what: str, igno
         if r.key not in expected:
             unexpected.append(src.name)
             continue
-        layer = int(m.group(1)) if m.groups() else None
+        layer = int(m.group(1) or 0) if m.groups() else None  # an optional group that matched nothing: layer 0
         full = tuple(expected[r.key])
         want = full[1:] if layer is not None else full
         if layer is not None and not 0 <= layer < full[0]:

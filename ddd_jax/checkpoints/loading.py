@@ -2,7 +2,7 @@
 
 Targets: a known name (`registry.NAMED_TARGETS`, cached in our format), our target format, an HF LLaMA
 directory, or a llama-architecture .gguf file. Draft heads: a packaged name, our head format, or an official
-EAGLE-1/2 PyTorch head directory (converted on the fly).
+EAGLE-1/2 or EAGLE-3 PyTorch head directory (converted on the fly).
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def load_draft(path_or_name, target: Target, dtype=None) -> Draft:
     """A draft head bound to `target`.
 
     path_or_name: a packaged name ("smollm2-135m-instruct-eagle"), a directory in our head format
-    (`save_draft`), or an official EAGLE-1/2 PyTorch head (config.json + pytorch_model.bin /
+    (`save_draft`), or an official EAGLE-1/2 or EAGLE-3 PyTorch head (config.json + pytorch_model.bin /
     model.safetensors), converted on the fly. dtype defaults to the target's parameter dtype.
     """
     s = str(path_or_name)

@@ -1,0 +1,187 @@
+"""EAGLE-3 heads: target aux features vs transformers, official checkpoints (both layouts) vs the torch reference,
+the draft.forward contract, lossless generation (every method / sync mode, greedy and sampling), bad inputs."""
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddd_jax import DDDConfig, ModelConfig, Target, TreeConfig, generate, init_draft, llama, load_draft
+from ddd_jax import eagle3
+from ddd_jax.eagle import Draft
+
+torch = pytest.importorskip("torch")
+from ddd_jax.checkpoints.torch_ref import (eagle3_head_check, random_eagle3_head,  # noqa: E402
+                                           write_official_eagle3_head)
+
+from conftest import write_tiny_hf_llama  # noqa: E402
+
+LAYERS = 6  # feature layers (2, 3, 3): the L//2 == L-3 duplicate is exercised too
+
+
+@pytest.fixture(scope="module")
+def hf_target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf3") / "t"
+    model = write_tiny_hf_llama(path, num_hidden_layers=LAYERS)
+    from ddd_jax import load_target
+    return model, load_target(path)
+
+
+def head_cfg(t: Target, draft_vocab: int = 40, **kw) -> dict:
+    c = t.config
+    return dict(hidden_size=c.hidden_size, intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
+                rms_norm_eps=1e-5, rope_theta=10000.0, vocab_size=c.vocab_size, draft_vocab_size=draft_vocab, **kw)
+
+
+def aux_features(t: Target, toks):
+    T = toks.shape[1]
+    return llama.forward(t.params, t.config, jnp.asarray(toks), jnp.broadcast_to(jnp.arange(T), toks.shape),
+                         aux_layers=eagle3.feature_layers(t.config)).aux
+
+
+def test_aux_matches_transformers_hidden_states(hf_target):
+    model, t = hf_target
+    toks = np.random.RandomState(0).randint(0, 128, (2, 9)).astype(np.int32)
+    with torch.no_grad():
+        hs = model(torch.from_numpy(toks).long(), output_hidden_states=True).hidden_states
+    L = LAYERS
+    ref = np.concatenate([hs[2].numpy(), hs[L // 2].numpy(), hs[L - 3].numpy()], -1)
+    got = aux_features(t, toks)
+    assert got.shape == (2, 9, 3 * 64)
+    np.testing.assert_allclose(np.asarray(got), ref, atol=1e-4)
+    # with a cache (the verify path) the same features come out
+    cache = llama.new_cache(t.config, 2, 32)
+    o = llama.forward(t.params, t.config, toks, np.broadcast_to(np.arange(9), toks.shape), cache,
+                      aux_layers=eagle3.feature_layers(t.config))
+    np.testing.assert_allclose(np.asarray(o.aux), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt, layout", [("bin", "midlayer"), ("safetensors", "midlayer"), ("bin", "layers"),
+                                         ("safetensors", "layers")])
+def test_official_eagle3_head_matches_torch(hf_target, tmp_path, fmt, layout):
+    _, t = hf_target
+    head = random_eagle3_head(head_cfg(t), seed=1, embed=t.params["embed"])
+    src = write_official_eagle3_head(head, tmp_path / "e3", fmt=fmt, layout=layout, with_embed=layout == "layers")
+    d = load_draft(src, t)
+    assert d.config.head_type == "eagle3" and d.config.draft_vocab_size == 40
+    assert np.array_equal(np.asarray(d.params["d2t"]), head.target_ids().numpy())
+    toks = np.random.RandomState(1).randint(0, 128, (1, 8)).astype(np.int32)
+    feats = np.asarray(aux_features(t, toks))[:, :-1]
+    diffs = eagle3_head_check(src, d, toks[:, 1:], feats)
+    assert diffs["max_feature_diff"] < 1e-4 and diffs["max_logit_diff"] < 1e-4, diffs
+    # the head's own output fed back (no fc), as later draft steps do: compare with torch directly
+    h1, _ = d.forward(toks[:, 1:], feats)
+    from ddd_jax.eagle import head_forward
+    T = toks.shape[1] - 1
+    h2, _ = head_forward(d.params, d.config, t.params["embed"], toks[:, 1:], h1, jnp.arange(T)[None])
+    with torch.no_grad():
+        ref2, _ = head(torch.from_numpy(np.array(h1)), torch.from_numpy(toks[:, 1:]).long())
+    np.testing.assert_allclose(np.asarray(h2), ref2.numpy(), atol=1e-4)
+
+
+def test_convert_eagle3_cli_check_and_round_trip(hf_target, tmp_path):
+    from ddd_jax.cli import main
+    _, t = hf_target
+    head = random_eagle3_head(head_cfg(t), seed=2, embed=t.params["embed"])
+    src = write_official_eagle3_head(head, tmp_path / "e3", fmt="bin")
+    from ddd_jax.checkpoints.ours import save_target
+    save_target(t, tmp_path / "tgt")
+    out = tmp_path / "out"
+    assert main(["convert", "eagle", str(src), str(out), "--target", str(tmp_path / "tgt"), "--check",
+                 "--check-tol", "1e-4"]) == 0
+    d1, d2 = load_draft(src, t), load_draft(out, t)
+    assert d2.config == d1.config
+    toks = np.arange(1, 8, dtype=np.int32)[None]
+    f = aux_features(t, np.arange(0, 8, dtype=np.int32)[None])[:, :-1]
+    np.testing.assert_allclose(np.asarray(d1.forward(toks, f)[1]), np.asarray(d2.forward(toks, f)[1]), atol=1e-6)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny3(seed: int = 0) -> Target:
+    """A tiny random target deep enough for EAGLE-3 (6 layers: features from layers 2, 3, 3)."""
+    cfg = ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=1024,
+                      eos_token_id=(95,))
+    p = llama.init_params(cfg, jax.random.PRNGKey(seed), std=0.25)
+    p["layers"]["wo"] = p["layers"]["wo"] * 0.15
+    return Target(f"tiny3-{seed}", cfg, p)
+
+
+def test_forward_contract():
+    t = tiny3()
+    ids = np.sort(np.random.RandomState(0).choice(96, 32, replace=False))
+    d = init_draft(t, 0, head_type="eagle3", draft_vocab_size=32)
+    d = Draft(d.config, {**d.params, "d2t": jnp.asarray(ids, jnp.int32)}, t)
+    toks = np.arange(1, 7, dtype=np.int32)[None].repeat(2, 0)
+    feats = jnp.ones((2, 6, 3 * 48))
+    h, lg = d.forward(toks, feats)
+    assert h.shape == (2, 6, 48) and lg.shape == (2, 6, 96)
+    lg = np.asarray(lg)
+    outside = np.setdiff1d(np.arange(96), ids)
+    assert np.isneginf(lg[..., outside]).all() and np.isfinite(lg[..., ids]).all()
+    with pytest.raises(ValueError, match="EAGLE-3 head takes target features.*EAGLE-1/2 features"):
+        d.forward(toks, jnp.ones((2, 6, 48)))
+
+
+def tree_ddd():
+    return TreeConfig(top_k=4, total_tokens=12, depth=3), DDDConfig(check_steps=(2, 3), max_depth=5, threshold=-0.5)
+
+
+@pytest.mark.parametrize("method, sync", [("eagle2", "device"), ("ddd", "host"), ("ddd", "callback"),
+                                          ("ddd", "device")])
+def test_generate_identical_to_vanilla(method, sync):
+    t = tiny3()
+    d = init_draft(t, 1, head_type="eagle3", draft_vocab_size=64)
+    ps = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    ref = generate(t, None, ps, max_new_tokens=16).tokens
+    tree, ddd = tree_ddd()
+    r = generate(t, d, ps, max_new_tokens=16, method=method, sync=sync, tree=tree, ddd=ddd)
+    assert r.tokens == ref
+
+
+def test_bad_inputs(hf_target, tmp_path):
+    _, t = hf_target
+    # a head for another target (hidden size)
+    with pytest.raises(ValueError, match="hidden_size"):
+        init_draft(t, 0, head_type="eagle3", draft_vocab_size=8, target_hidden_size=32)
+    # too shallow a target
+    with pytest.raises(ValueError, match="at least 3 layers"):
+        init_draft(Target("s", dataclass_replace(tiny3().config, num_hidden_layers=2),
+                          llama.init_params(dataclass_replace(tiny3().config, num_hidden_layers=2),
+                                            jax.random.PRNGKey(0))), 0, head_type="eagle3", draft_vocab_size=8)
+    def write(name, edit=None, cfg_edit=None, **kw):
+        head = random_eagle3_head(head_cfg(t, **kw), seed=3, embed=t.params["embed"])
+        src = write_official_eagle3_head(head, tmp_path / name, fmt="bin")
+        if edit:
+            sd = torch.load(src / "pytorch_model.bin", weights_only=True)
+            edit(sd)
+            torch.save(sd, src / "pytorch_model.bin")
+        if cfg_edit:
+            c = json.loads((src / "config.json").read_text())
+            cfg_edit(c)
+            (src / "config.json").write_text(json.dumps(c))
+        return src
+    cases = {
+        "missing": (write("m", lambda sd: sd.pop("midlayer.hidden_norm.weight")), r"missing tensors.*hidden_norm"),
+        "shape": (write("s", lambda sd: sd.__setitem__("fc.weight", torch.zeros(64, 64))),
+                  r"misshaped tensors fc\.weight"),
+        "d2t": (write("d", lambda sd: sd["d2t"].add_(1000)), r"d2t points outside the target vocabulary"),
+        "vocab": (write("v", cfg_edit=lambda c: c.__setitem__("vocab_size", 100)), r"vocab_size=100"),
+    }
+    from ddd_jax.checkpoints.eagle_official import convert_eagle_dir
+    for name, (src, match) in cases.items():
+        with pytest.raises(ValueError, match=match):
+            load_draft(src, t)
+        out = tmp_path / f"out-{name}"
+        with pytest.raises(ValueError, match=match):
+            convert_eagle_dir(src, out, t)
+        assert not out.exists()
+
+
+def dataclass_replace(x, **kw):
+    import dataclasses
+    return dataclasses.replace(x, **kw)
