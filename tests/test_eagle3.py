@@ -190,7 +190,7 @@ def dataclass_replace(x, **kw):
 def token_data(t: Target, n: int = 24, new: int = 36):
     """A FeatureSet of the target's own greedy continuations (ids and masks only: EAGLE-3 computes features)."""
     import dataclasses as dc
-    from train_draft.extract import FeatureSet
+    from ddd_jax.train_draft.extract import FeatureSet
     rng = np.random.RandomState(5)
     ps = [list(rng.randint(0, 90, rng.randint(2, 6))) for _ in range(n)]
     no_eos = Target(t.name, dc.replace(t.config, eos_token_id=()), t.params)
@@ -203,7 +203,7 @@ def token_data(t: Target, n: int = 24, new: int = 36):
 
 
 def test_ttt_training_loss_falls_and_resume_is_exact(tmp_path):
-    from train_draft.eagle3_fit import Fit3Config, fit_eagle3
+    from ddd_jax.train_draft.eagle3_fit import Fit3Config, fit_eagle3
     t = tiny3()
     fs = token_data(t)
     cfg = Fit3Config(steps=16, batch_size=2, seq_len=96, ttt_steps=3, draft_vocab_size=48, lr=2e-2, warmup=2,
@@ -226,3 +226,70 @@ def test_ttt_training_loss_falls_and_resume_is_exact(tmp_path):
     tree, ddd = tree_ddd()
     assert generate(t, d, ps, max_new_tokens=12, method="eagle2", tree=tree).tokens == \
         generate(t, None, ps, max_new_tokens=12).tokens
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (1.5, 0.9)])
+def test_sampling_distribution_matches_target_eagle3(temperature, top_p):
+    """tests/test_spec.py's chi-square check with an EAGLE-3 head whose draft vocabulary misses some tokens."""
+    from scipy.stats import chi2
+
+    from ddd_jax.verify import process_logits
+    cfg = ModelConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, max_position_embeddings=64, eos_token_id=())
+    target = Target("sample3", cfg, llama.init_params(cfg, jax.random.PRNGKey(3), std=0.5))
+    d = init_draft(target, 4, head_type="eagle3", draft_vocab_size=4)
+    draft = Draft(d.config, {**d.params, "d2t": jnp.asarray([0, 2, 3, 5], jnp.int32)}, target)
+    prompt = [1, 2, 3]
+    V = cfg.vocab_size
+    seqs = np.array([[*prompt, a, b] for a in range(V) for b in range(V)], np.int32)
+    lg = llama.forward(target.params, cfg, seqs, np.broadcast_to(np.arange(5), seqs.shape)).logits
+    p = np.exp(np.asarray(process_logits(lg, temperature, top_p)))
+    joint = np.einsum("a,ab,abc->bc", p[0, 2], p[::V, 3], p[:, 4].reshape(V, V, V)).reshape(-1)
+    counts = np.zeros(V * V)
+    tree = TreeConfig(top_k=3, total_tokens=8, depth=2)
+    for seed in range(4):
+        r = generate(target, draft, [prompt] * 1000, max_new_tokens=3, method="eagle2", tree=tree,
+                     temperature=temperature, top_p=top_p, seed=seed)
+        for t in r.tokens:
+            counts[t[1] * V + t[2]] += 1
+    n = counts.sum()
+    keep = joint * n >= 5
+    assert counts[~keep].sum() <= max(10, 0.01 * n)
+    stat = (((counts[keep] - n * joint[keep]) ** 2) / (n * joint[keep])).sum()
+    pval = chi2.sf(stat, keep.sum() - 1)
+    assert pval > 1e-3, f"speculative sampling deviates from the target distribution (chi2={stat:.1f}, p={pval:.2g})"
+    assert max(max(s["accepted_per_call"]) for s in r.stats["per_sequence"]) >= 2
+
+
+def test_smollm2_eagle3_token_identical(smollm2_gguf):
+    """The real target: an (untrained) EAGLE-3 head reads SmolLM2's layers 2, 15, 27 and stays lossless."""
+    from ddd_jax import load_target
+    t = load_target(smollm2_gguf)
+    assert eagle3.feature_layers(t.config) == (2, 15, 27)
+    d = init_draft(t, 0, head_type="eagle3", draft_vocab_size=2048)
+    ids = t.encode("The capital of France is")
+    ref = generate(t, None, ids, max_new_tokens=24).tokens
+    tree = TreeConfig(top_k=4, total_tokens=16, depth=3)
+    assert generate(t, d, ids, max_new_tokens=24, method="eagle2", tree=tree).tokens == ref
+    assert generate(t, d, ids, max_new_tokens=24, method="ddd", sync="device", tree=tree,
+                    ddd=DDDConfig(check_steps=(2,), max_depth=4)).tokens == ref
+
+
+def test_train_draft_cli_eagle3(tmp_path):
+    """`ddd-jax train-draft fit --head-type eagle3` on extracted shards (only their ids and masks are read)."""
+    from ddd_jax.checkpoints.ours import save_target
+    from ddd_jax.cli import main
+    from ddd_jax.train_draft.extract import extract
+    t = tiny3()
+    save_target(t, tmp_path / "tgt")
+    rng = np.random.default_rng(0)
+    exs = [{"id": f"s{i}", "ids": rng.integers(0, 90, 30).astype(np.int32), "mask": np.ones(30, np.uint8)}
+           for i in range(8)]
+    extract(t, exs, lambda e: e, tmp_path / "feat", source={"kind": "synthetic"}, max_len=30, shard_size=4,
+            buckets=(32,), progress=False)
+    args = ["train-draft", "fit", "--target", str(tmp_path / "tgt"), "--features", str(tmp_path / "feat"),
+            "--out", str(tmp_path / "run"), "--head-type", "eagle3", "--ttt-steps", "2", "--draft-vocab-size", "32",
+            "--steps", "2", "--batch-size", "1", "--seq-len", "64", "--export-dir", str(tmp_path / "head")]
+    assert main(args) == 0
+    d = load_draft(tmp_path / "head", t)
+    assert d.config.head_type == "eagle3" and d.config.draft_vocab_size == 32
