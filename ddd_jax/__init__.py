@@ -12,5 +12,14 @@ def load_draft(path_or_name, target, dtype=None):
     return _load(path_or_name, target, dtype=dtype)
 
 
+def __getattr__(name):
+    # The nnx module views load flax (~0.45 s) only when asked for, so `import ddd_jax` and the CLI stay quick.
+    if name in ("LlamaModule", "EagleHeadModule"):
+        from . import modules
+        return getattr(modules, name)
+    raise AttributeError(f"module 'ddd_jax' has no attribute {name!r}")
+
+
 __all__ = ["DDDConfig", "DraftConfig", "ModelConfig", "TreeConfig", "Draft", "init_draft", "save_draft",
-           "GenerateResult", "generate", "Target", "load_target", "load_draft"]
+           "GenerateResult", "generate", "Target", "load_target", "load_draft",
+           "LlamaModule", "EagleHeadModule"]
