@@ -99,7 +99,7 @@ class EagleHeadModule(_ParamsModule):
     @classmethod
     def from_draft(cls, draft) -> "EagleHeadModule":
         """A view of a `ddd_jax.Draft`'s head weights (shares its arrays; the target stays with the draft)."""
-        return cls(draft.config, {k: v for k, v in draft.params.items() if k != "lm_sub"})
+        return cls(draft.config, draft.params)
 
     def __call__(self, embed, tokens, features, positions, cache: KVCache | None = None, kv_mask=None):
         """`eagle.head_forward`: embed [V, D] is the target's embedding table (an array or a `LlamaModule`),
