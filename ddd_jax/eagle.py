@@ -122,6 +122,11 @@ class Draft:
             w = output_embedding(self.target.params, self.target.config)
             self.lm_sub = jnp.take(w, self.params["d2t"], axis=0)
 
+    def module(self):
+        """This head as a flax nnx module (`modules.EagleHeadModule`) over the same arrays."""
+        from .modules import EagleHeadModule
+        return EagleHeadModule.from_draft(self)
+
     def decode_params(self) -> dict:
         """Params as the decode loops use them: the head's params, plus `lm_sub` for a reduced draft vocabulary."""
         return self.params if self.lm_sub is None else {**self.params, "lm_sub": self.lm_sub}

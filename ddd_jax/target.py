@@ -39,6 +39,11 @@ class Target:
         """Jitted `llama.forward` over this target's params (see there for shapes)."""
         return _forward(self.params, self.config, tokens, positions, cache, attn_mask, logit_index, return_logits)
 
+    def module(self):
+        """This target as a flax nnx module (`modules.LlamaModule`) over the same arrays."""
+        from .modules import LlamaModule
+        return LlamaModule.from_target(self)
+
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError(f"target {self.name!r} has no tokenizer")
