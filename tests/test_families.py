@@ -326,6 +326,30 @@ def test_gguf_unsupported_architecture(tmp_path):
         load_target(tmp_path / "g.gguf")
 
 
+@pytest.mark.parametrize("pre,want", [("qwen2", ["1", "2", "3", "4", "5"]), ("llama-bpe", ["123", "45"])])
+def test_gguf_qwen2_pretokenizer_splits_digits_one_by_one(tmp_path, pre, want):
+    """Qwen2/Qwen3 GGUFs (`tokenizer.ggml.pre` = "qwen2") split numbers into single digits before BPE; llama3's
+    pre-tokenizer takes up to three."""
+    gguf = pytest.importorskip("gguf")
+    from tokenizers import pre_tokenizers
+
+    from ddd_jax.checkpoints.gguf import gguf_tokenizer, read_gguf
+    tokens = list(pre_tokenizers.ByteLevel.alphabet()) + ["12", "123", "45"]
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "qwen2")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_merges(["1 2", "12 3", "4 5"])
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok, _, _ = gguf_tokenizer(read_gguf(tmp_path / "t.gguf"))
+    assert [tokens[i] for i in tok.encode("12345").ids] == want
+
+
 # ----------------------------------------------------------------------------------------------- bad input
 
 def _edit_config(path, **changes):
