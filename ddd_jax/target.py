@@ -1,4 +1,4 @@
-"""The Target: a loaded LLaMA-architecture model (config, params, tokenizer, chat template) and its jitted forward."""
+"""The Target: a loaded LLaMA-family model (Llama, Mistral, Qwen2, Qwen3) (config, params, tokenizer, chat template) and its jitted forward."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
