@@ -21,7 +21,10 @@ token), gradient-norm clipping and a cosine schedule as `train.py`.
 
 Storage: only the token ids and loss masks of the feature shards are read (`train_draft.extract` output; their
 final-normed features are ignored), so EAGLE-3 needs no 3x feature storage; the price is one frozen target
-forward per step. Determinism and resume are as in `train.py`: the batch of step s is a pure function of
+forward per step. Measured here (SmolLM2-135M, 2 shared CPU cores, one 256-token row, K=7, V'=8192): the frozen
+target part (forward with the aux layers + full-vocab logits) took 7.0 s of a 26.1 s step (27%), while storing the
+three layers plus the final hidden state (for the soft labels) in float16 would take 4.6 KB per token (4.6 GB per
+1M tokens) -- so features are computed on the fly. Determinism and resume are as in `train.py`: the batch of step s is a pure function of
 (seed, s), and `resume=True` continues bit-for-bit from the orbax checkpoint.
 """
 from __future__ import annotations
