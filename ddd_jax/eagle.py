@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ from .cache import KVCache, init_cache
 from .checkpoints.keytable import check_shapes
 from .config import DraftConfig, ModelConfig
 from .layers import causal_mask
-from .llama import decoder_stack, layer_shapes, lm_head, output_embedding
+from .llama import WEIGHT_AXES, axes_like, decoder_stack, layer_shapes, lm_head, output_embedding
 
 
 def param_shapes(dcfg: DraftConfig) -> dict:
@@ -38,6 +39,14 @@ def param_shapes(dcfg: DraftConfig) -> dict:
     if dcfg.draft_vocab_size:
         s["d2t"] = (dcfg.draft_vocab_size,)
     return s
+
+
+DRAFT_AXES = {"fc_w": ("embed2", "embed"), "fc_b": ("embed",), "d2t": ("draft_vocab",), "lm_sub": ("draft_vocab", "embed")}
+
+
+def param_axes(dcfg: DraftConfig) -> dict:
+    """Logical axis names of every head weight, mirroring `param_shapes(dcfg)` (see `llama.param_axes`)."""
+    return axes_like(param_shapes(dcfg), {**WEIGHT_AXES, **DRAFT_AXES})
 
 
 def init_params(dcfg: DraftConfig, key, dtype=jnp.float32, std: float = 0.02) -> dict:
@@ -118,9 +127,20 @@ class Draft:
     def __post_init__(self):
         self.config.check_target(self.target.config)
         check_shapes(self.params, param_shapes(self.config), "draft head")
+        mesh = self.mesh
+        if mesh is not None:  # on the target's mesh, by the same rules as the target's weights
+            from . import sharding
+            self.params = sharding.place_params(self.params, param_axes(self.config), mesh)
         if "d2t" in self.params:
             w = output_embedding(self.target.params, self.target.config)
             self.lm_sub = jnp.take(w, self.params["d2t"], axis=0)
+            if mesh is not None:
+                self.lm_sub = sharding.put(self.lm_sub, sharding.named(mesh, DRAFT_AXES["lm_sub"]))
+
+    @property
+    def mesh(self):
+        """The target's device mesh (None: one device)."""
+        return getattr(self.target, "mesh", None)
 
     def decode_params(self) -> dict:
         """Params as the decode loops use them: the head's params, plus `lm_sub` for a reduced draft vocabulary."""
@@ -154,4 +174,9 @@ _forward_jit = jax.jit(_forward_impl, static_argnames=("dcfg", "tcfg"))
 def init_draft(target, seed: int = 0, dtype=jnp.float32, **config_overrides) -> Draft:
     """A fresh random head for `target` (tests, training)."""
     dcfg = DraftConfig.from_target(target.config, target_name=getattr(target, "name", None), **config_overrides)
-    return Draft(dcfg, init_params(dcfg, jax.random.PRNGKey(seed), dtype), target)
+    init = partial(init_params, dcfg, dtype=dtype)
+    mesh = getattr(target, "mesh", None)
+    if mesh is not None:  # generated sharded (never whole on one device); same values as unsharded
+        from . import sharding
+        init = jax.jit(init, out_shardings=sharding.param_shardings(param_axes(dcfg), mesh))
+    return Draft(dcfg, init(jax.random.PRNGKey(seed)), target)

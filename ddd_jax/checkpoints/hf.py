@@ -109,8 +109,9 @@ def checkpoint_sources(d: Path) -> list[SourceTensor]:
 # HF LLaMA directory -> params, config, tokenizer, Target
 
 
-def load_hf_params(d, cfg, dtype=None, as_jax: bool = True) -> dict:
-    """Convert the weights of HF LLaMA directory `d` to `llama.param_shapes(cfg)` params."""
+def load_hf_params(d, cfg, dtype=None, as_jax: bool = True, mesh=None) -> dict:
+    """Convert the weights of HF LLaMA directory `d` to `llama.param_shapes(cfg)` params (sharded over `mesh`,
+    tensor by tensor, when given)."""
     d = Path(d)
     sources = checkpoint_sources(d)
     dtype = resolve_dtype(dtype) or source_dtype(sources, "model.embed_tokens.weight")
@@ -118,7 +119,16 @@ def load_hf_params(d, cfg, dtype=None, as_jax: bool = True) -> dict:
     ignore = HF_IGNORE + ((r"lm_head\.weight",) if cfg.tie_word_embeddings else ())
     rules = [r for r in HF_LLAMA_RULES if not (cfg.tie_word_embeddings and r.key == "lm_head")]
     slots = plan(sources, rules, expected, f"HF checkpoint {d}", ignore=ignore)
-    return convert(slots, expected, dtype, as_jax=as_jax)
+    return convert(slots, expected, dtype, as_jax=as_jax, place=_placer(cfg, mesh))
+
+
+def _placer(cfg, mesh):
+    if mesh is None:
+        return None
+    from .. import sharding
+    sharding.check_mesh(mesh)
+    sharding.check_divisible(cfg, mesh)
+    return sharding.placer(mesh, llama.param_axes(cfg))
 
 
 def read_tokenizer_files(d) -> tuple[object | None, str | None, dict]:
@@ -165,15 +175,15 @@ def read_hf_config(d):
     return raw, cfg
 
 
-def load_hf_dir(path, dtype=None, name: str | None = None, as_jax: bool = True) -> Target:
+def load_hf_dir(path, dtype=None, name: str | None = None, as_jax: bool = True, mesh=None) -> Target:
     """A Target from an HF LLaMA directory (config.json + safetensors / sharded / pytorch .bin weights)."""
     path = Path(path)
     _, cfg = read_hf_config(path)
-    params = load_hf_params(path, cfg, dtype, as_jax=as_jax)
+    params = load_hf_params(path, cfg, dtype, as_jax=as_jax, mesh=mesh)
     tok, template, special = read_tokenizer_files(path)
     if tok is not None and special.get("eos_token") is not None:
         # make sure generation stops on the tokenizer's eos (e.g. an end-of-turn token) too
         eid = tok.token_to_id(special["eos_token"])
         if eid is not None and eid not in cfg.eos_token_id:
             cfg = replace(cfg, eos_token_id=tuple(cfg.eos_token_id) + (int(eid),))
-    return Target(name or path.name, cfg, params, tok, template, special)
+    return Target(name or path.name, cfg, params, tok, template, special, mesh=mesh)
