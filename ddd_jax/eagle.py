@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -174,9 +173,5 @@ _forward_jit = jax.jit(_forward_impl, static_argnames=("dcfg", "tcfg"))
 def init_draft(target, seed: int = 0, dtype=jnp.float32, **config_overrides) -> Draft:
     """A fresh random head for `target` (tests, training)."""
     dcfg = DraftConfig.from_target(target.config, target_name=getattr(target, "name", None), **config_overrides)
-    init = partial(init_params, dcfg, dtype=dtype)
-    mesh = getattr(target, "mesh", None)
-    if mesh is not None:  # generated sharded (never whole on one device); same values as unsharded
-        from . import sharding
-        init = jax.jit(init, out_shardings=sharding.param_shardings(param_axes(dcfg), mesh))
-    return Draft(dcfg, init(jax.random.PRNGKey(seed)), target)
+    # on a mesh, Draft places the head on the target's mesh (same values as unsharded: generated, then placed)
+    return Draft(dcfg, init_params(dcfg, jax.random.PRNGKey(seed), dtype), target)
