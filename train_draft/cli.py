@@ -84,9 +84,17 @@ def cmd_fit(args) -> int:
     r = fit(target, train, args.out, cfg, eval_set=ev, resume=args.resume, ckpt_every=args.ckpt_every,
             keep=args.keep, log_every=args.log_every, eval_every=args.eval_every, eval_batches=args.eval_batches,
             tau_every=args.tau_every, tau_prompts=_tau_prompts(args, target), export_every=args.export_every,
-            export_dir=args.export_dir, stop_after=args.stop_after)
+            export_dir=args.export_dir, stop_after=args.stop_after, mesh=_mesh(args))
     print(json.dumps({"step": r["step"], "train": r["last_metrics"], "eval": r["last_eval"]}), flush=True)
     return 0
+
+
+def _mesh(args):
+    """--mesh DATAxMODEL (data-parallel fit; the devices of this host, or of all hosts after --coordinator)."""
+    if not getattr(args, "mesh", None):
+        return None
+    from ddd_jax.sharding import make_mesh, parse_mesh
+    return make_mesh(*parse_mesh(args.mesh))
 
 
 def cmd_export(args) -> int:
@@ -171,6 +179,7 @@ def add_parser(subparsers) -> None:
     f.add_argument("--export-every", type=int, default=0)
     f.add_argument("--export-dir", default=None, help="head directory rewritten every --export-every steps")
     f.add_argument("--stop-after", type=int, default=None, help="end this run after that step (resume later)")
+    f.add_argument("--mesh", default=None, help="DATAxMODEL device mesh for data-parallel training, e.g. 4x1")
     f.set_defaults(func=cmd_fit)
 
     x = sub.add_parser("export", help="write a checkpoint as a float16 head directory")

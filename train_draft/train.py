@@ -315,6 +315,20 @@ def init_head_params(dcfg: DraftConfig, target, cfg: FitConfig) -> dict:
     return params
 
 
+def _data_parallel(mesh, cfg: FitConfig, state):
+    """(batch placer, replicated state) for data-parallel training: batches [A, B, ...] split over "data" on B."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from ddd_jax.sharding import check_mesh, mesh_sizes
+    check_mesh(mesh)
+    n = mesh_sizes(mesh)["data"]
+    if cfg.batch_size % n:
+        raise ValueError(f"--batch-size {cfg.batch_size} does not divide the mesh's 'data' axis ({n})")
+    rows = NamedSharding(mesh, P(None, "data"))
+    return (lambda b: jax.tree.map(lambda x: jax.device_put(x, rows), b),
+            jax.device_put(state, NamedSharding(mesh, P())))
+
+
 def frozen_target_arrays(target):
     """(embed [V, D], lm_head weight [D, V]) of the target, float32; never trained."""
     embed = jnp.asarray(target.params["embed"], jnp.float32)
@@ -400,10 +414,12 @@ def fit(target, train: FeatureSet, out_dir, cfg: FitConfig, *, eval_set: Feature
         resume: bool = False, ckpt_every: int = 200, keep: int = 3, log_every: int = 10, eval_every: int = 200,
         eval_batches: int = 8, tau_every: int = 0, tau_prompts: list | None = None, tau_max_new: int = 64,
         export_every: int = 0, export_dir=None, stop_after: int | None = None, progress: bool = True,
-        extra_meta: dict | None = None) -> dict:
+        extra_meta: dict | None = None, mesh=None) -> dict:
     """Train a head on `train` features; checkpoints, metrics.jsonl and fit.json go to out_dir.
 
     stop_after: end this call after that global step (as an interruption would), leaving a checkpoint.
+    mesh: a ("data", "model") `jax.sharding.Mesh`: data-parallel training, each micro-batch's rows over "data"
+    (batch_size must divide it), head and optimizer state replicated; the same loss as one device.
     Returns {"params", "step", "last_metrics", "last_eval"}.
     """
     out_dir = Path(out_dir)
@@ -444,6 +460,9 @@ def fit(target, train: FeatureSet, out_dir, cfg: FitConfig, *, eval_set: Feature
         state = {"params": params, "opt_state": tx.init(params), "step": jnp.asarray(0, jnp.int32)}
         if metrics_path.exists():
             metrics_path.unlink()
+    shard_batch = lambda b: b  # noqa: E731
+    if mesh is not None:
+        shard_batch, state = _data_parallel(mesh, cfg, state)
     start = int(state["step"])
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     eval_batches_ = eval_rows(eval_set, cfg, eval_batches) if eval_set is not None else []
@@ -476,7 +495,7 @@ def fit(target, train: FeatureSet, out_dir, cfg: FitConfig, *, eval_set: Feature
     for step in range(start, end):
         batch = plan.batch(step)
         n_tok = int((batch.segments > 0).sum())
-        state, m = train_step(state, embed, lm_w, batch, base_key)
+        state, m = train_step(state, embed, lm_w, shard_batch(batch), base_key)
         pending.append(m)
         tok_last += n_tok
         done = step + 1
