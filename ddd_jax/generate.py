@@ -358,8 +358,8 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
         pad = sharding.pad_batch(n_rows, mesh)
         toks = jnp.concatenate([toks, jnp.repeat(toks[-1:], pad, axis=0)]) if pad else toks
         plen = jnp.concatenate([plen, jnp.repeat(plen[-1:], pad)]) if pad else plen
-        toks = jax.device_put(toks, sharding.batch_sharding(mesh, 2))
-        plen = jax.device_put(plen, sharding.batch_sharding(mesh, 1))
+        toks = sharding.put(np.asarray(toks), sharding.batch_sharding(mesh, 2))
+        plen = sharding.put(np.asarray(plen), sharding.batch_sharding(mesh, 1))
     tparams = target.params
     dparams = draft.decode_params() if plan.method != "vanilla" else None
     threshold = jnp.float32(ddd.threshold)
@@ -367,7 +367,10 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
     clock = _PhaseClock(profile)
 
     t0 = time.perf_counter()
-    s = _prefill(tparams, dparams, plan, toks, plen, jax.random.PRNGKey(seed), capacity=capacity, mesh=mesh)
+    key = jax.random.PRNGKey(seed)
+    if mesh is not None:  # replicated: a global array on every process of a multi-host mesh
+        key = sharding.put(np.asarray(key), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    s = _prefill(tparams, dparams, plan, toks, plen, key, capacity=capacity, mesh=mesh)
     jax.block_until_ready(s)
     t1 = time.perf_counter()
     if plan.method == "vanilla":
@@ -376,6 +379,8 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
         s = _run_spec(tparams, dparams, plan, s, threshold, loop, counter, clock, stream)
     jax.block_until_ready(s)
     t2 = time.perf_counter()
+    if mesh is not None and jax.process_count() > 1:  # every process gets every sequence's results
+        s = jax.tree.map(sharding.to_host, s)
     used = None if source is None else {"tree": dataclasses.asdict(tree), "source": source,
                                         **({"ddd": dataclasses.asdict(ddd)} if method == "ddd" else {})}
     return _result(target, plan, s, batched, counter, clock.times, t1 - t0, t2 - t1, used, n_rows)

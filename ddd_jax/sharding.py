@@ -125,7 +125,7 @@ def put(x, sharding: NamedSharding):
     processes), so a tensor is never whole on one device. No-op for an array already placed that way."""
     if isinstance(x, jax.Array) and x.sharding == sharding:
         return x
-    if isinstance(x, jax.Array) and x.is_fully_addressable:
+    if isinstance(x, jax.Array) and x.is_fully_addressable and sharding.is_fully_addressable:
         return jax.device_put(x, sharding)
     arr = np.asarray(x)
     return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
@@ -198,6 +198,14 @@ def constrain_state(state, mesh):
             ax = 1 if f.name.endswith("_hist") else 0
             upd[f.name] = jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim, ax))
     return dataclasses.replace(state, **upd)
+
+
+def to_host(x):
+    """A numpy copy of a (possibly multi-process, sharded) array: the whole global value on every process."""
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def describe(params: dict) -> dict:
