@@ -237,3 +237,20 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     jax.distributed.initialize(coordinator_address=addr, num_processes=int(n), process_id=int(pid),
                                local_device_ids=local_device_ids)
     return True
+
+
+def add_mesh_args(p) -> None:
+    """--mesh and the multi-host flags, shared by the CLIs that run on a mesh (generate, train-draft fit)."""
+    p.add_argument("--mesh", default=None, help="DATAxMODEL device mesh, e.g. 1x8 (default: one device)")
+    p.add_argument("--coordinator", default=None, help="multi-host: coordinator HOST:PORT (process 0's), or 'auto' "
+                   "on TPU pods / SLURM / Open MPI (env DDD_JAX_COORDINATOR)")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-host: processes (env DDD_JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=None, help="multi-host: this process (env DDD_JAX_PROCESS_ID)")
+
+
+def mesh_from_args(args):
+    """Initialise multi-host JAX if asked, then the --mesh over every process's devices (None without --mesh)."""
+    initialize_distributed(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
+                           getattr(args, "process_id", None))
+    text = getattr(args, "mesh", None)
+    return make_mesh(*parse_mesh(text)) if text else None

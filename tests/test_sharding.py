@@ -95,3 +95,23 @@ def test_data_parallel_fit_matches_one_device():
         np.testing.assert_allclose(r[mesh]["loss"], r["one"]["loss"], rtol=1e-5)
         np.testing.assert_allclose(r[mesh]["params"], r["one"]["params"], rtol=1e-4, atol=1e-5)
     assert "does not divide the mesh's 'data' axis (2)" in r["error"]
+
+
+def test_two_processes_on_localhost():
+    """jax.distributed over localhost with CPU (gloo) collectives: 2 processes x 2 devices, "data" across them."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    worker = Path(__file__).with_name("sharding_multihost_worker.py")
+    procs = [subprocess.Popen([sys.executable, str(worker), str(port), str(i)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    outs = [p.communicate(timeout=1800) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        assert p.returncode == 0 and lines, err[-4000:]
+        r = json.loads(lines[-1][len("RESULT "):])
+        assert r["process_count"] == 2 and r["devices"] == 4 and r["data_spans_processes"]
+        assert all(r[k] for k in ("vanilla-device", "eagle2-device", "ddd-device", "ddd-host")), r

@@ -63,6 +63,7 @@ def _tau_prompts(args, target):
 def cmd_fit(args) -> int:
     from .extract import load_features
     from .train import FitConfig, fit
+    mesh = _mesh(args)  # first: jax.distributed must start before JAX touches a device
     target = _load_target(args.target)
     train = load_features(args.features, target, max_shards=args.max_shards or None)
     ev = load_features(args.eval_features, target) if args.eval_features else None
@@ -84,17 +85,15 @@ def cmd_fit(args) -> int:
     r = fit(target, train, args.out, cfg, eval_set=ev, resume=args.resume, ckpt_every=args.ckpt_every,
             keep=args.keep, log_every=args.log_every, eval_every=args.eval_every, eval_batches=args.eval_batches,
             tau_every=args.tau_every, tau_prompts=_tau_prompts(args, target), export_every=args.export_every,
-            export_dir=args.export_dir, stop_after=args.stop_after, mesh=_mesh(args))
+            export_dir=args.export_dir, stop_after=args.stop_after, mesh=mesh)
     print(json.dumps({"step": r["step"], "train": r["last_metrics"], "eval": r["last_eval"]}), flush=True)
     return 0
 
 
 def _mesh(args):
-    """--mesh DATAxMODEL (data-parallel fit; the devices of this host, or of all hosts after --coordinator)."""
-    if not getattr(args, "mesh", None):
-        return None
-    from ddd_jax.sharding import make_mesh, parse_mesh
-    return make_mesh(*parse_mesh(args.mesh))
+    """--mesh DATAxMODEL for a data-parallel fit (all hosts' devices after --coordinator)."""
+    from ddd_jax.sharding import mesh_from_args
+    return mesh_from_args(args)
 
 
 def cmd_export(args) -> int:
@@ -179,7 +178,8 @@ def add_parser(subparsers) -> None:
     f.add_argument("--export-every", type=int, default=0)
     f.add_argument("--export-dir", default=None, help="head directory rewritten every --export-every steps")
     f.add_argument("--stop-after", type=int, default=None, help="end this run after that step (resume later)")
-    f.add_argument("--mesh", default=None, help="DATAxMODEL device mesh for data-parallel training, e.g. 4x1")
+    from ddd_jax.sharding import add_mesh_args
+    add_mesh_args(f)  # --mesh DATAxMODEL: data-parallel training; --coordinator etc. for several hosts
     f.set_defaults(func=cmd_fit)
 
     x = sub.add_parser("export", help="write a checkpoint as a float16 head directory")
