@@ -78,6 +78,13 @@ def test_loading_onto_a_mesh(found):
         found["loaded_specs"] == ["PartitionSpec('model', None)", "PartitionSpec(None, None, 'model')"]
 
 
+def test_hf_directory_loads_onto_a_mesh(found):
+    hf = found["hf_loaded"]
+    if isinstance(hf, str):
+        pytest.skip(hf)
+    assert hf["same_values"] and hf["wk_shape"] == [2, 64, 32] and hf["wk_shard"] == [2, 64, 16]
+
+
 def test_bad_meshes_and_sizes_are_clear_errors(found):
     e = found["errors"]
     assert "('data', 'model')" in e["axes"] and "('x', 'y')" in e["axes"]
@@ -97,6 +104,7 @@ def test_data_parallel_fit_matches_one_device():
     assert "does not divide the mesh's 'data' axis (2)" in r["error"]
 
 
+@pytest.mark.slow
 def test_two_processes_on_localhost():
     """jax.distributed over localhost with CPU (gloo) collectives: 2 processes x 2 devices, "data" across them."""
     import socket
