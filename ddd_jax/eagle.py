@@ -12,6 +12,9 @@ its `topK_genrate` (`len_posi`).
 Draft params (nested dict; the target's embed / lm_head are passed separately, not stored):
     fc_w [2D, D]    fc_b [D] (if config.fc_bias)
     layers/{wq [1,D,N*H], wk, wv [1,D,K*H], wo [1,N*H,D], mlp_norm [1,D], w_gate, w_up [1,D,F], w_down [1,F,D]}
+    plus the layer's family leaves when its config has them (`llama.layer_shapes`): bq [1,N*H], bk, bv [1,K*H]
+    (qkv_bias / attention_bias), bo [1,D] (attention_bias), q_norm, k_norm [1,H] (qk_norm). The head of a Qwen2 target
+    has q/k/v biases, that of a Qwen3 target per-head q/k norms and the target's head_dim (`DraftConfig.from_target`).
 """
 from __future__ import annotations
 
@@ -140,6 +143,11 @@ class Draft:
     def mesh(self):
         """The target's device mesh (None: one device)."""
         return getattr(self.target, "mesh", None)
+
+    def module(self):
+        """This head as a flax nnx module (`modules.EagleHeadModule`) over the same arrays."""
+        from .modules import EagleHeadModule
+        return EagleHeadModule.from_draft(self)
 
     def decode_params(self) -> dict:
         """Params as the decode loops use them: the head's params, plus `lm_sub` for a reduced draft vocabulary."""

@@ -69,6 +69,21 @@ def tree_kv_mask(length, capacity: int, attn_mask):
     return (rel < 0)[:, None, :] | (in_new[:, None, :] & new_part)
 
 
+def slot_positions(length, capacity: int, positions):
+    """[B, S] the position of each cache slot after new tokens at `positions` [B, T] are written at slots
+    [length, length+T): a committed slot s holds position s; slots past the new tokens get a large position."""
+    T = positions.shape[1]
+    rel = jnp.arange(capacity)[None, :] - length[:, None]  # [B, S]
+    new = jnp.take_along_axis(positions, jnp.clip(rel, 0, T - 1), axis=1)
+    return jnp.where(rel < 0, jnp.arange(capacity)[None, :], jnp.where(rel < T, new, jnp.iinfo(jnp.int32).max))
+
+
+def sliding_window_mask(q_positions, kv_positions, window: int):
+    """[B, T, S] True where key position p' is within the window of query position p: p - window < p'
+    (HF's `sliding_window_overlay`; causality comes from the other masks)."""
+    return kv_positions[:, None, :] > q_positions[:, :, None] - window
+
+
 def attention(q, k, v, mask):
     """Grouped-query attention.
 

@@ -5,6 +5,10 @@ Parameters are a plain nested dict of arrays (layers stacked on a leading L axis
     layers/attn_norm [L, D]      layers/wq [L, D, N*H]   layers/wk [L, D, K*H]   layers/wv [L, D, K*H]
     layers/wo    [L, N*H, D]     layers/mlp_norm [L, D]  layers/w_gate [L, D, F] layers/w_up [L, D, F]
     layers/w_down [L, F, D]
+  family switches (config flags; absent otherwise, so LLaMA checkpoints keep this exact layout):
+    layers/bq [L, N*H]  layers/bk [L, K*H]  layers/bv [L, K*H]   q/k/v biases (qkv_bias: Qwen2; attention_bias)
+    layers/bo [L, D]                                               o bias (attention_bias: Llama/Qwen3 option)
+    layers/q_norm [L, H]  layers/k_norm [L, H]                     per-head RMSNorm of q, k before rope (Qwen3)
     final_norm   [D]
     lm_head      [D, V]          (absent when tie_word_embeddings: logits use embed.T)
 
@@ -39,6 +43,12 @@ def layer_shapes(cfg: ModelConfig, n_layers: int, input_norm: bool = True) -> di
     }
     if input_norm:
         s["attn_norm"] = (n_layers, D)
+    if cfg.has_qkv_bias:
+        s.update(bq=(n_layers, N * H), bk=(n_layers, K * H), bv=(n_layers, K * H))
+    if cfg.attention_bias:
+        s["bo"] = (n_layers, D)
+    if cfg.qk_norm:
+        s.update(q_norm=(n_layers, H), k_norm=(n_layers, H))
     return s
 
 
@@ -59,6 +69,8 @@ WEIGHT_AXES = {
     "attn_norm": ("embed",), "mlp_norm": ("embed",),
     "wq": ("embed", "q_heads"), "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"), "wo": ("q_heads", "embed"),
     "w_gate": ("embed", "ffw"), "w_up": ("embed", "ffw"), "w_down": ("ffw", "embed"),
+    "bq": ("q_heads",), "bk": ("kv_heads",), "bv": ("kv_heads",), "bo": ("embed",),
+    "q_norm": ("head_dim",), "k_norm": ("head_dim",),
 }
 
 
@@ -118,13 +130,16 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
 
     def qkv(x, p):
         h = L.rms_norm(x, p["attn_norm"], eps) if "attn_norm" in p else x
-        q = (h @ p["wq"]).reshape(B, T, N, H)
-        k = (h @ p["wk"]).reshape(B, T, K, H)
-        v = (h @ p["wv"]).reshape(B, T, K, H)
+        q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+        if "bq" in p:  # family switch: q/k/v biases
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+        q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
+        if "q_norm" in p:  # family switch: per-head RMSNorm before rope
+            q, k = L.rms_norm(q, p["q_norm"], eps), L.rms_norm(k, p["k_norm"], eps)
         return L.apply_rope(q, positions, inv), L.apply_rope(k, positions, inv), v
 
     def rest(x, p, a):
-        x = x + a @ p["wo"]
+        x = x + (a @ p["wo"] + p["bo"] if "bo" in p else a @ p["wo"])
         h = L.rms_norm(x, p["mlp_norm"], eps)
         return x + L.mlp(h, p["w_gate"], p["w_up"], p["w_down"])
 
@@ -182,6 +197,9 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None =
         kv_mask = L.tree_kv_mask(cache.length, cache.capacity, attn_mask)
     else:
         kv_mask = attn_mask
+    if cfg.sliding_window is not None:  # family switch: every layer sees only the last sliding_window positions
+        kv_pos = positions if cache is None else L.slot_positions(cache.length, cache.capacity, positions)
+        kv_mask = kv_mask & L.sliding_window_mask(positions, kv_pos, cfg.sliding_window)
     x, new_cache = decoder_stack(params["layers"], cfg, x, positions, cache, kv_mask)
     hidden = L.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if new_cache is not None:

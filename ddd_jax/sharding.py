@@ -127,8 +127,8 @@ def put(x, sharding: NamedSharding):
         return x
     if isinstance(x, jax.Array) and x.is_fully_addressable and sharding.is_fully_addressable:
         return jax.device_put(x, sharding)
-    arr = np.asarray(x)
-    return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
+    arr = to_host(x)  # host values (gathered when x spans several processes)
+    return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx], dtype=arr.dtype)
 
 
 def placer(mesh, axes_tree: dict):

@@ -1,4 +1,4 @@
-"""The Target: a loaded LLaMA-architecture model (config, params, tokenizer, chat template) and its jitted forward."""
+"""The Target: a loaded LLaMA-family model (Llama, Mistral, Qwen2, Qwen3) (config, params, tokenizer, chat template) and its jitted forward."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -44,6 +44,11 @@ class Target:
     def forward(self, tokens, positions, cache=None, attn_mask=None, logit_index=None, return_logits=True):
         """Jitted `llama.forward` over this target's params (see there for shapes)."""
         return _forward(self.params, self.config, tokens, positions, cache, attn_mask, logit_index, return_logits)
+
+    def module(self):
+        """This target as a flax nnx module (`modules.LlamaModule`) over the same arrays."""
+        from .modules import LlamaModule
+        return LlamaModule.from_target(self)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

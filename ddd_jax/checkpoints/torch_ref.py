@@ -37,9 +37,10 @@ class _Attention(nn.Module):
         self.n, self.k, self.h = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
         self.theta = c["rope_theta"]
         D = c["hidden_size"]
-        self.q_proj = nn.Linear(D, self.n * self.h, bias=False)
-        self.k_proj = nn.Linear(D, self.k * self.h, bias=False)
-        self.v_proj = nn.Linear(D, self.k * self.h, bias=False)
+        qkv_bias = bool(c.get("qkv_bias", False))  # cnets1: q/k/v biases when the config has qkv_bias
+        self.q_proj = nn.Linear(D, self.n * self.h, bias=qkv_bias)
+        self.k_proj = nn.Linear(D, self.k * self.h, bias=qkv_bias)
+        self.v_proj = nn.Linear(D, self.k * self.h, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n * self.h, D, bias=False)
 
     def forward(self, x, pos):
@@ -91,15 +92,15 @@ class _Layer0(nn.Module):
 def _norm_config(c: dict) -> dict:
     c = dict(c)
     c.setdefault("num_key_value_heads", c["num_attention_heads"])
-    c.setdefault("head_dim", c["hidden_size"] // c["num_attention_heads"])
-    c["head_dim"] = c["head_dim"] or c["hidden_size"] // c["num_attention_heads"]
+    c["head_dim"] = c["hidden_size"] // c["num_attention_heads"]  # as cnets1, whatever the config says
     c.setdefault("rms_norm_eps", 1e-6)
     c["rope_theta"] = c.get("rope_theta") or 10000.0
     return c
 
 
 class TorchEagleHead(nn.Module):
-    """EAGLE-1/2 head with the official state-dict names (embed_tokens, fc, layers.0.*)."""
+    """EAGLE-1/2 head with the official state-dict names (embed_tokens, fc, layers.0.*); `qkv_bias` in the config
+    adds q/k/v biases (EAGLE's heads for Qwen2 targets)."""
 
     def __init__(self, config: dict):
         super().__init__()
@@ -147,6 +148,8 @@ def write_official_eagle_head(head: TorchEagleHead, path, fmt: str = "bin", extr
            "vocab_size": c["vocab_size"], "max_position_embeddings": 2048, "torch_dtype": "float32"}
     if not c.get("bias", True):
         cfg["bias"] = False
+    if c.get("qkv_bias"):
+        cfg["qkv_bias"] = True
     cfg.update(extra_config or {})
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     sd = {k: v.detach().clone().contiguous() for k, v in head.state_dict().items()}
