@@ -56,7 +56,10 @@ class SyncCounter:
         """One device->host transfer of a pytree of arrays (counted once)."""
         self.total += 1
         self.draft += int(draft)
-        return jax.tree.map(np.asarray, jax.device_get(x))
+        if all(getattr(a, "is_fully_addressable", True) for a in jax.tree.leaves(x)):
+            return jax.tree.map(np.asarray, jax.device_get(x))
+        from .sharding import to_host  # arrays sharded over several processes: the whole value on each
+        return jax.tree.map(to_host, x)
 
 
 @jax.tree_util.register_dataclass

@@ -31,7 +31,7 @@ from .checkpoints.keytable import check_shapes
 from . import eagle3
 from .config import DraftConfig, ModelConfig
 from .layers import causal_mask
-from .llama import decoder_stack, layer_shapes, lm_head, output_embedding
+from .llama import WEIGHT_AXES, axes_like, decoder_stack, layer_shapes, lm_head, output_embedding
 
 
 def param_shapes(dcfg: DraftConfig) -> dict:
@@ -44,6 +44,15 @@ def param_shapes(dcfg: DraftConfig) -> dict:
     if dcfg.draft_vocab_size:
         s["d2t"] = (dcfg.draft_vocab_size,)
     return s
+
+
+DRAFT_AXES = {"fc_w": ("embed2", "embed"), "fc_b": ("embed",), "d2t": ("draft_vocab",), "lm_sub": ("draft_vocab", "embed")}
+
+
+def param_axes(dcfg: DraftConfig) -> dict:
+    """Logical axis names of every head weight, mirroring `param_shapes(dcfg)` (see `llama.param_axes`)."""
+    names = {**WEIGHT_AXES, **DRAFT_AXES, **(eagle3.AXES if dcfg.head_type == "eagle3" else {})}
+    return axes_like(param_shapes(dcfg), names)
 
 
 def init_params(dcfg: DraftConfig, key, dtype=jnp.float32, std: float = 0.02) -> dict:
@@ -143,11 +152,22 @@ class Draft:
     def __post_init__(self):
         self.config.check_target(self.target.config)
         check_shapes(self.params, param_shapes(self.config), "draft head")
+        mesh = self.mesh
+        if mesh is not None:  # on the target's mesh, by the same rules as the target's weights
+            from . import sharding
+            self.params = sharding.place_params(self.params, param_axes(self.config), mesh)
         if "d2t" in self.params:
             _check_d2t(self.params["d2t"], self.config.vocab_size)
         if "d2t" in self.params and self.config.head_type == "eagle1":
             w = output_embedding(self.target.params, self.target.config)
             self.lm_sub = jnp.take(w, self.params["d2t"], axis=0)
+            if mesh is not None:
+                self.lm_sub = sharding.put(self.lm_sub, sharding.named(mesh, DRAFT_AXES["lm_sub"]))
+
+    @property
+    def mesh(self):
+        """The target's device mesh (None: one device)."""
+        return getattr(self.target, "mesh", None)
 
     def module(self):
         """This head as a flax nnx module (`modules.EagleHeadModule`) over the same arrays."""
@@ -203,4 +223,5 @@ _forward_jit = jax.jit(_forward_impl, static_argnames=("dcfg", "tcfg"))
 def init_draft(target, seed: int = 0, dtype=jnp.float32, **config_overrides) -> Draft:
     """A fresh random head for `target` (tests, training)."""
     dcfg = DraftConfig.from_target(target.config, target_name=getattr(target, "name", None), **config_overrides)
+    # on a mesh, Draft places the head on the target's mesh (same values as unsharded: generated, then placed)
     return Draft(dcfg, init_params(dcfg, jax.random.PRNGKey(seed), dtype), target)

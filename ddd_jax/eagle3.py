@@ -32,6 +32,11 @@ from .layers import causal_mask, rms_norm
 from .llama import decoder_stack, layer_shapes
 
 
+# logical axes of the EAGLE-3-only weights (beside llama.WEIGHT_AXES / eagle.DRAFT_AXES; see ddd_jax.sharding)
+AXES = {"fc_w": ("embed2", "embed"), "emb_norm": ("embed",), "hidden_norm": ("embed",), "final_norm": ("embed",),
+        "lm_head": ("embed", "draft_vocab")}
+
+
 def feature_layers(tcfg: ModelConfig) -> tuple[int, int, int]:
     """The target layers whose *input* residual stream EAGLE-3 reads, low -> high: (2, L//2, L-3)."""
     L = tcfg.num_hidden_layers

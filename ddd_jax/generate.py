@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import drafting, eagle3, llama, settings
+from . import drafting, eagle3, llama, settings, sharding
 from .cache import KVCache, commit, with_length
 from .config import DDDConfig, DraftConfig, ModelConfig, TreeConfig, check_tree_for_ddd
 from .drafting import SyncCounter, threshold_policy
@@ -158,8 +158,8 @@ def _features(plan: Plan, out: llama.Output):
     return out.aux if _aux_layers(plan) else out.hidden
 
 
-@partial(jax.jit, static_argnames=("plan", "capacity"))
-def _prefill(tparams, dparams, plan: Plan, tokens, plen, key, *, capacity: int) -> State:
+@partial(jax.jit, static_argnames=("plan", "capacity", "mesh"))
+def _prefill(tparams, dparams, plan: Plan, tokens, plen, key, *, capacity: int, mesh=None) -> State:
     B, T = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     tcache = llama.new_cache(plan.tcfg, B, capacity, tparams["embed"].dtype)
@@ -187,7 +187,10 @@ def _prefill(tparams, dparams, plan: Plan, tokens, plen, key, *, capacity: int) 
         checks=jnp.zeros((), jnp.int32))
     out_buf, out_len, done, _ = _emit(plan, state.out, state.out_len, state.done, first[:, None].repeat(M, 1),
                                       jnp.ones((B,), jnp.int32))
-    return dataclasses.replace(state, out=out_buf, out_len=out_len, done=done)
+    state = dataclasses.replace(state, out=out_buf, out_len=out_len, done=done)
+    if mesh is not None:  # batch over "data", KV heads over "model"; the decode loops inherit these shardings
+        state = sharding.constrain_state(state, mesh)
+    return state
 
 
 # ----------------------------------------------------------------------------------------------- vanilla
@@ -362,6 +365,14 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
     if plan.host_checks and loop == "device":
         raise ValueError("sync='host' reads the confidence on the host each check: it needs loop='host'")
     batched, toks, plen, capacity = _prepare_prompts(target, prompt_ids, plan, capacity)
+    n_rows = toks.shape[0]
+    mesh = getattr(target, "mesh", None)
+    if mesh is not None:  # batch over "data": pad with copies of the last prompt (dropped from the results)
+        pad = sharding.pad_batch(n_rows, mesh)
+        toks = jnp.concatenate([toks, jnp.repeat(toks[-1:], pad, axis=0)]) if pad else toks
+        plen = jnp.concatenate([plen, jnp.repeat(plen[-1:], pad)]) if pad else plen
+        toks = sharding.put(np.asarray(toks), sharding.batch_sharding(mesh, 2))
+        plen = sharding.put(np.asarray(plen), sharding.batch_sharding(mesh, 1))
     tparams = target.params
     dparams = draft.decode_params() if plan.method != "vanilla" else None
     threshold = jnp.float32(ddd.threshold)
@@ -369,7 +380,10 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
     clock = _PhaseClock(profile)
 
     t0 = time.perf_counter()
-    s = _prefill(tparams, dparams, plan, toks, plen, jax.random.PRNGKey(seed), capacity=capacity)
+    key = jax.random.PRNGKey(seed)
+    if mesh is not None:  # replicated: a global array on every process of a multi-host mesh
+        key = sharding.put(np.asarray(key), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    s = _prefill(tparams, dparams, plan, toks, plen, key, capacity=capacity, mesh=mesh)
     jax.block_until_ready(s)
     t1 = time.perf_counter()
     if plan.method == "vanilla":
@@ -378,9 +392,11 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
         s = _run_spec(tparams, dparams, plan, s, threshold, loop, counter, clock, stream)
     jax.block_until_ready(s)
     t2 = time.perf_counter()
+    if mesh is not None and jax.process_count() > 1:  # every process gets every sequence's results
+        s = jax.tree.map(sharding.to_host, s)
     used = None if source is None else {"tree": dataclasses.asdict(tree), "source": source,
                                         **({"ddd": dataclasses.asdict(ddd)} if method == "ddd" else {})}
-    return _result(target, plan, s, batched, counter, clock.times, t1 - t0, t2 - t1, used)
+    return _result(target, plan, s, batched, counter, clock.times, t1 - t0, t2 - t1, used, n_rows)
 
 
 class _PhaseClock:
@@ -447,7 +463,7 @@ def _run_spec(tparams, dparams, plan, s, threshold, loop, counter, clock: _Phase
 
 
 def _result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, times, prefill_s, decode_s,
-            used_settings):
+            used_settings, n_rows: int | None = None):
     out = np.asarray(s.out)
     out_len = np.asarray(s.out_len)
     cycles = int(np.asarray(s.cycle))
@@ -456,9 +472,10 @@ def _result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, t
     callbacks = in_loop if plan.method == "ddd" and plan.sync == "callback" else 0
     acc_hist = np.asarray(s.acc_hist)[:cycles]
     depth_hist = np.asarray(s.depth_hist)[:cycles]
-    toks = [[int(t) for t in out[b, : out_len[b]]] for b in range(out.shape[0])]
+    n_rows = out.shape[0] if n_rows is None else n_rows  # rows past n_rows pad the batch for the mesh
+    toks = [[int(t) for t in out[b, : out_len[b]]] for b in range(n_rows)]
     stats = []
-    for b in range(out.shape[0]):
+    for b in range(n_rows):
         calls = acc_hist[:, b] > 0
         acc = [int(x) for x in acc_hist[calls, b]]
         dep = [int(x) for x in depth_hist[calls, b]] if plan.method != "vanilla" else []

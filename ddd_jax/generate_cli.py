@@ -66,6 +66,8 @@ def add_parser(sub) -> None:
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and stats")
     add_tree_args(p)
+    from .sharding import add_mesh_args
+    add_mesh_args(p)
     p.set_defaults(func=run)
 
 
@@ -74,7 +76,8 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     tree, ddd, source = tree_and_ddd(args)
-    target = load_target(args.target)
+    from .sharding import mesh_from_args
+    target = load_target(args.target, mesh=mesh_from_args(args))
     draft = None
     if args.method != "vanilla" or args.compare:
         name = args.draft or DEFAULT_DRAFTS.get(args.target)

@@ -63,6 +63,37 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return s
 
 
+# Logical axes of every weight, by name (stacked layer weights get a leading "layers" axis). `ddd_jax.sharding`
+# maps them to mesh axes with one rules table; a weight missing here is an error there, never silently replicated.
+WEIGHT_AXES = {
+    "embed": ("vocab", "embed"), "lm_head": ("embed", "vocab"), "final_norm": ("embed",),
+    "attn_norm": ("embed",), "mlp_norm": ("embed",),
+    "wq": ("embed", "q_heads"), "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"), "wo": ("q_heads", "embed"),
+    "w_gate": ("embed", "ffw"), "w_up": ("embed", "ffw"), "w_down": ("ffw", "embed"),
+    "bq": ("q_heads",), "bk": ("kv_heads",), "bv": ("kv_heads",), "bo": ("embed",),
+    "q_norm": ("head_dim",), "k_norm": ("head_dim",),
+}
+
+
+def axes_like(shapes: dict, names: dict = WEIGHT_AXES) -> dict:
+    """Logical axes mirroring a nested shape dict: leaves under "layers" get a leading "layers" axis."""
+    def walk(tree, stacked):
+        out = {}
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                out[k] = walk(v, stacked or k == "layers")
+            else:
+                ax = names.get(k)
+                out[k] = None if ax is None else (("layers",) if stacked else ()) + tuple(ax)
+        return out
+    return walk(shapes, False)
+
+
+def param_axes(cfg: ModelConfig) -> dict:
+    """Logical axis names of every target weight, mirroring `param_shapes(cfg)` (None: no axes known)."""
+    return axes_like(param_shapes(cfg))
+
+
 def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> dict:
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(cfg),
                         is_leaf=lambda x: isinstance(x, tuple))

@@ -20,7 +20,6 @@ from flax import nnx
 
 from . import eagle, llama
 from .cache import KVCache
-from .config import DraftConfig, ModelConfig
 from .checkpoints.keytable import check_shapes
 
 
@@ -35,12 +34,27 @@ def _wrap(tree: dict) -> dict:
 
 
 class _ParamsModule(nnx.Module):
-    """Shared plumbing: one attribute per top-level key of the params dict; `to_params()` reads them back."""
+    """Shared plumbing: one attribute per top-level key of the params dict; `to_params()` reads them back.
+    Subclasses name the pure functions that describe and initialise their params."""
 
-    def _set_params(self, params: dict, shapes: dict, what: str) -> None:
-        check_shapes(params, shapes, what)
+    _param_shapes = None  # config -> nested dict of shapes
+    _init_params = None  # (config, key, dtype, std) -> params
+
+    def __init__(self, config, params: dict | None = None, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32,
+                 std: float = 0.02):
+        """Wrap `params` (arrays not copied), or draw random ones from `rngs.params()`."""
+        self.config = config
+        if params is None:
+            if rngs is None:
+                raise ValueError(f"{type(self).__name__}: pass params or rngs")
+            params = type(self)._init_params(config, rngs.params(), dtype, std)
+        check_shapes(params, type(self)._param_shapes(config), type(self).__name__)
         for k, v in _wrap(params).items():
             setattr(self, k, v)
+
+    @classmethod
+    def from_params(cls, config, params: dict):
+        return cls(config, params)
 
     def to_params(self) -> dict:
         """The plain nested params dict (the module's arrays themselves, no copies)."""
@@ -48,22 +62,11 @@ class _ParamsModule(nnx.Module):
 
 
 class LlamaModule(_ParamsModule):
-    """The target model as an nnx module: state layout = `llama.param_shapes(config)`, `__call__` = `llama.forward`."""
+    """The target model as an nnx module: state layout = `llama.param_shapes(config)`, `__call__` = `llama.forward`.
+    `LlamaModule(config, params)` wraps a params dict; `LlamaModule(config, rngs=nnx.Rngs(0))` draws one."""
 
-    def __init__(self, config: ModelConfig, params: dict | None = None, *, rngs: nnx.Rngs | None = None,
-                 dtype=jnp.float32, std: float = 0.02):
-        """Wrap `params` (a `llama` params dict, arrays not copied), or draw random ones (`llama.init_params`)
-        from `rngs.params()`."""
-        self.config = config
-        if params is None:
-            if rngs is None:
-                raise ValueError("LlamaModule: pass params or rngs")
-            params = llama.init_params(config, rngs.params(), dtype, std)
-        self._set_params(params, llama.param_shapes(config), "LlamaModule")
-
-    @classmethod
-    def from_params(cls, config: ModelConfig, params: dict) -> "LlamaModule":
-        return cls(config, params)
+    _param_shapes = staticmethod(llama.param_shapes)
+    _init_params = staticmethod(llama.init_params)
 
     @classmethod
     def from_target(cls, target) -> "LlamaModule":
@@ -81,20 +84,8 @@ class EagleHeadModule(_ParamsModule):
     """An EAGLE-1/2 draft head as an nnx module: state layout = `eagle.param_shapes(config)`, `__call__` =
     `eagle.head_forward`. The target's embedding / lm_head are call arguments, never stored in the head."""
 
-    def __init__(self, config: DraftConfig, params: dict | None = None, *, rngs: nnx.Rngs | None = None,
-                 dtype=jnp.float32, std: float = 0.02):
-        """Wrap `params` (an `eagle` head params dict, arrays not copied), or draw random ones
-        (`eagle.init_params`) from `rngs.params()`."""
-        self.config = config
-        if params is None:
-            if rngs is None:
-                raise ValueError("EagleHeadModule: pass params or rngs")
-            params = eagle.init_params(config, rngs.params(), dtype, std)
-        self._set_params(params, eagle.param_shapes(config), "EagleHeadModule")
-
-    @classmethod
-    def from_params(cls, config: DraftConfig, params: dict) -> "EagleHeadModule":
-        return cls(config, params)
+    _param_shapes = staticmethod(eagle.param_shapes)
+    _init_params = staticmethod(eagle.init_params)
 
     @classmethod
     def from_draft(cls, draft) -> "EagleHeadModule":

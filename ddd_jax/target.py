@@ -27,9 +27,15 @@ class Target:
     tokenizer: object | None = None
     chat_template: str | None = None
     special_tokens: dict = field(default_factory=dict)  # e.g. {"bos_token": "<|im_start|>", "eos_token": ...}
+    mesh: object = None  # a ("data", "model") jax.sharding.Mesh the params are sharded over (None: one device)
 
     def __post_init__(self):
         check_shapes(self.params, llama.param_shapes(self.config), f"target {self.name!r}")
+        if self.mesh is not None:  # no-op for params a loader already placed tensor by tensor
+            from . import sharding
+            sharding.check_mesh(self.mesh)
+            sharding.check_divisible(self.config, self.mesh, f"target {self.name!r}")
+            self.params = sharding.place_params(self.params, llama.param_axes(self.config), self.mesh)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

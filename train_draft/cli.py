@@ -76,6 +76,7 @@ def cmd_fit_eagle3(args, target, train) -> int:
 def cmd_fit(args) -> int:
     from .extract import load_features
     from .train import FitConfig, fit
+    mesh = _mesh(args)  # first: jax.distributed must start before JAX touches a device
     target = _load_target(args.target)
     train = load_features(args.features, target, max_shards=args.max_shards or None)
     if args.head_type == "eagle3":
@@ -99,9 +100,15 @@ def cmd_fit(args) -> int:
     r = fit(target, train, args.out, cfg, eval_set=ev, resume=args.resume, ckpt_every=args.ckpt_every,
             keep=args.keep, log_every=args.log_every, eval_every=args.eval_every, eval_batches=args.eval_batches,
             tau_every=args.tau_every, tau_prompts=_tau_prompts(args, target), export_every=args.export_every,
-            export_dir=args.export_dir, stop_after=args.stop_after)
+            export_dir=args.export_dir, stop_after=args.stop_after, mesh=mesh)
     print(json.dumps({"step": r["step"], "train": r["last_metrics"], "eval": r["last_eval"]}), flush=True)
     return 0
+
+
+def _mesh(args):
+    """--mesh DATAxMODEL for a data-parallel fit (all hosts' devices after --coordinator)."""
+    from ddd_jax.sharding import mesh_from_args
+    return mesh_from_args(args)
 
 
 def cmd_export(args) -> int:
@@ -192,6 +199,8 @@ def add_parser(subparsers) -> None:
     f.add_argument("--ttt-steps", type=int, default=7, help="eagle3: unrolled draft steps (official: 7)")
     f.add_argument("--draft-vocab-size", type=int, default=8192,
                    help="eagle3: draft vocabulary (most frequent training tokens)")
+    from ddd_jax.sharding import add_mesh_args
+    add_mesh_args(f)  # --mesh DATAxMODEL: data-parallel training; --coordinator etc. for several hosts
     f.set_defaults(func=cmd_fit)
 
     x = sub.add_parser("export", help="write a checkpoint as a float16 head directory")

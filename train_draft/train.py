@@ -340,6 +340,20 @@ def init_head_params(dcfg: DraftConfig, target, cfg: FitConfig) -> dict:
     return params
 
 
+def _data_parallel(mesh, cfg: FitConfig, state):
+    """(batch placer, replicated state) for data-parallel training: batches [A, B, ...] split over "data" on B."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from ddd_jax.sharding import check_mesh, mesh_sizes
+    check_mesh(mesh)
+    n = mesh_sizes(mesh)["data"]
+    if cfg.batch_size % n:
+        raise ValueError(f"--batch-size {cfg.batch_size} does not divide the mesh's 'data' axis ({n})")
+    rows = NamedSharding(mesh, P(None, "data"))
+    return (lambda b: jax.tree.map(lambda x: jax.device_put(x, rows), b),
+            jax.device_put(state, NamedSharding(mesh, P())))
+
+
 def frozen_target_arrays(target):
     """(embed [V, D], lm_head weight [D, V]) of the target, float32; never trained."""
     embed = jnp.asarray(target.params["embed"], jnp.float32)
@@ -449,10 +463,12 @@ def fit(target, train: FeatureSet, out_dir, cfg: FitConfig, *, eval_set: Feature
         resume: bool = False, ckpt_every: int = 200, keep: int = 3, log_every: int = 10, eval_every: int = 200,
         eval_batches: int = 8, tau_every: int = 0, tau_prompts: list | None = None, tau_max_new: int = 64,
         export_every: int = 0, export_dir=None, stop_after: int | None = None, progress: bool = True,
-        extra_meta: dict | None = None) -> dict:
+        extra_meta: dict | None = None, mesh=None) -> dict:
     """Train a head on `train` features; checkpoints, metrics.jsonl and fit.json go to out_dir.
 
     stop_after: end this call after that global step (as an interruption would), leaving a checkpoint.
+    mesh: a ("data", "model") `jax.sharding.Mesh`: data-parallel training, each micro-batch's rows over "data"
+    (batch_size must divide it), head and optimizer state replicated; the same loss as one device.
     Returns {"params" (plain dict), "module" (EagleHeadModule over the same arrays), "step", "last_metrics",
     "last_eval", "draft_config"}.
     """
@@ -494,6 +510,9 @@ def fit(target, train: FeatureSet, out_dir, cfg: FitConfig, *, eval_set: Feature
             metrics_path.unlink()
     leaves, treedef = jax.tree.flatten(state)
     del state  # the step donates the leaves; `current()` rebuilds the State view of the latest ones when needed
+    shard_batch = lambda b: b  # noqa: E731
+    if mesh is not None:
+        shard_batch, leaves = _data_parallel(mesh, cfg, leaves)
     current = lambda: jax.tree.unflatten(treedef, leaves)
     train_step = make_train_step(graphdef, treedef, dcfg, cfg)
     start = state_step(current())
@@ -528,7 +547,7 @@ def fit(target, train: FeatureSet, out_dir, cfg: FitConfig, *, eval_set: Feature
     for step in range(start, end):
         batch = plan.batch(step)
         n_tok = int((batch.segments > 0).sum())
-        leaves, m = train_step(leaves, embed, lm_w, batch, base_key)
+        leaves, m = train_step(leaves, embed, lm_w, shard_batch(batch), base_key)
         pending.append(m)
         tok_last += n_tok
         done = step + 1

@@ -20,6 +20,7 @@ import numpy as np
 from .. import llama
 from ..config import ModelConfig
 from ..target import Target
+from .hf import _placer
 from .keytable import Rule, SourceTensor, convert, flat_shapes, plan, resolve_dtype
 
 GGUF_LLAMA_RULES = (
@@ -131,7 +132,7 @@ def gguf_config(reader, path="GGUF"):
         model_type=model_type, qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3")
 
 
-def gguf_params(reader, cfg, dtype=None, path="GGUF", as_jax: bool = True) -> dict:
+def gguf_params(reader, cfg, dtype=None, path="GGUF", as_jax: bool = True, mesh=None) -> dict:
     from gguf.quants import dequantize
     sources = [SourceTensor(t.name, tuple(int(s) for s in reversed(list(t.shape))),
                             lambda t=t: dequantize(t.data, t.tensor_type)) for t in reader.tensors]
@@ -140,7 +141,8 @@ def gguf_params(reader, cfg, dtype=None, path="GGUF", as_jax: bool = True) -> di
     permuted = GGUF_ARCHS[gguf_arch(reader, path)][1]
     transforms = {"unpermute_q": (lambda w: unpermute(w, cfg.num_attention_heads)) if permuted else (lambda w: w),
                   "unpermute_k": (lambda w: unpermute(w, cfg.num_key_value_heads)) if permuted else (lambda w: w)}
-    return convert(slots, expected, resolve_dtype(dtype) or np.dtype(np.float32), transforms, as_jax=as_jax)
+    return convert(slots, expected, resolve_dtype(dtype) or np.dtype(np.float32), transforms, as_jax=as_jax,
+                   place=_placer(cfg, mesh))
 
 
 def gguf_tokenizer(reader, path="GGUF"):
@@ -196,11 +198,11 @@ _PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": 
                "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 
 
-def load_gguf_target(path, dtype=None, name: str | None = None, as_jax: bool = True) -> Target:
+def load_gguf_target(path, dtype=None, name: str | None = None, as_jax: bool = True, mesh=None) -> Target:
     """A Target from a llama / qwen2 / qwen3 architecture .gguf file (float32 unless dtype is given)."""
     path = Path(path)
     reader = read_gguf(path)
     cfg = gguf_config(reader, path)
-    params = gguf_params(reader, cfg, dtype, path, as_jax=as_jax)
+    params = gguf_params(reader, cfg, dtype, path, as_jax=as_jax, mesh=mesh)
     tok, template, special = gguf_tokenizer(reader, path)
-    return Target(name or path.stem, cfg, params, tok, template, special)
+    return Target(name or path.stem, cfg, params, tok, template, special, mesh=mesh)

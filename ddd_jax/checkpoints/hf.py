@@ -116,8 +116,9 @@ def checkpoint_sources(d: Path) -> list[SourceTensor]:
 # HF LLaMA directory -> params, config, tokenizer, Target
 
 
-def load_hf_params(d, cfg, dtype=None, as_jax: bool = True) -> dict:
-    """Convert the weights of HF directory `d` to `llama.param_shapes(cfg)` params."""
+def load_hf_params(d, cfg, dtype=None, as_jax: bool = True, mesh=None) -> dict:
+    """Convert the weights of HF directory `d` to `llama.param_shapes(cfg)` params (sharded over `mesh`, tensor by
+    tensor, when given)."""
     d = Path(d)
     sources = checkpoint_sources(d)
     dtype = resolve_dtype(dtype) or source_dtype(sources, "model.embed_tokens.weight")
@@ -132,7 +133,17 @@ def load_hf_params(d, cfg, dtype=None, as_jax: bool = True) -> dict:
     slots = plan(sources, rules, expected, what, ignore=ignore)
     if cfg.tie_word_embeddings:
         check_tied_lm_head(sources, what)
-    return convert(slots, expected, dtype, as_jax=as_jax)
+    return convert(slots, expected, dtype, as_jax=as_jax, place=_placer(cfg, mesh))
+
+
+def _placer(cfg, mesh):
+    """The per-tensor placement of a target's weights on `mesh` (None: ordinary arrays)."""
+    if mesh is None:
+        return None
+    from .. import sharding
+    sharding.check_mesh(mesh)
+    sharding.check_divisible(cfg, mesh)
+    return sharding.placer(mesh, llama.param_axes(cfg))
 
 
 def check_tied_lm_head(sources: list[SourceTensor], what: str) -> None:
@@ -191,15 +202,15 @@ def read_hf_config(d):
     return raw, cfg
 
 
-def load_hf_dir(path, dtype=None, name: str | None = None, as_jax: bool = True) -> Target:
+def load_hf_dir(path, dtype=None, name: str | None = None, as_jax: bool = True, mesh=None) -> Target:
     """A Target from an HF Llama / Mistral / Qwen2 / Qwen3 directory (config.json + safetensors / sharded / pytorch .bin weights)."""
     path = Path(path)
     _, cfg = read_hf_config(path)
-    params = load_hf_params(path, cfg, dtype, as_jax=as_jax)
+    params = load_hf_params(path, cfg, dtype, as_jax=as_jax, mesh=mesh)
     tok, template, special = read_tokenizer_files(path)
     if tok is not None and special.get("eos_token") is not None:
         # make sure generation stops on the tokenizer's eos (e.g. an end-of-turn token) too
         eid = tok.token_to_id(special["eos_token"])
         if eid is not None and eid not in cfg.eos_token_id:
             cfg = replace(cfg, eos_token_id=tuple(cfg.eos_token_id) + (int(eid),))
-    return Target(name or path.name, cfg, params, tok, template, special)
+    return Target(name or path.name, cfg, params, tok, template, special, mesh=mesh)

@@ -49,21 +49,26 @@ def resolve_source(path_or_name) -> tuple[str, Path]:
     return "hf", path
 
 
-def load_target(path_or_name, dtype=None) -> Target:
+def load_target(path_or_name, dtype=None, mesh=None) -> Target:
     """Load a target.
 
     path_or_name: a known name ("smollm2-135m-instruct"), a directory in our format, an HF Llama / Mistral /
     Qwen2 / Qwen3 directory, or a llama / qwen2 / qwen3 architecture .gguf file. dtype: "float32" | "float16" | "bfloat16" (or a numpy/jax
-    dtype); None keeps the stored dtype (float32 for GGUF).
+    dtype); None keeps the stored dtype (float32 for GGUF). mesh: a `jax.sharding.Mesh` with axes ("data", "model")
+    (`ddd_jax.sharding.make_mesh`): weights are sharded by `ddd_jax.sharding.RULES` (heads, MLP hidden and
+    vocabulary over "model", the rest replicated) tensor by tensor while loading; `target.mesh` keeps it.
     """
+    if mesh is not None:
+        from ..sharding import check_mesh
+        check_mesh(mesh)
     kind, path = resolve_source(path_or_name)
     if kind == "named":
-        return registry.load_named(str(path_or_name), path, dtype)
+        return registry.load_named(str(path_or_name), path, dtype, mesh=mesh)
     if kind == "gguf":
-        return load_gguf_target(path, dtype)
+        return load_gguf_target(path, dtype, mesh=mesh)
     if kind == "ours":
-        return load_target_dir(path, dtype)
-    return load_hf_dir(path, dtype)
+        return load_target_dir(path, dtype, mesh=mesh)
+    return load_hf_dir(path, dtype, mesh=mesh)
 
 
 def convert_target(src, out, dtype=None) -> Path:
