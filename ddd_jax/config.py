@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -88,14 +88,13 @@ def _hf_sliding_window(d: dict, fam: Family, model_type: str, n_layers: int) -> 
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """Decoder config for the LLaMA family of architectures (Llama, Mistral, Qwen2, Qwen3); field names follow HF
-    (`LlamaConfig`, `Qwen3Config`, ...). The family differences are switches of the one decoder layer."""
+class LayerConfig:
+    """The decoder layer's fields, shared by targets (`ModelConfig`) and draft heads (`DraftConfig`); HF names.
+    The family switches (see `FAMILIES`) change the one decoder layer, not copies of it."""
 
     vocab_size: int
     hidden_size: int
     intermediate_size: int
-    num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
@@ -103,15 +102,25 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # HF's rope_scaling dict, frozen to a sorted tuple of (key, value); only "llama3" is implemented.
     rope_scaling: tuple | None = None
+    attention_bias: bool = False  # biases on the q, k, v and o projections (HF's `attention_bias`)
+    qkv_bias: bool = False  # biases on the q, k, v projections only (Qwen2; EAGLE heads' `qkv_bias`)
+    qk_norm: bool = False  # per-head RMSNorm of q and k (weights [H]) before rope (Qwen3's q_norm / k_norm)
+
+
+LAYER_FIELDS = tuple(f.name for f in dataclasses.fields(LayerConfig))
+
+
+@dataclass(frozen=True)
+class ModelConfig(LayerConfig):
+    """Decoder config for the LLaMA family of architectures (Llama, Mistral, Qwen2, Qwen3); field names follow HF
+    (`LlamaConfig`, `Qwen3Config`, ...). The family differences are switches of the one decoder layer."""
+
+    num_hidden_layers: int = field(kw_only=True)
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
-    # Family switches (see `FAMILIES`): the HF model type, and what it changes in the decoder layer.
-    model_type: str = "llama"  # "llama" | "mistral" | "qwen2" | "qwen3"
-    attention_bias: bool = False  # biases on the q, k, v and o projections (HF's `attention_bias`)
-    qkv_bias: bool = False  # biases on the q, k, v projections only (Qwen2; EAGLE heads' `qkv_bias`)
-    qk_norm: bool = False  # per-head RMSNorm of q and k (weights [H]) before rope (Qwen3's q_norm / k_norm)
+    model_type: str = "llama"  # "llama" | "mistral" | "qwen2" | "qwen3" (see `FAMILIES`)
     sliding_window: int | None = None  # every layer attends to positions p - sliding_window < p' <= p only
 
     def __post_init__(self):
@@ -227,7 +236,7 @@ HEAD_TYPES = ("eagle1", "eagle3")
 
 
 @dataclass(frozen=True)
-class DraftConfig:
+class DraftConfig(LayerConfig):
     """A draft head: EAGLE-1/2 (``head_type="eagle1"``: fc(2H->H, bias) + one LLaMA decoder layer without input
     norm) or EAGLE-3 (``head_type="eagle3"``: fc(3H_target->H) on three target layers' features + one decoder
     layer attending over cat(norm(embed), norm(hidden)), own final norm and lm_head over a draft vocabulary;
@@ -236,23 +245,11 @@ class DraftConfig:
     Records the target's vocab and hidden size so a head is never run against the wrong target.
     """
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: tuple | None = None
     fc_bias: bool = True
     target_name: str | None = None  # free text: what the head was trained for
-    # The decoder layer's family switches (see ModelConfig), taken from the target by `from_target`: a Qwen2
-    # target's head has q/k/v biases (as EAGLE's official Qwen2 heads: `qkv_bias`), a Qwen3 target's head per-head
-    # q/k norms and the target's head_dim. A head never has a sliding window (EAGLE heads attend to everything).
-    attention_bias: bool = False
-    qkv_bias: bool = False
-    qk_norm: bool = False
+    # The layer's family switches (LayerConfig) come from the target in `from_target`: a Qwen2 target's head has
+    # q/k/v biases (as EAGLE's official Qwen2 heads: `qkv_bias`), a Qwen3 target's head per-head q/k norms and the
+    # target's head_dim. A head never has a sliding window (EAGLE heads attend to everything).
     # Reduced draft vocabulary (lossless: the target still verifies every token). When set, the head's params
     # carry `d2t` [draft_vocab_size] target token ids and drafting scores only those tokens, which makes a
     # draft step far cheaper for small targets whose lm_head dominates. None = the full target vocabulary.
@@ -275,12 +272,8 @@ class DraftConfig:
 
     @classmethod
     def from_target(cls, cfg: ModelConfig, target_name: str | None = None, **over) -> "DraftConfig":
-        kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                  num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-                  head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-                  rope_scaling=cfg.rope_scaling, target_name=target_name, attention_bias=cfg.attention_bias,
-                  qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm)
-        kw.update(over)
+        kw = {f: getattr(cfg, f) for f in LAYER_FIELDS}
+        kw.update(target_name=target_name, **over)
         return cls(**kw)
 
     def check_target(self, cfg: ModelConfig) -> None:
@@ -295,13 +288,7 @@ class DraftConfig:
 
     def layer_config(self) -> ModelConfig:
         """The one decoder layer, described as a 1-layer ModelConfig (shared layer code)."""
-        return ModelConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size, num_hidden_layers=1,
-                           num_attention_heads=self.num_attention_heads,
-                           num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-                           rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-                           rope_scaling=self.rope_scaling, attention_bias=self.attention_bias,
-                           qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
+        return ModelConfig(num_hidden_layers=1, **{f: getattr(self, f) for f in LAYER_FIELDS})
 
     @classmethod
     def from_dict(cls, d: dict) -> "DraftConfig":

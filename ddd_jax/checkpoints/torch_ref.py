@@ -136,32 +136,43 @@ def random_eagle_head(config: dict, seed: int = 0, embed: np.ndarray | None = No
     return head
 
 
+def _official_config(c: dict, architecture: str, **more) -> dict:
+    """The LlamaConfig-style config.json of a released EAGLE head (one decoder layer)."""
+    cfg = {"architectures": [architecture], "model_type": "llama", "hidden_act": "silu",
+           "hidden_size": c["hidden_size"], "intermediate_size": c["intermediate_size"],
+           "num_attention_heads": c["num_attention_heads"], "num_key_value_heads": c["num_key_value_heads"],
+           "num_hidden_layers": 1, "rms_norm_eps": c["rms_norm_eps"], "rope_theta": c["rope_theta"],
+           "vocab_size": c["vocab_size"], **more, "max_position_embeddings": 2048, "torch_dtype": "float32"}
+    return cfg
+
+
+def _write_official(path: Path, cfg: dict, sd: dict, fmt: str) -> Path:
+    """config.json + pytorch_model.bin (fmt "bin") or model.safetensors, as released heads are stored."""
+    if fmt not in ("bin", "safetensors"):
+        raise ValueError(f"fmt must be 'bin' or 'safetensors', got {fmt!r}")
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    if fmt == "bin":
+        torch.save(sd, path / "pytorch_model.bin")
+    else:
+        from safetensors.numpy import save_file
+        save_file({k: v.numpy() for k, v in sd.items()}, str(path / "model.safetensors"))
+    return path
+
+
 def write_official_eagle_head(head: TorchEagleHead, path, fmt: str = "bin", extra_config: dict | None = None) -> Path:
     """Write `head` the way EAGLE's released heads look: config.json (LlamaConfig, num_hidden_layers=1,
     "bias" only when False) + pytorch_model.bin or model.safetensors."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     c = head.config
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-           "hidden_size": c["hidden_size"], "intermediate_size": c["intermediate_size"],
-           "num_attention_heads": c["num_attention_heads"], "num_key_value_heads": c["num_key_value_heads"],
-           "num_hidden_layers": 1, "rms_norm_eps": c["rms_norm_eps"], "rope_theta": c["rope_theta"],
-           "vocab_size": c["vocab_size"], "max_position_embeddings": 2048, "torch_dtype": "float32"}
+    cfg = _official_config(c, "LlamaForCausalLM")
     if not c.get("bias", True):
         cfg["bias"] = False
     if c.get("qkv_bias"):
         cfg["qkv_bias"] = True
     cfg.update(extra_config or {})
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
     sd = {k: v.detach().clone().contiguous() for k, v in head.state_dict().items()}
-    if fmt == "bin":
-        torch.save(sd, path / "pytorch_model.bin")
-    elif fmt == "safetensors":
-        from safetensors.numpy import save_file
-        save_file({k: v.numpy() for k, v in sd.items()}, str(path / "model.safetensors"))
-    else:
-        raise ValueError(f"fmt must be 'bin' or 'safetensors', got {fmt!r}")
-    return path
+    return _write_official(path, cfg, sd, fmt)
 
 
 def load_official_head(src, dtype=torch.float32) -> TorchEagleHead:
@@ -271,16 +282,10 @@ def write_official_eagle3_head(head: TorchEagle3Head, path, fmt: str = "bin", la
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     c = head.config
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
-           "hidden_size": c["hidden_size"], "intermediate_size": c["intermediate_size"],
-           "num_attention_heads": c["num_attention_heads"], "num_key_value_heads": c["num_key_value_heads"],
-           "num_hidden_layers": 1, "rms_norm_eps": c["rms_norm_eps"], "rope_theta": c["rope_theta"],
-           "vocab_size": c["vocab_size"], "draft_vocab_size": head.d2t.shape[0], "max_position_embeddings": 2048,
-           "torch_dtype": "float32"}
+    cfg = _official_config(c, "LlamaForCausalLMEagle3", draft_vocab_size=head.d2t.shape[0])
     if c.get("target_hidden_size"):
         cfg["target_hidden_size"] = c["target_hidden_size"]
     cfg.update(extra_config or {})
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
     sd = {}
     for k, v in head.state_dict().items():
         if k == "embed_tokens.weight" and not with_embed:
@@ -288,14 +293,7 @@ def write_official_eagle3_head(head: TorchEagle3Head, path, fmt: str = "bin", la
         if layout == "layers" and k.startswith("midlayer."):
             k = "layers.0." + k[len("midlayer."):]
         sd[k] = v.detach().clone().contiguous()
-    if fmt == "bin":
-        torch.save(sd, path / "pytorch_model.bin")
-    elif fmt == "safetensors":
-        from safetensors.numpy import save_file
-        save_file({k: v.numpy() for k, v in sd.items()}, str(path / "model.safetensors"))
-    else:
-        raise ValueError(f"fmt must be 'bin' or 'safetensors', got {fmt!r}")
-    return path
+    return _write_official(path, cfg, sd, fmt)
 
 
 def load_official_eagle3_head(src, dtype=torch.float32) -> TorchEagle3Head:
