@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import write_tiny_hf_llama
-from ddd_jax.loading import load_target
+from ddd_jax import load_target
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
