@@ -26,7 +26,7 @@ from . import io as dio
 from .cache import KVCache, init_cache
 from .checkpoints.keytable import check_shapes
 from .config import DraftConfig, ModelConfig
-from .layers import causal_mask
+from .layers import causal_mask, linear
 from .llama import decoder_stack, layer_shapes, lm_head, output_embedding
 
 
@@ -68,7 +68,7 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions,
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
     e = jnp.take(embed, tokens, axis=0).astype(features.dtype)
-    x = jnp.concatenate([e, features], axis=-1) @ dparams["fc_w"].astype(features.dtype)
+    x = linear(jnp.concatenate([e, features], axis=-1), dparams["fc_w"].astype(features.dtype))
     if "fc_b" in dparams:
         x = x + dparams["fc_b"].astype(features.dtype)
     if kv_mask is None:
@@ -82,7 +82,7 @@ def draft_logits(dparams, tparams, tcfg: ModelConfig, h):
     (then `dparams["lm_sub"]` [V', D] holds the target's output embedding rows of those tokens; see
     `Draft.decode_params`). Renormalised over the draft vocabulary."""
     if "lm_sub" in dparams:
-        logits = jnp.einsum("...d,vd->...v", h, dparams["lm_sub"], preferred_element_type=jnp.float32)
+        logits = linear(h, dparams["lm_sub"], transposed=True)
     else:
         logits = lm_head(tparams, tcfg, h)
     return jax.nn.log_softmax(logits, axis=-1)

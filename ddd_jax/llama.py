@@ -87,23 +87,29 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
     eps = cfg.rms_norm_eps
     n_layers = lp["wq"].shape[0]
 
-    def qkv(x, p):
+    # Matrix weights are read from the stacked lp by layer index (`L.linear`: no per-layer copy on the kernel
+    # path); the scanned p carries the small per-layer vectors (norms).
+    def qkv(x, p, i):
         h = L.rms_norm(x, p["attn_norm"], eps) if "attn_norm" in p else x
-        q = (h @ p["wq"]).reshape(B, T, N, H)
-        k = (h @ p["wk"]).reshape(B, T, K, H)
-        v = (h @ p["wv"]).reshape(B, T, K, H)
+        q = L.linear(h, lp["wq"], i).reshape(B, T, N, H)
+        k = L.linear(h, lp["wk"], i).reshape(B, T, K, H)
+        v = L.linear(h, lp["wv"], i).reshape(B, T, K, H)
         return L.apply_rope(q, positions, inv), L.apply_rope(k, positions, inv), v
 
-    def rest(x, p, a):
-        x = x + a @ p["wo"]
+    def rest(x, p, i, a):
+        x = x + L.linear(a, lp["wo"], i)
         h = L.rms_norm(x, p["mlp_norm"], eps)
-        return x + L.mlp(h, p["w_gate"], p["w_up"], p["w_down"])
+        return x + L.mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"], i)
+
+    small = {k: v for k, v in lp.items() if v.ndim <= 2}  # [L, D] norms (and biases)
+    layer_ids = jnp.arange(n_layers)
 
     if cache is None:
-        def body(x, p):
-            q, k, v = qkv(x, p)
-            return rest(x, p, L.attention(q, k, v, kv_mask)), None
-        x, _ = jax.lax.scan(body, x, lp)
+        def body(x, xs):
+            p, i = xs
+            q, k, v = qkv(x, p, i)
+            return rest(x, p, i, L.attention(q, k, v, kv_mask)), None
+        x, _ = jax.lax.scan(body, x, (small, layer_ids))
         return x, None
 
     b_idx = jnp.arange(B)[:, None]
@@ -112,14 +118,14 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
     def body(carry, xs):
         x, kall, vall = carry
         p, i = xs
-        q, k, v = qkv(x, p)
+        q, k, v = qkv(x, p, i)
         # scatter straight into the carried [L, B, S, K, H] buffers (in place), then attend over layer i
         kall = kall.at[i, b_idx, dst].set(k.astype(kall.dtype), mode="drop")
         vall = vall.at[i, b_idx, dst].set(v.astype(vall.dtype), mode="drop")
-        x = rest(x, p, L.attention(q, kall[i], vall[i], kv_mask))
+        x = rest(x, p, i, L.attention(q, kall, vall, kv_mask, i))
         return (x, kall, vall), None
 
-    (x, kall, vall), _ = jax.lax.scan(body, (x, cache.k, cache.v), (lp, jnp.arange(n_layers)))
+    (x, kall, vall), _ = jax.lax.scan(body, (x, cache.k, cache.v), (small, layer_ids))
     return x, KVCache(k=kall, v=vall, length=cache.length)
 
 
@@ -129,8 +135,10 @@ def output_embedding(params, cfg: ModelConfig):
 
 
 def lm_head(params, cfg: ModelConfig, hidden):
-    """Logits [..., V] float32 of hidden [..., D]."""
-    return jnp.einsum("...d,vd->...v", hidden, output_embedding(params, cfg), preferred_element_type=jnp.float32)
+    """Logits [..., V] float32 of hidden [..., D]. (Reads lm_head [D, V] as stored: no transposed copy per call.)"""
+    if cfg.tie_word_embeddings:
+        return L.linear(hidden, params["embed"], transposed=True)
+    return L.linear(hidden, params["lm_head"])
 
 
 def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None = None, attn_mask=None,
