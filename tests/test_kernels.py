@@ -38,7 +38,7 @@ def test_linear_matches_dot_and_rows_are_m_independent(trans, K, N):
     w = jnp.asarray(rng.standard_normal((3, N, K) if trans else (3, K, N)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((17, K)), jnp.float32)
     alone = np.asarray(_product(x[:1], w, 2, trans))
-    for M in range(1, 18):
+    for M in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17):
         out = np.asarray(_product(x[:M], w, 2, trans))
         w64 = np.asarray(w[2], np.float64)
         ref = np.asarray(x[:M], np.float64) @ (w64.T if trans else w64)
@@ -46,6 +46,19 @@ def test_linear_matches_dot_and_rows_are_m_independent(trans, K, N):
         assert np.array_equal(out[:1], alone), f"row 0 changed with M={M}"
         if M > 1:  # and every other row equals itself computed alone
             assert np.array_equal(out[M - 1], np.asarray(_product(x[M - 1:M], w, 2, trans))[0])
+
+
+@needs_kernel
+@pytest.mark.parametrize("trans", [False, True])
+def test_kernel_product_past_one_row_group(trans):
+    """The kernel walks rows in groups of 128 (its accumulator tile); linear() sends at most MAX_ROWS to it."""
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((1, 30, 50)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((300, 50 if trans else 30)), jnp.float32)
+    got = np.asarray(jax.jit(lambda x, w: kernels.product(x, w, 0, trans))(x, w))
+    w64 = np.asarray(w[0], np.float64)
+    np.testing.assert_allclose(got, np.asarray(x, np.float64) @ (w64.T if trans else w64), rtol=1e-5, atol=1e-5)
+    assert np.array_equal(got[257], np.asarray(jax.jit(lambda x, w: kernels.product(x, w, 0, trans))(x[257:258], w))[0])
 
 
 @needs_kernel

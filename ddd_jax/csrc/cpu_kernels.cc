@@ -28,29 +28,41 @@
 namespace ffi = xla::ffi;
 
 #define DDD_AVX2 __attribute__((target("avx2,fma")))
+#define DDD_UNROLL _Pragma("GCC unroll 16")
 
 namespace {
 
+int64_t g_kb = 8;        // K block (rows of the weight swept per panel pass)
+int64_t g_tile = 4096;   // floats of the accumulator tile budget
+int64_t g_pf = 1;        // software prefetch of the next K block
+
 // ------------------------------------------------------------------------------------------- x @ W, W [K, N]
 // MT rows x NV 8-wide column vectors of out, k in [k0, k1); acc starts from zero (first) or from out.
+// pf > 0: also prefetch the panel's row k + pf for each row k (rows < kmax), i.e. the next K block, so the
+// weight stream keeps coming from memory while this block computes.
 template <int MT, int NV>
 DDD_AVX2 inline void nn_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* out, int64_t ldo,
-                             int64_t k0, int64_t k1, bool first) {
+                             int64_t k0, int64_t k1, bool first, int64_t pf = 0, int64_t kmax = 0) {
   __m256 acc[MT][NV];
-  for (int r = 0; r < MT; ++r)
-    for (int v = 0; v < NV; ++v)
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int v = 0; v < NV; ++v)
       acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + r * ldo + 8 * v);
   const float* wk = w + k0 * ldw;
   for (int64_t k = k0; k < k1; ++k, wk += ldw) {
+    if (pf && k + pf < kmax) {
+      const char* p = reinterpret_cast<const char*>(wk + pf * ldw);
+      DDD_UNROLL for (int b = 0; b < NV * 32; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+      _mm_prefetch(p + NV * 32 - 4, _MM_HINT_T0);
+    }
     __m256 wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = _mm256_loadu_ps(wk + 8 * v);
-    for (int r = 0; r < MT; ++r) {
+    DDD_UNROLL for (int v = 0; v < NV; ++v) wv[v] = _mm256_loadu_ps(wk + 8 * v);
+    DDD_UNROLL for (int r = 0; r < MT; ++r) {
       const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(b, wv[v], acc[r][v]);
+      DDD_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(b, wv[v], acc[r][v]);
     }
   }
-  for (int r = 0; r < MT; ++r)
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + r * ldo + 8 * v, acc[r][v]);
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + r * ldo + 8 * v, acc[r][v]);
 }
 
 // Scalar columns (N not a multiple of 8): the same fma chain, one element at a time.
@@ -66,35 +78,59 @@ DDD_AVX2 inline void nn_scalar(const float* x, int64_t ldx, const float* w, int6
 
 template <int NV>
 DDD_AVX2 inline void nn_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, float* out, int64_t ldo,
-                             int64_t M, int64_t k0, int64_t k1, bool first) {
-  constexpr int MT = NV == 2 ? 6 : 4;  // 12 accumulators + NV weight vectors + 1 broadcast <= 16 registers
+                             int64_t M, int64_t k0, int64_t k1, bool first, int64_t kmax) {
+  // NV=8 (one or two rows): 8 independent fma chains per row; NV=3: 4 x 3 accumulators + 3 weights + 1 broadcast
+  constexpr int MT = NV >= 8 ? 1 : 4;
   int64_t m = 0;
-  for (; m + MT <= M; m += MT) nn_tile<MT, NV>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, k0, k1, first);
+  for (; m + MT <= M; m += MT)  // the first row tile prefetches the next K block of this panel
+    nn_tile<MT, NV>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, k0, k1, first, m == 0 && g_pf ? k1 - k0 : 0, kmax);
+  const int64_t pf = m == 0 && g_pf ? k1 - k0 : 0;
   const float* xm = x + m * ldx;
   float* om = out + m * ldo;
   switch (M - m) {
-    case 5: nn_tile<5, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first); break;
-    case 4: nn_tile<4, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first); break;
-    case 3: nn_tile<3, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first); break;
-    case 2: nn_tile<2, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first); break;
-    case 1: nn_tile<1, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first); break;
+    case 5: nn_tile<5, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+    case 4: nn_tile<4, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+    case 3: nn_tile<3, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+    case 2: nn_tile<2, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+    case 1: nn_tile<1, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
     default: break;
   }
 }
 
-// Columns [n0, n1) of out, all M rows. K is walked in blocks of KB rows so that each block of the weight
-// (KB rows x the chunk's columns) is read from memory once and reused from cache by every row tile.
+
+// Columns [n0, n1) of out, all M rows. Column blocks small enough that their M rows of out stay in L1; within one,
+// K is walked in blocks of KB rows and each block is swept panel by panel, so the weight is read as KB
+// interleaved sequential streams (one per row) -- what the hardware prefetchers follow -- and the accumulators
+// are reloaded from L1 once per KB rows.
+DDD_AVX2 void nn_chunk_rows(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t N,
+                            int64_t n0, int64_t n1) {  // M <= 128
+  const int64_t KB = g_kb;
+  const int64_t panel = M <= 2 ? 64 : 24;
+  const int64_t CB = std::max<int64_t>(panel, (g_tile / M) / panel * panel);  // M x CB floats <= 16 KiB
+  // The accumulators live in a dense local tile (row stride CB, not N): with N a multiple of 1024 bytes' worth,
+  // out's rows would all map to the same few L1 sets.
+  alignas(64) float tile[16384 + 64 * 16];
+  for (int64_t c0 = n0; c0 < n1; c0 += CB) {
+    const int64_t c1 = std::min(n1, c0 + CB), cw = c1 - c0;
+    const float* wc = w + c0;
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+      const int64_t k1 = std::min(K, k0 + KB);
+      const bool first = k0 == 0;
+      int64_t n = 0;
+      if (M <= 2)  // memory-bound: wide panels, more independent chains
+        for (; n + 64 <= cw; n += 64) nn_rows<8>(x, K, wc + n, N, tile + n, CB, M, k0, k1, first, K);
+      for (; n + 24 <= cw; n += 24) nn_rows<3>(x, K, wc + n, N, tile + n, CB, M, k0, k1, first, K);
+      for (; n + 8 <= cw; n += 8) nn_rows<1>(x, K, wc + n, N, tile + n, CB, M, k0, k1, first, K);
+      if (n < cw) nn_scalar(x, K, wc + n, N, tile + n, CB, M, cw - n, k0, k1, first);
+    }
+    for (int64_t m = 0; m < M; ++m) std::copy(tile + m * CB, tile + m * CB + cw, out + m * N + c0);
+  }
+}
+
 DDD_AVX2 void nn_chunk(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
                        int64_t n1) {
-  constexpr int64_t KB = 64;
-  for (int64_t k0 = 0; k0 < K; k0 += KB) {
-    const int64_t k1 = std::min(K, k0 + KB);
-    const bool first = k0 == 0;
-    int64_t n = n0;
-    for (; n + 24 <= n1; n += 24) nn_rows<3>(x, K, w + n, N, out + n, N, M, k0, k1, first);
-    for (; n + 8 <= n1; n += 8) nn_rows<1>(x, K, w + n, N, out + n, N, M, k0, k1, first);
-    if (n < n1) nn_scalar(x, K, w + n, N, out + n, N, M, n1 - n, k0, k1, first);
-  }
+  for (int64_t m0 = 0; m0 < M; m0 += 128)
+    nn_chunk_rows(x + m0 * K, w, out + m0 * N, std::min<int64_t>(128, M - m0), K, N, n0, n1);
 }
 
 // ------------------------------------------------------------------------------------------- x @ W.T, W [N, K]
@@ -110,19 +146,19 @@ template <int MT, int NT>
 DDD_AVX2 inline void nt_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* out, int64_t ldo,
                              int64_t K) {
   __m256 acc[MT][NT];
-  for (int r = 0; r < MT; ++r)
-    for (int j = 0; j < NT; ++j) acc[r][j] = _mm256_setzero_ps();
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int j = 0; j < NT; ++j) acc[r][j] = _mm256_setzero_ps();
   const int64_t K8 = K & ~int64_t(7);
   for (int64_t k = 0; k < K8; k += 8) {
     __m256 wv[NT];
-    for (int j = 0; j < NT; ++j) wv[j] = _mm256_loadu_ps(w + j * ldw + k);
-    for (int r = 0; r < MT; ++r) {
+    DDD_UNROLL for (int j = 0; j < NT; ++j) wv[j] = _mm256_loadu_ps(w + j * ldw + k);
+    DDD_UNROLL for (int r = 0; r < MT; ++r) {
       const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
-      for (int j = 0; j < NT; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
+      DDD_UNROLL for (int j = 0; j < NT; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
     }
   }
-  for (int r = 0; r < MT; ++r)
-    for (int j = 0; j < NT; ++j) {
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int j = 0; j < NT; ++j) {
       float s = hsum8(acc[r][j]);
       for (int64_t k = K8; k < K; ++k) s = __builtin_fmaf(x[r * ldx + k], w[j * ldw + k], s);
       out[r * ldo + j] = s;
