@@ -283,6 +283,49 @@ DDD_AVX2 inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+// Scores of one query head against 4 slots: 4 independent chains, each exactly the single-slot order below.
+DDD_AVX2 inline void dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3,
+                          int64_t H, float* out) {
+  const int64_t H8 = H & ~int64_t(7);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t h = 0; h < H8; h += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + h);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + h), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + h), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + h), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + h), a3);
+  }
+  float s[4] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)};
+  const float* ks[4] = {k0, k1, k2, k3};
+  for (int i = 0; i < 4; ++i) {
+    for (int64_t h = H8; h < H; ++h) s[i] = __builtin_fmaf(q[h], ks[i][h], s[i]);
+    out[i] = s[i];
+  }
+}
+
+DDD_AVX2 inline float dot1(const float* q, const float* k, int64_t H) {
+  const int64_t H8 = H & ~int64_t(7);
+  __m256 a = _mm256_setzero_ps();
+  for (int64_t h = 0; h < H8; h += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + h), _mm256_loadu_ps(k + h), a);
+  float s = hsum8(a);
+  for (int64_t h = H8; h < H; ++h) s = __builtin_fmaf(q[h], k[h], s);
+  return s;
+}
+
+// out[0:8*NB] = sum_j p_j v_j[0:8*NB], an fma chain in slot order per element, accumulators in registers.
+template <int NB>
+DDD_AVX2 inline void pv_block(const float* p, const int32_t* idx, int64_t n_att, const float* v, int64_t ldv,
+                              float* out) {
+  __m256 acc[NB];
+  DDD_UNROLL for (int b = 0; b < NB; ++b) acc[b] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n_att; ++j) {
+    const __m256 pv = _mm256_set1_ps(p[j]);
+    const float* vj = v + idx[j] * ldv;
+    DDD_UNROLL for (int b = 0; b < NB; ++b) acc[b] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + 8 * b), acc[b]);
+  }
+  DDD_UNROLL for (int b = 0; b < NB; ++b) _mm256_storeu_ps(out + 8 * b, acc[b]);
+}
+
 // One query row (all N heads) against the slots it may attend, in ascending slot order:
 //   score_j = (q . k_j) * scale;  p_j = exp(score_j - max) / sum_j' exp(..)  (sum in slot order);
 //   out = sum_j p_j v_j  (fma chain in slot order).
@@ -300,38 +343,38 @@ DDD_AVX2 void attend_row(const float* q, const float* k, const float* v, const b
   const int64_t n_att = static_cast<int64_t>(idx.size());
   const int64_t padded = (n_att + 7) & ~int64_t(7);
   e.resize(padded);
-  const int64_t G = N / Kh, H8 = H & ~int64_t(7), ldk = Kh * H;
+  const int64_t G = N / Kh, ldk = Kh * H;
   for (int64_t n = 0; n < N; ++n) {
     const int64_t kh = n / G;
     const float* qn = q + n * H;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < n_att; ++j) {
-      float sc = 0.0f;
-      if (!none) {
-        const float* kj = k + idx[j] * ldk + kh * H;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t h = 0; h < H8; h += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qn + h), _mm256_loadu_ps(kj + h), acc);
-        sc = hsum8(acc);
-        for (int64_t h = H8; h < H; ++h) sc = __builtin_fmaf(qn[h], kj[h], sc);
-        sc *= scale;
-      }
-      e[j] = sc;
-      mx = std::max(mx, sc);
+    const float* kb = k + kh * H;
+    if (none) {
+      for (int64_t j = 0; j < n_att; ++j) e[j] = 0.0f;
+    } else {
+      int64_t j = 0;
+      for (; j + 4 <= n_att; j += 4)
+        dot4(qn, kb + idx[j] * ldk, kb + idx[j + 1] * ldk, kb + idx[j + 2] * ldk, kb + idx[j + 3] * ldk, H, &e[j]);
+      for (; j < n_att; ++j) e[j] = dot1(qn, kb + idx[j] * ldk, H);
+      for (j = 0; j < n_att; ++j) e[j] *= scale;
     }
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n_att; ++j) mx = std::max(mx, e[j]);
     for (int64_t j = n_att; j < padded; ++j) e[j] = mx;
     const __m256 mv = _mm256_set1_ps(mx);
     for (int64_t j = 0; j < padded; j += 8) _mm256_storeu_ps(&e[j], exp8(_mm256_sub_ps(_mm256_loadu_ps(&e[j]), mv)));
     float sum = 0.0f;
     for (int64_t j = 0; j < n_att; ++j) sum += e[j];
+    for (int64_t j = 0; j < n_att; ++j) e[j] = e[j] / sum;
     float* on = out + n * H;
-    for (int64_t h = 0; h < H; ++h) on[h] = 0.0f;
-    for (int64_t j = 0; j < n_att; ++j) {
-      const float p = e[j] / sum;
-      const float* vj = v + idx[j] * ldk + kh * H;
-      const __m256 pv = _mm256_set1_ps(p);
-      for (int64_t h = 0; h < H8; h += 8)
-        _mm256_storeu_ps(on + h, _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + h), _mm256_loadu_ps(on + h)));
-      for (int64_t h = H8; h < H; ++h) on[h] = __builtin_fmaf(p, vj[h], on[h]);
+    const float* vb = v + kh * H;
+    int64_t h = 0;
+    for (; h + 64 <= H; h += 64) pv_block<8>(e.data(), idx.data(), n_att, vb + h, ldk, on + h);
+    for (; h + 32 <= H; h += 32) pv_block<4>(e.data(), idx.data(), n_att, vb + h, ldk, on + h);
+    for (; h + 8 <= H; h += 8) pv_block<1>(e.data(), idx.data(), n_att, vb + h, ldk, on + h);
+    for (; h < H; ++h) {
+      float a = 0.0f;
+      for (int64_t j = 0; j < n_att; ++j) a = __builtin_fmaf(e[j], vb[idx[j] * ldk + h], a);
+      on[h] = a;
     }
   }
 }
