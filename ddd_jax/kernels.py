@@ -118,7 +118,8 @@ def product(x, w, layer=None, trans: bool = False):
     w3 = w if w.ndim == 3 else w[None]
     layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
     K = x.shape[-1]
-    out = _product(x.reshape(-1, K), w3, layer, trans)
+    impl = _product if available() else _xla  # (registers the targets before anything is lowered)
+    out = impl(x.reshape(-1, K), w3, layer, trans)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -164,6 +165,8 @@ def attention(q, k, v, mask, layer, reference):
     XLA implementation with the same signature minus layer (used off CPU and for gradients)."""
     if layer is None:
         k, v, layer = k[None], v[None], 0
+    if not available():
+        return reference(q, k[layer], v[layer], mask)
     return _attention(q, k, v, jnp.asarray(layer, jnp.int32), mask, reference)
 
 

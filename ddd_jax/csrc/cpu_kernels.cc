@@ -18,9 +18,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -183,22 +187,94 @@ DDD_AVX2 void nt_chunk(const float* x, const float* w, float* out, int64_t M, in
 
 // ------------------------------------------------------------------------------------------- threads
 // Chunks [0, n_chunks) handed out through an atomic counter. The caller works too and then waits only for chunks
-// that were started, so a scheduled helper that never gets a thread cannot block the call (it finds no chunk left).
-template <class Fn>
-struct Work {
-  Fn fn;
-  int64_t n_chunks;
+// that were started, so a helper that never gets the CPU cannot block the call (it finds no chunk left).
+struct Job {
+  int64_t n_chunks = 0;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
-  Work(Fn f, int64_t n) : fn(std::move(f)), n_chunks(n) {}
+  virtual void chunk(int64_t c) = 0;
+  virtual ~Job() = default;
   void run() {
     for (;;) {
       const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
       if (c >= n_chunks) return;
-      fn(c);
+      chunk(c);
       done.fetch_add(1, std::memory_order_release);
     }
   }
+};
+
+template <class Fn>
+struct FnJob final : Job {
+  Fn fn;
+  FnJob(Fn f, int64_t n) : fn(std::move(f)) { n_chunks = n; }
+  void chunk(int64_t c) override { fn(c); }
+};
+
+// Helper threads of our own (threads - 1 of them, started on first use). Waking an XLA pool thread per product
+// costs tens of microseconds on a busy machine -- a decode step runs ~300 products -- so helpers spin briefly on
+// a generation counter after each job (products of one forward follow each other within microseconds) and only
+// then sleep on a condition variable.
+class Helpers {
+ public:
+  static Helpers& get() {
+    static Helpers* h = new Helpers();  // never destroyed: helpers may outlive static destruction
+    return *h;
+  }
+
+  void ensure(int64_t n) {
+    if (started_.load(std::memory_order_acquire) >= n) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int64_t i = started_.load(); i < n; ++i) std::thread([this] { loop(); }).detach();
+    started_.store(std::max<int64_t>(n, started_.load()), std::memory_order_release);
+  }
+
+  void publish(std::shared_ptr<Job> job) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = std::move(job);
+      gen_.fetch_add(1, std::memory_order_release);
+    }
+    if (sleeping_.load(std::memory_order_acquire) > 0) cv_.notify_all();
+  }
+
+  void retire(const std::shared_ptr<Job>& job) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (job_ == job) job_.reset();
+  }
+
+ private:
+  void loop() {
+    uint64_t seen = gen_.load(std::memory_order_acquire);
+    for (;;) {
+      int spins = 0;
+      while (gen_.load(std::memory_order_acquire) == seen && spins < kSpins) {
+        _mm_pause();
+        ++spins;
+      }
+      if (gen_.load(std::memory_order_acquire) == seen) {
+        std::unique_lock<std::mutex> lock(mu_);
+        sleeping_.fetch_add(1, std::memory_order_acq_rel);
+        cv_.wait(lock, [&] { return gen_.load(std::memory_order_acquire) != seen; });
+        sleeping_.fetch_sub(1, std::memory_order_acq_rel);
+      }
+      std::shared_ptr<Job> job;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        seen = gen_.load(std::memory_order_acquire);
+        job = job_;
+      }
+      if (job) job->run();
+    }
+  }
+
+  static constexpr int kSpins = 2000;  // ~50 us of pause instructions
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::shared_ptr<Job> job_;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<int64_t> sleeping_{0};
+  std::atomic<int64_t> started_{0};
 };
 
 int64_t g_max_threads = 0;  // 0: the XLA pool's size
@@ -209,16 +285,42 @@ int64_t pool_threads(ffi::ThreadPool& pool) {
   return std::max<int64_t>(threads, 1);
 }
 
+// On an oversubscribed machine a helper is often preempted in the middle of a chunk and the caller then waits a
+// whole time slice for it (and spinning helpers eat the process's share of the CPU). So: when the caller keeps
+// waiting for helpers for more than a quarter of a call, products run on the calling thread alone for the next
+// kCooldown calls, then helpers are tried again.
+std::atomic<int64_t> g_cooldown{0};
+std::atomic<int64_t> g_strikes{0};
+constexpr int64_t kCooldown = 512;
+
 template <class Fn>
-void parallel_chunks(ffi::ThreadPool& pool, int64_t threads, int64_t n_chunks, Fn fn) {
+void parallel_chunks(int64_t threads, int64_t n_chunks, Fn fn) {
+  if (threads > 1 && n_chunks > 1 && g_cooldown.load(std::memory_order_relaxed) > 0) {
+    g_cooldown.fetch_sub(1, std::memory_order_relaxed);
+    threads = 1;
+  }
   if (threads <= 1 || n_chunks <= 1) {
     for (int64_t c = 0; c < n_chunks; ++c) fn(c);
     return;
   }
-  auto work = std::make_shared<Work<Fn>>(std::move(fn), n_chunks);
-  for (int64_t t = 1; t < threads && t < n_chunks; ++t) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->done.load(std::memory_order_acquire) < n_chunks) _mm_pause();
+  Helpers& helpers = Helpers::get();
+  helpers.ensure(threads - 1);
+  auto job = std::make_shared<FnJob<Fn>>(std::move(fn), n_chunks);
+  const auto t0 = std::chrono::steady_clock::now();
+  helpers.publish(job);
+  job->run();
+  const auto t1 = std::chrono::steady_clock::now();
+  while (job->done.load(std::memory_order_acquire) < n_chunks) _mm_pause();
+  const auto t2 = std::chrono::steady_clock::now();
+  helpers.retire(job);
+  if ((t2 - t1) * 4 > (t2 - t0)) {
+    if (g_strikes.fetch_add(1, std::memory_order_relaxed) + 1 >= 4) {
+      g_strikes.store(0, std::memory_order_relaxed);
+      g_cooldown.store(kCooldown, std::memory_order_relaxed);
+    }
+  } else if (g_strikes.load(std::memory_order_relaxed) > 0) {
+    g_strikes.fetch_sub(1, std::memory_order_relaxed);
+  }
 }
 
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -250,7 +352,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   int64_t chunk = (N + n_chunks - 1) / n_chunks;
   chunk = (chunk + align - 1) / align * align;
   n_chunks = (N + chunk - 1) / chunk;
-  parallel_chunks(pool, threads, n_chunks, [=](int64_t c) {
+  parallel_chunks(threads, n_chunks, [=](int64_t c) {
     const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
     if (trans)
       nt_chunk(xp, wp, o, M, K, N, n0, n1);
@@ -401,7 +503,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   const int64_t rows = B * T;
   int64_t threads = pool_threads(pool);
   if (rows < 4) threads = 1;
-  parallel_chunks(pool, threads, rows, [=](int64_t r) {
+  parallel_chunks(threads, rows, [=](int64_t r) {
     thread_local std::vector<int32_t> idx;
     thread_local std::vector<float> e;
     const int64_t b = r / T;
