@@ -36,9 +36,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-int64_t g_kb = 8;        // K block (rows of the weight swept per panel pass)
-int64_t g_tile = 4096;   // floats of the accumulator tile budget
-int64_t g_pf = 1;        // software prefetch of the next K block
+constexpr int64_t kKBlock = 8;    // K rows of the weight swept per panel pass (8 interleaved streams)
+constexpr int64_t kTile = 4096;   // floats of the accumulator tile (16 KiB: half of L1)
 
 // ------------------------------------------------------------------------------------------- x @ W, W [K, N]
 // MT rows x NV 8-wide column vectors of out, k in [k0, k1); acc starts from zero (first) or from out.
@@ -87,8 +86,8 @@ DDD_AVX2 inline void nn_rows(const float* x, int64_t ldx, const float* w, int64_
   constexpr int MT = NV >= 8 ? 1 : 4;
   int64_t m = 0;
   for (; m + MT <= M; m += MT)  // the first row tile prefetches the next K block of this panel
-    nn_tile<MT, NV>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, k0, k1, first, m == 0 && g_pf ? k1 - k0 : 0, kmax);
-  const int64_t pf = m == 0 && g_pf ? k1 - k0 : 0;
+    nn_tile<MT, NV>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, k0, k1, first, m == 0 ? k1 - k0 : 0, kmax);
+  const int64_t pf = m == 0 ? k1 - k0 : 0;
   const float* xm = x + m * ldx;
   float* om = out + m * ldo;
   switch (M - m) {
@@ -108,12 +107,12 @@ DDD_AVX2 inline void nn_rows(const float* x, int64_t ldx, const float* w, int64_
 // are reloaded from L1 once per KB rows.
 DDD_AVX2 void nn_chunk_rows(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t N,
                             int64_t n0, int64_t n1) {  // M <= 128
-  const int64_t KB = g_kb;
+  const int64_t KB = kKBlock;
   const int64_t panel = M <= 2 ? 64 : 24;
-  const int64_t CB = std::max<int64_t>(panel, (g_tile / M) / panel * panel);  // M x CB floats <= 16 KiB
+  const int64_t CB = std::max<int64_t>(panel, (kTile / M) / panel * panel);  // M x CB floats <= 16 KiB
   // The accumulators live in a dense local tile (row stride CB, not N): with N a multiple of 1024 bytes' worth,
   // out's rows would all map to the same few L1 sets.
-  alignas(64) float tile[16384 + 64 * 16];
+  alignas(64) float tile[kTile];  // M x CB <= kTile for every M <= 128
   for (int64_t c0 = n0; c0 < n1; c0 += CB) {
     const int64_t c1 = std::min(n1, c0 + CB), cw = c1 - c0;
     const float* wc = w + c0;
