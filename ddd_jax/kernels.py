@@ -1,13 +1,15 @@
-"""The optional CPU kernel behind `layers.linear`: a small-M float32 matrix product registered with `jax.ffi`.
+"""The optional CPU kernels behind `layers.linear` and `layers.attention`, registered with `jax.ffi`.
 
 `pip install` builds `ddd_jax/_cpu_kernels*.so` from `ddd_jax/csrc/cpu_kernels.cc` (g++ and jaxlib's FFI headers;
-see setup.py). It is used on the CPU backend for float32 products with at most `MAX_ROWS` rows -- decoding and
-verification -- and reads a stacked weight's layer in place (no per-layer copy). Everything else, and every
-machine where the library is missing, cannot be loaded or the CPU lacks AVX2/FMA, takes XLA's dot (one warning
-line). `DDD_JAX_NO_KERNELS=1` disables it.
+see setup.py). On the CPU backend, float32 work of at most `MAX_ROWS` rows -- decoding and verification -- runs
+there: small-M matrix products that read a stacked weight's layer in place (no per-layer copy; weights streamed
+once for all rows), and attention over the slots a row may attend only. Everything else, and every machine where
+the library is missing, cannot be loaded or the CPU lacks AVX2/FMA, takes XLA (one stderr line when the library
+is missing or broken). `DDD_JAX_NO_KERNELS=1` disables them.
 
-Numerics: float32 arithmetic; every output element is reduced in one fixed order that depends on K only, so a
-row's result is bit-identical whatever the number of rows computed with it (see the .cc file's header).
+Numerics: float32 arithmetic; every output element is reduced in one fixed order that depends on the reduced
+length only, so a row's result is bit-identical whatever the number of rows computed with it, and a tree node's
+attention equals decoding its path one token at a time (see the .cc file's header). Gradients go through XLA.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import contextlib
 import ctypes
 import glob
 import os
-import warnings
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -31,13 +33,16 @@ def _library_path() -> str | None:
     return found[0] if found else None
 
 
+def _warn(msg: str) -> None:
+    sys.stderr.write(msg.replace("\n", " ") + "\n")  # one line, once (available() caches the outcome)
+
+
 def _load() -> bool:
     if os.environ.get("DDD_JAX_NO_KERNELS", "") not in ("", "0"):
         return False
     path = os.environ.get("DDD_JAX_KERNELS_LIB") or _library_path()
     if path is None:
-        warnings.warn("ddd_jax: CPU kernel library not built; using XLA's dot (reinstall with g++ to build it)",
-                      stacklevel=3)
+        _warn("ddd_jax: CPU kernel library not built; using XLA's dot (reinstall with g++ to build it)")
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(path)
@@ -46,7 +51,7 @@ def _load() -> bool:
         for name, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except Exception as e:  # noqa: BLE001  (any failure here must leave the XLA path working)
-        warnings.warn(f"ddd_jax: CPU kernel library {path} not usable ({e}); using XLA's dot", stacklevel=3)
+        _warn(f"ddd_jax: CPU kernel library {path} not usable ({e}); using XLA's dot")
         return False
     _state["lib"] = lib
     return True

@@ -1,19 +1,25 @@
-// Small-M float32 matrix products for XLA:CPU behind jax.ffi (see ddd_jax/kernels.py).
+// CPU kernels for XLA:CPU behind jax.ffi (see ddd_jax/kernels.py): small-M float32 matrix products and masked
+// GQA attention over a stacked KV cache.
 //
-// out[M, N] = x[M, K] @ W, where W is layer `layer` of a stacked weight:
+// ddd_linear: out[M, N] = x[M, K] @ W, where W is layer `layer` of a stacked weight:
 //   trans = false: w [L, K, N]  (x @ w[layer], the decoder's layout)
 //   trans = true:  w [L, N, K]  (x @ w[layer].T, output-embedding rows: lm_head, draft vocabulary)
-// The layer is read inside the kernel, so no per-layer slice of a stacked weight is ever copied.
+// The layer is read inside the kernel, so no per-layer slice of a stacked weight is ever copied, and the weight
+// is streamed from memory once for all M rows.
+// ddd_attention: q [B, T, N, H] against layer `layer` of k, v [L, B, S, Kh, H] under mask [B, T, S].
 //
-// Numerics: float32 products and sums, each output element reduced in one fixed order that depends only on K
-// (never on M, on how rows are tiled, or on how columns are split between threads):
+// Numerics: float32 products and sums, each output element reduced in one fixed order that depends only on the
+// reduced length (never on M, on how rows are tiled, or on how columns are split between threads):
 //   trans = false: acc = fma(x[m,k], W[k,n], acc) for k = 0, 1, ..., K-1, starting from acc = 0;
 //   trans = true:  eight lanes, lane j = fma chain over k = j, j+8, ... (k < K8 = K rounded down to 8), the lanes
-//                  summed as ((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7)), then fma over the tail k >= K8 in order.
+//                  summed as ((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7)), then fma over the tail k >= K8 in order;
+//   attention:     per row and head, only the attended slots, in ascending slot order (see attend_row).
 // So a row gets bit-identical outputs whether it is computed alone (M=1) or among others (a verified tree).
 //
-// Threads: column chunks are handed out through an atomic counter; the calling thread works too and then waits
-// only for chunks another thread has started, so a helper task that never runs cannot block the call.
+// Threads: work is split into column chunks (attention: rows) handed out through an atomic counter; the calling
+// thread works too and then waits only for chunks another thread has started. Helpers are our own threads that
+// spin briefly between products and back off to the calling thread alone when they keep arriving late (see
+// parallel_chunks).
 #include <immintrin.h>
 
 #include <algorithm>
