@@ -30,7 +30,7 @@ from .cache import KVCache, init_cache
 from .checkpoints.keytable import check_shapes
 from . import eagle3
 from .config import DraftConfig, ModelConfig
-from .layers import causal_mask
+from .layers import causal_mask, linear
 from .llama import WEIGHT_AXES, axes_like, decoder_stack, layer_shapes, lm_head, output_embedding
 
 
@@ -87,7 +87,7 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions,
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
     e = jnp.take(embed, tokens, axis=0).astype(features.dtype)
-    x = jnp.concatenate([e, features], axis=-1) @ dparams["fc_w"].astype(features.dtype)
+    x = linear(jnp.concatenate([e, features], axis=-1), dparams["fc_w"].astype(features.dtype))
     if "fc_b" in dparams:
         x = x + dparams["fc_b"].astype(features.dtype)
     if kv_mask is None:
@@ -114,7 +114,7 @@ def draft_logits(dparams, tparams, tcfg: ModelConfig, h, dcfg: DraftConfig | Non
             raise ValueError("draft_logits: an EAGLE-3 head's params need its DraftConfig (dcfg=...)")
         return jax.nn.log_softmax(eagle3.logits(dparams, dcfg, h), axis=-1)
     if "lm_sub" in dparams:
-        logits = jnp.einsum("...d,vd->...v", h, dparams["lm_sub"], preferred_element_type=jnp.float32)
+        logits = linear(h, dparams["lm_sub"], transposed=True)
     else:
         logits = lm_head(tparams, tcfg, h)
     return jax.nn.log_softmax(logits, axis=-1)

@@ -133,10 +133,12 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
     eps = cfg.rms_norm_eps
     n_layers = lp["wq"].shape[0]
 
-    def qkv(x, p):
+    # Matrix weights are read from the stacked lp by layer index (`L.linear`: no per-layer copy on the kernel
+    # path); the scanned p carries the small per-layer vectors (norms).
+    def qkv(x, p, i):
         h = L.rms_norm(x, p["attn_norm"], eps) if "attn_norm" in p else x
         h = h if qkv_input is None else qkv_input(x, p)
-        q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+        q, k, v = L.linear(h, lp["wq"], i), L.linear(h, lp["wk"], i), L.linear(h, lp["wv"], i)
         if "bq" in p:  # family switch: q/k/v biases
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
         q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
@@ -144,10 +146,14 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
             q, k = L.rms_norm(q, p["q_norm"], eps), L.rms_norm(k, p["k_norm"], eps)
         return L.apply_rope(q, positions, inv), L.apply_rope(k, positions, inv), v
 
-    def rest(x, p, a):
-        x = x + (a @ p["wo"] + p["bo"] if "bo" in p else a @ p["wo"])
+    def rest(x, p, i, a):
+        o = L.linear(a, lp["wo"], i)
+        x = x + (o + p["bo"] if "bo" in p else o)
         h = L.rms_norm(x, p["mlp_norm"], eps)
-        return x + L.mlp(h, p["w_gate"], p["w_up"], p["w_down"])
+        return x + L.mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"], i)
+
+    small = {k: v for k, v in lp.items() if v.ndim <= 2}  # [L, D] norms (and biases)
+    layer_ids = jnp.arange(n_layers)
 
     def keep(aux, x, i):  # the stream entering layer i, into every aux slot that names layer i
         return tuple(jnp.where(i == j, x, a) for a, j in zip(aux, aux_layers))
@@ -158,9 +164,9 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
             x, aux = c
             p, i = xs
             aux = keep(aux, x, i)
-            q, k, v = qkv(x, p)
-            return (rest(x, p, L.attention(q, k, v, kv_mask)), aux), None
-        (x, aux), _ = jax.lax.scan(body, (x, aux0), (lp, jnp.arange(n_layers)))
+            q, k, v = qkv(x, p, i)
+            return (rest(x, p, i, L.attention(q, k, v, kv_mask)), aux), None
+        (x, aux), _ = jax.lax.scan(body, (x, aux0), (small, layer_ids))
         return (x, None, jnp.stack(aux)) if aux_layers else (x, None)
 
     b_idx = jnp.arange(B)[:, None]
@@ -170,14 +176,14 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
         x, kall, vall, aux = carry
         p, i = xs
         aux = keep(aux, x, i)
-        q, k, v = qkv(x, p)
+        q, k, v = qkv(x, p, i)
         # scatter straight into the carried [L, B, S, K, H] buffers (in place), then attend over layer i
         kall = kall.at[i, b_idx, dst].set(k.astype(kall.dtype), mode="drop")
         vall = vall.at[i, b_idx, dst].set(v.astype(vall.dtype), mode="drop")
-        x = rest(x, p, L.attention(q, kall[i], vall[i], kv_mask))
+        x = rest(x, p, i, L.attention(q, kall, vall, kv_mask, i))
         return (x, kall, vall, aux), None
 
-    (x, kall, vall, aux), _ = jax.lax.scan(body, (x, cache.k, cache.v, aux0), (lp, jnp.arange(n_layers)))
+    (x, kall, vall, aux), _ = jax.lax.scan(body, (x, cache.k, cache.v, aux0), (small, layer_ids))
     new = KVCache(k=kall, v=vall, length=cache.length)
     return (x, new, jnp.stack(aux)) if aux_layers else (x, new)
 
@@ -188,8 +194,10 @@ def output_embedding(params, cfg: ModelConfig):
 
 
 def lm_head(params, cfg: ModelConfig, hidden):
-    """Logits [..., V] float32 of hidden [..., D]."""
-    return jnp.einsum("...d,vd->...v", hidden, output_embedding(params, cfg), preferred_element_type=jnp.float32)
+    """Logits [..., V] float32 of hidden [..., D]. (Reads lm_head [D, V] as stored: no transposed copy per call.)"""
+    if cfg.tie_word_embeddings:
+        return L.linear(hidden, params["embed"], transposed=True)
+    return L.linear(hidden, params["lm_head"])
 
 
 def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None = None, attn_mask=None,
