@@ -17,9 +17,10 @@ from .config import ModelConfig
 NEG_INF = -1e30  # large finite negative: fully-masked rows stay NaN-free
 
 
-def linear(x, w, layer=None, *, transposed: bool = False):
+def linear(x, w, layer=None, *, transposed: bool = False, f32: bool = False):
     """The one matrix product of the model: x [..., K] @ w [K, N] -> [..., N], or with transposed=True
-    x @ w.T for w [N, K] (output-embedding rows: lm_head, the draft vocabulary; float32 result).
+    x @ w.T for w [N, K] (output-embedding rows: lm_head, the draft vocabulary; float32 result). f32: a float32
+    result (accumulated in float32) for the non-transposed product too (an untied lm_head stored [D, V]).
 
     layer: w is stacked [L, K, N] / [L, N, K] and `layer` (an int, may be traced) picks one; the CPU kernel reads
     it in place, so a layer scan never copies a weight. On CPU, float32 products of at most `kernels.MAX_ROWS`
@@ -32,6 +33,8 @@ def linear(x, w, layer=None, *, transposed: bool = False):
         w = jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
     if transposed:
         return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+    if f32:
+        return jnp.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32)
     return x @ w
 
 

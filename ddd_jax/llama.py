@@ -197,7 +197,7 @@ def lm_head(params, cfg: ModelConfig, hidden):
     """Logits [..., V] float32 of hidden [..., D]. (Reads lm_head [D, V] as stored: no transposed copy per call.)"""
     if cfg.tie_word_embeddings:
         return L.linear(hidden, params["embed"], transposed=True)
-    return L.linear(hidden, params["lm_head"])
+    return L.linear(hidden, params["lm_head"], f32=True)
 
 
 def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None = None, attn_mask=None,

@@ -49,6 +49,16 @@ def write_tiny_hf(path, model_type: str = "llama", tie: bool = False, seed: int 
     return model
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test file. Every XLA:CPU executable keeps a few memory mappings of
+    its own code, and one pytest process compiles thousands: kept to the end, they reach the kernel's
+    vm.max_map_count (65530) after ~230 tests and the next compile aborts or segfaults inside LLVM."""
+    yield
+    import jax
+    jax.clear_caches()
+
+
 @pytest.fixture
 def tiny_hf(tmp_path):
     """Factory: tiny_hf(model_type, tie=False, seed=0, name=None, **config_overrides) -> (torch_model, path)."""
