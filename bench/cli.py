@@ -126,19 +126,20 @@ def _out_dir(args, command: str) -> Path:
     return Path("runs") / command / stamp
 
 
-def resolve_configs(args):
-    """(TreeConfig, DDDConfig, source): library defaults < settings file (--settings auto) < explicit flags."""
+def resolve_configs(args, backend: str | None = None):
+    """(TreeConfig, DDDConfig, source): library defaults < settings file (--settings auto) < explicit flags.
+    backend: whose settings file (default: JAX's default backend)."""
     from ddd_jax.config import DDDConfig, TreeConfig
     from ddd_jax.settings import load_settings, settings_path, to_configs
     tree, ddd, source = TreeConfig(), DDDConfig(), "library defaults"
     if args.settings == "auto":
-        s = load_settings()
+        s = load_settings(backend)
         if s is not None:
             tree, ddd = to_configs(s)
-            source = f"settings file {settings_path()}"
+            source = f"settings file {settings_path(backend)}"
             tuned_for = s.get("meta", {}).get("target")
             if tuned_for and tuned_for != args.target:
-                print(f"WARNING: {settings_path()} was tuned for target {tuned_for!r}, not {args.target!r} "
+                print(f"WARNING: {settings_path(backend)} was tuned for target {tuned_for!r}, not {args.target!r} "
                       "(use --settings none or re-run `ddd-jax tune`)", file=sys.stderr)
     tkw = {k: v for k, v in (("top_k", args.tree_top_k), ("total_tokens", args.total_tokens),
                               ("depth", args.depth)) if v is not None}
