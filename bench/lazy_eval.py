@@ -381,8 +381,9 @@ def markdown(result: dict) -> str:
     table = _table(["framework", "method", "sync", "tok/s", "target calls", "τ", "mean depth", "draft syncs/call",
                     "host syncs/call", "draft ms/call", "verify ms/call", "identical to vanilla",
                     "same tokens as JAX", "same depths as JAX"], rows)
-    costs = ", ".join(f"{fw} {v['us']:.1f} µs (step of work {v['step_us']:.0f} µs)"
-                      for fw, v in result["sync_cost"].items() if isinstance(v, dict))
+    costs = ", ".join(f"{fw} {v['us']:.1f} µs (rounds {min(v['rounds_us']):.0f}..{max(v['rounds_us']):.0f}; "
+                      f"step of work {v['step_us']:.0f} µs)" for fw, v in result["sync_cost"].items()
+                      if isinstance(v, dict))
     return "\n".join([head, "", table, "", f"cost of one device->host sync of a scalar after a step of work: {costs}",
                       "draft/verify ms per call: profile pass (first "
                       f"{c['profile_prompts']} prompts); vanilla: one target forward per call"])

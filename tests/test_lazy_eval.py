@@ -49,8 +49,9 @@ def test_torch_vanilla_equals_transformers_generate(tiny):
 
 @pytest.mark.parametrize("vocab", ["full", "reduced"])
 def test_torch_speculative_modes_equal_vanilla_and_take_jax_depths(tiny, vocab):
-    """Every torch mode emits torch vanilla's tokens; torch takes JAX's depths and acceptances (JAX's own modes
-    agree with each other: tests/test_spec.py), so JAX runs one EAGLE-2 and one DDD mode here (fewer compiles)."""
+    """Every torch mode emits torch vanilla's tokens and takes JAX's depths and acceptances. JAX's own modes agree
+    with each other (tests/test_spec.py), so JAX runs one mode per method here, and only DDD with the reduced
+    vocabulary (fewer compiles; the plans are shared with the CLI test below)."""
     target, draft, m = tiny
     if vocab == "reduced":  # the head drafts over 64 of the 96 tokens (d2t / lm_sub)
         draft = with_draft_vocab(draft, np.arange(95, 31, -1))
@@ -60,8 +61,10 @@ def test_torch_speculative_modes_equal_vanilla_and_take_jax_depths(tiny, vocab):
     for p in PROMPTS:
         van = td.generate(m, p, MAX_NEW).tokens
         ref = {meth: ddd_jax.generate(target, draft, p, max_new_tokens=MAX_NEW, method=meth, sync="device", tree=TREE,
-                                      ddd=DDD) for meth in ("eagle2", "ddd")}
+                                      ddd=DDD) for meth in (("eagle2", "ddd") if vocab == "full" else ("ddd",))}
         for method, sync in SPEC:
+            if method not in ref:
+                continue
             got = td.generate(m, p, MAX_NEW, method=method, sync=sync, tree=TREE, ddd=DDD)
             st, jx = got.stats, ref[method].stats
             assert got.tokens == van, (method, sync)
@@ -190,11 +193,11 @@ def test_cli_lazy_eval_refusals_write_nothing(tmp_path, capsys, monkeypatch):
 
 
 def test_library_run_on_token_prompts(tiny):
-    """run_lazy_eval on token-id prompts (no tokenizer), JAX only: rows and identity without torch."""
+    """run_lazy_eval on token-id prompts (no tokenizer), one framework: its rows only, no cross-framework identity."""
     target, draft, _ = tiny
-    r = run_lazy_eval(target, draft, PROMPTS[:1], tree=TREE, ddd=DDD, max_new_tokens=MAX_NEW, frameworks="jax",
+    r = run_lazy_eval(target, draft, PROMPTS[:2], tree=TREE, ddd=DDD, max_new_tokens=MAX_NEW, frameworks="torch",
                       profile_prompts=0, progress=False, sync_rounds=1)
-    assert [x["label"] for x in r["rows"]] == [row_label("jax", m, s) for m, s in ROWS["jax"]]
-    assert set(r["sync_cost_us"]) == {"jax"} and "torch_vs_jax" not in r["identity"]
-    assert all(x["identical_to_vanilla"] for x in r["rows"])
+    assert [x["label"] for x in r["rows"]] == [row_label("torch", m, s) for m, s in ROWS["torch"]]
+    assert set(r["sync_cost_us"]) == {"torch"} and "torch_vs_jax" not in r["identity"]
+    assert all(x["identical_to_vanilla"] for x in r["rows"]) and r["config"]["prompts"] == 2
     assert r["rows"][1]["draft_ms_per_call"] is None  # no profile pass asked for
