@@ -6,7 +6,8 @@ torch: vanilla, eagle2, ddd host / device -- on the same prompts, rows interleav
 prompt to prompt) after an untimed warm-up per row and prompt bucket (JAX compiles; torch allocates). A separate
 profile pass on a few prompts splits time per target call into draft / verify (JAX: `profile=True`, blocking after
 each phase; torch: eager phases, synchronised on CUDA). `sync_cost_us` is the cost of one device->host read of a
-scalar right after a step of real work (a draft step's vocabulary projection + DDD's confidence), per framework.
+scalar right after a step of real work (a draft step's vocabulary projection + DDD's confidence), per framework
+(`sync_cost`).
 
 The result (`lazy_eval.json`) is a contract read by other tools: `rows` (one per framework x method x sync, with
 ROW_FIELDS) and `sync_cost_us` {"jax": us, "torch": us}; see `ROW_FIELDS`.
@@ -92,9 +93,29 @@ def sync_work(target, draft) -> tuple:
     return np.asarray(A, np.float32), np.asarray(W, np.float32)
 
 
-def jax_sync_cost(work, device, k: int = 4, steps: int = 40, rounds: int = 7) -> dict:
-    """Cost of one device->host read of a scalar right after a step of real work, in JAX (see
-    `torch_decoding.sync_cost` for the step and the method: reading after every step vs only at the end)."""
+def sync_cost(loop, steps: int = 10, rounds: int = 40) -> dict:
+    """Cost of one device->host read of a scalar right after a step of real work.
+
+    loop(read: bool, steps) runs `steps` chained steps, reading the step's scalar on the host after every step
+    (read=True) or only once at the end (read=False), and returns its wall seconds. Each round runs both, back to
+    back; the cost is the median over rounds of (with - without) / steps. Short blocks, paired and many, keep
+    other processes' load (which varies slowly) out of the differences. Returns {"us" (the median), "p25_us",
+    "p75_us", "step_us" (median per-step time without reads), "diffs_us" (every round), "steps", "rounds"}."""
+    loop(True, 2), loop(False, 2)  # compile / warm-up
+    diffs, base = [], []
+    for r in range(rounds):
+        order = (True, False) if r % 2 == 0 else (False, True)  # alternate which goes first
+        t = {read: loop(read, steps) for read in order}
+        diffs.append(1e6 * (t[True] - t[False]) / steps)
+        base.append(1e6 * t[False] / steps)
+    q25, q50, q75 = (float(x) for x in np.percentile(diffs, [25, 50, 75]))
+    return {"us": q50, "p25_us": q25, "p75_us": q75, "step_us": float(np.median(base)), "diffs_us": diffs,
+            "steps": steps, "rounds": rounds}
+
+
+def jax_sync_loop(work, device, k: int = 4):
+    """The sync-cost step in JAX (one jitted call): h = tanh(x @ A); conf = logsumexp(topk(log_softmax(h @ W.T),
+    k)) -- a draft step's vocabulary projection and DDD's confidence. Returns `loop` for `sync_cost`."""
     import jax
     import jax.numpy as jnp
     A = jax.device_put(jnp.asarray(work[0]), device)
@@ -107,23 +128,45 @@ def jax_sync_cost(work, device, k: int = 4, steps: int = 40, rounds: int = 7) ->
         s, _ = jax.lax.top_k(jax.nn.log_softmax(h @ W.T, axis=-1), k)
         return h, jax.nn.logsumexp(s)
 
-    def run(read: bool) -> float:
+    def loop(read: bool, steps: int) -> float:
         x = x0
         t0 = time.perf_counter()
         for _ in range(steps):
             x, conf = step(x, A, W)
             if read:
-                float(conf)
+                float(conf)  # the device->host read
         float(x.sum())
         return time.perf_counter() - t0
 
-    run(True), run(False)  # compile + warm-up
-    diffs, base = [], []
-    for _ in range(rounds):
-        with_read, without = run(True), run(False)
-        diffs.append(1e6 * (with_read - without) / steps)
-        base.append(1e6 * without / steps)
-    return {"us": float(np.median(diffs)), "rounds_us": diffs, "step_us": float(np.median(base))}
+    return loop
+
+
+def torch_sync_loop(work, device, k: int = 4):
+    """The same step in eager PyTorch (`.item()` is the read). Returns `loop` for `sync_cost`."""
+    import torch
+    dev = torch_module().torch_device(device) if isinstance(device, str) else device
+    A, W = (torch.from_numpy(np.array(w, np.float32)).to(dev) for w in work)
+    x0 = torch.randn(k, A.shape[0], generator=torch.Generator().manual_seed(0)).to(dev)
+
+    def finish():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def loop(read: bool, steps: int) -> float:
+        with torch.inference_mode():
+            x = x0
+            finish()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                h = torch.tanh(x @ A)
+                conf = torch.logsumexp(torch.topk(torch.log_softmax(h @ W.T, -1), k, -1).values.reshape(-1), 0)
+                x = h
+                if read:
+                    conf.item()  # the device->host read
+            x.sum().item()
+            return time.perf_counter() - t0
+
+    return loop
 
 
 # ----------------------------------------------------------------------------------------------- the run
@@ -152,7 +195,7 @@ def _environment(device: str, torch_models) -> dict:
 
 def run_lazy_eval(target, draft, prompts, *, tree=None, ddd=None, max_new_tokens: int = 64, device: str = "cpu",
                   frameworks=FRAMEWORKS, profile_prompts: int = 3, warmup: bool = True, progress: bool = True,
-                  torch_compile: bool = False, torch_threads: int | None = None, sync_rounds: int = 7,
+                  torch_compile: bool = False, torch_threads: int | None = None, sync_rounds: int = 40,
                   chat: bool = True, tie_tol: float = 1e-2,
                   target_name: str | None = None, draft_name: str | None = None, notes: dict | None = None) -> dict:
     """Run vanilla, EAGLE-2 and DDD in JAX and PyTorch on `prompts` (see module docstring); returns the JSON dict.
@@ -201,12 +244,12 @@ def run_lazy_eval(target, draft, prompts, *, tree=None, ddd=None, max_new_tokens
                 res = td.generate(tmodels, ids, **kw)
             return res, time.perf_counter() - t0
 
-        sync_cost = {}
+        costs = {}
         work = sync_work(target, draft)
         if "jax" in fws:
-            sync_cost["jax"] = jax_sync_cost(work, jdev, k=tree.top_k, rounds=sync_rounds)
+            costs["jax"] = sync_cost(jax_sync_loop(work, jdev, tree.top_k), rounds=sync_rounds)
         if td:
-            sync_cost["torch"] = td.sync_cost(work, tmodels.device, k=tree.top_k, rounds=sync_rounds)
+            costs["torch"] = sync_cost(torch_sync_loop(work, tmodels.device, tree.top_k), rounds=sync_rounds)
 
         records, warmed = [], {}
         bar = _progress(len(prompts) * len(rows), progress, "lazy-eval")
@@ -234,7 +277,7 @@ def run_lazy_eval(target, draft, prompts, *, tree=None, ddd=None, max_new_tokens
                 bar.close()
         profiles = _profiles(run, rows, ids_list[:profile_prompts], progress)
         identity = _identity(target, records, fws, tie_tol)
-    out_rows = [_summarize(row, records, profiles.get(row), identity, sync_cost) for row in rows]
+    out_rows = [_summarize(row, records, profiles.get(row), identity, costs) for row in rows]
     return {
         "format": "ddd-jax-lazy-eval", "format_version": 1,
         "env": _environment(device, tmodels),
@@ -246,10 +289,10 @@ def run_lazy_eval(target, draft, prompts, *, tree=None, ddd=None, max_new_tokens
             "ddd": {"check_steps": list(ddd.check_steps), "threshold": ddd.threshold, "max_depth": ddd.max_depth},
             "jax_capacity": capacity, "params_dtype": str(target.params["embed"].dtype), **(notes or {}),
         },
-        "sync_cost_us": {fw: c["us"] for fw, c in sync_cost.items()},
+        "sync_cost_us": {fw: c["us"] for fw, c in costs.items()},
         "sync_cost": {"work": "h = tanh(x @ A); conf = logsumexp(topk(log_softmax(h @ W.T), k)) with A [D, D] and W "
-                              "the draft's output rows [V', D]; cost = (time reading conf after every step - time "
-                              "reading once at the end) / steps, median over rounds", **sync_cost},
+                              "the draft's output rows [V', D]; cost = median over rounds of (time of `steps` steps reading "
+                              "conf after every step - the same steps reading once at the end) / steps", **costs},
         "rows": out_rows,
         "identity": identity,
         "records": records,
@@ -381,9 +424,8 @@ def markdown(result: dict) -> str:
     table = _table(["framework", "method", "sync", "tok/s", "target calls", "τ", "mean depth", "draft syncs/call",
                     "host syncs/call", "draft ms/call", "verify ms/call", "identical to vanilla",
                     "same tokens as JAX", "same depths as JAX"], rows)
-    costs = ", ".join(f"{fw} {v['us']:.1f} µs (rounds {min(v['rounds_us']):.0f}..{max(v['rounds_us']):.0f}; "
-                      f"step of work {v['step_us']:.0f} µs)" for fw, v in result["sync_cost"].items()
-                      if isinstance(v, dict))
+    costs = ", ".join(f"{fw} {v['us']:.0f} µs (quartiles {v['p25_us']:.0f} .. {v['p75_us']:.0f} µs; step of work "
+                      f"{v['step_us']:.0f} µs)" for fw, v in result["sync_cost"].items() if isinstance(v, dict))
     return "\n".join([head, "", table, "", f"cost of one device->host sync of a scalar after a step of work: {costs}",
                       "draft/verify ms per call: profile pass (first "
                       f"{c['profile_prompts']} prompts); vanilla: one target forward per call"])

@@ -38,7 +38,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--ddd-max-depth", type=int, default=None, help="DDD max depth n")
     p.add_argument("--profile-prompts", type=int, default=3,
                    help="prompts of the profile pass that splits time into draft / verify (default 3)")
-    p.add_argument("--sync-rounds", type=int, default=7, help="rounds of the sync-cost measurement (median)")
+    p.add_argument("--sync-rounds", type=int, default=40,
+                   help="paired rounds of the sync-cost measurement, 10 steps each (median; default 40)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch.set_num_threads for the torch rows (default: torch's own choice)")
     p.add_argument("--torch-compile", action="store_true",

@@ -98,12 +98,14 @@ def test_torch_decoding_refuses_bad_input(tiny):
 def test_sync_cost_is_measured_in_both_frameworks(tiny):
     import jax
 
-    from ddd_jax.bench.lazy_eval import jax_sync_cost, sync_work
+    from ddd_jax.bench.lazy_eval import jax_sync_loop, sync_cost, sync_work, torch_sync_loop
     target, draft, _ = tiny
     work = sync_work(target, draft)
-    for res in (td.sync_cost(work, "cpu", k=2, steps=5, rounds=2),
-                jax_sync_cost(work, jax.devices("cpu")[0], k=2, steps=5, rounds=2)):
-        assert len(res["rounds_us"]) == 2 and np.isfinite(res["us"]) and res["step_us"] > 0
+    assert work[0].shape == (48, 48) and work[1].shape == (96, 48)
+    for loop in (torch_sync_loop(work, "cpu", 2), jax_sync_loop(work, jax.devices("cpu")[0], 2)):
+        res = sync_cost(loop, steps=5, rounds=3)
+        assert len(res["diffs_us"]) == 3 and res["p25_us"] <= res["us"] <= res["p75_us"]
+        assert res["step_us"] > 0 and np.isfinite(res["us"])
 
 
 # ----------------------------------------------------------------------------------------------- CLI and contract
