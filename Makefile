@@ -24,8 +24,12 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20
 
+# test-fast skips the tests marked slow (the real SmolLM2, the long speculative cross-products). On CPU the tiny-model
+# tests spend most of their time compiling, so XLA executables are cached across runs in $(JAX_TEST_CACHE).
+JAX_TEST_CACHE ?= $(HOME)/.cache/ddd_jax/xla-test-cache
 test-fast: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow"
+	JAX_COMPILATION_CACHE_DIR="$(JAX_TEST_CACHE)" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+		$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" --durations=20
 
 bench: install
 	$(BIN)/ddd-jax bench --out runs/bench

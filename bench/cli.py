@@ -129,18 +129,8 @@ def _out_dir(args, command: str) -> Path:
 def resolve_configs(args, backend: str | None = None):
     """(TreeConfig, DDDConfig, source): library defaults < settings file (--settings auto) < explicit flags.
     backend: whose settings file (default: JAX's default backend)."""
-    from ddd_jax.config import DDDConfig, TreeConfig
-    from ddd_jax.settings import load_settings, settings_path, to_configs
-    tree, ddd, source = TreeConfig(), DDDConfig(), "library defaults"
-    if args.settings == "auto":
-        s = load_settings(backend)
-        if s is not None:
-            tree, ddd = to_configs(s)
-            source = f"settings file {settings_path(backend)}"
-            tuned_for = s.get("meta", {}).get("target")
-            if tuned_for and tuned_for != args.target:
-                print(f"WARNING: {settings_path(backend)} was tuned for target {tuned_for!r}, not {args.target!r} "
-                      "(use --settings none or re-run `ddd-jax tune`)", file=sys.stderr)
+    from ddd_jax.settings import base_configs
+    tree, ddd, source = base_configs(args.target, args.draft, use_tuned=args.settings == "auto", backend=backend)
     tkw = {k: v for k, v in (("top_k", args.tree_top_k), ("total_tokens", args.total_tokens),
                               ("depth", args.depth)) if v is not None}
     dkw = {k: v for k, v in (("check_steps", args.ddd_checks), ("threshold", args.ddd_threshold),

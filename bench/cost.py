@@ -48,7 +48,7 @@ def _target_step(params, cfg, cache, tokens, positions, mask):
 def _draft_step(dparams, dcfg, tparams, tcfg, cache, tokens, feats, positions, mask):
     h, new = head_forward(dparams, dcfg, tparams["embed"], tokens, feats, positions, cache,
                           tree_kv_mask(cache.length, cache.capacity, mask))
-    return draft_logits(dparams, tparams, tcfg, h), with_length(new, cache.length)
+    return draft_logits(dparams, tparams, tcfg, h, dcfg), with_length(new, cache.length)
 
 
 class _Looper:
@@ -90,7 +90,7 @@ def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capa
         row = {"tokens": n, "target_ms": 1e3 * statistics.median(times), "target_ms_min": 1e3 * min(times),
                "target_ms_all": [1e3 * t for t in times], "target_compile_s": first}
         if draft is not None:
-            feats = jnp.zeros((1, n, cfg.hidden_size), dtype)
+            feats = jnp.zeros((1, n, draft.config.hidden_size), dtype)  # beam features: the head's own width
             dparams = draft.decode_params()
             run = _Looper(lambda c: _draft_step(dparams, draft.config, target.params, cfg, c, toks, feats, pos,
                                                 mask), dcache)

@@ -13,8 +13,8 @@ def add_parser(subparsers) -> None:
                               description=__doc__)
     sub = p.add_subparsers(dest="kind", required=True)
 
-    t = sub.add_parser("target", help="HF LLaMA dir / .gguf / known name -> our target format")
-    t.add_argument("src", help="HF LLaMA directory, a .gguf file, or a known name (smollm2-135m-instruct)")
+    t = sub.add_parser("target", help="HF dir (Llama/Mistral/Qwen2/Qwen3) / .gguf / known name -> our target format")
+    t.add_argument("src", help="HF model directory, a .gguf file, or a known name (smollm2-135m-instruct)")
     t.add_argument("out", help="output directory (written atomically)")
     t.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: as stored; f32 for GGUF)")
     t.add_argument("--check", action="store_true", help="compare logits with transformers on a few tokens")

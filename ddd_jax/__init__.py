@@ -6,5 +6,14 @@ from .eagle import Draft, init_draft
 from .generate import GenerateResult, generate
 from .target import Target
 
+def __getattr__(name):
+    # The nnx module views load flax (~0.45 s) only when asked for, so `import ddd_jax` and the CLI stay quick.
+    if name in ("LlamaModule", "EagleHeadModule"):
+        from . import modules
+        return getattr(modules, name)
+    raise AttributeError(f"module 'ddd_jax' has no attribute {name!r}")
+
+
 __all__ = ["DDDConfig", "DraftConfig", "ModelConfig", "TreeConfig", "Draft", "init_draft", "save_draft",
-           "GenerateResult", "generate", "Target", "load_target", "load_draft"]
+           "GenerateResult", "generate", "Target", "load_target", "load_draft",
+           "LlamaModule", "EagleHeadModule"]

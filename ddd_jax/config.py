@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -32,13 +32,69 @@ def normalize_rope(d: dict) -> tuple[float, tuple | None]:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """LLaMA-architecture decoder config; field names follow HF `LlamaConfig`."""
+class Family:
+    """What an HF `model_type` implies for the one decoder layer (`llama.decoder_stack`)."""
+
+    architecture: str  # the HF `architectures` entry written back by `ModelConfig.to_hf_config`
+    qkv_bias: bool = False  # q/k/v projection biases, always (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before rope, always (Qwen3)
+    attention_bias: bool = False  # honours HF's `attention_bias` field (q/k/v/o biases: Llama, Qwen3)
+    sliding: str | None = None  # how the config states a sliding window: "mistral" | "qwen" | None (no window)
+
+
+# The supported HF model types. Everything else fails naming these.
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM", attention_bias=True),
+    "mistral": Family("MistralForCausalLM", sliding="mistral"),
+    "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, sliding="qwen"),
+    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True, attention_bias=True, sliding="qwen"),
+}
+_ARCH_TO_TYPE = {f.architecture: t for t, f in FAMILIES.items()}
+
+
+def _hf_sliding_window(d: dict, fam: Family, model_type: str, n_layers: int) -> int | None:
+    """The one sliding window every layer uses (None = full attention), from HF's fields; mixed layers fail."""
+    if fam.sliding is None:
+        if d.get("sliding_window") is not None or d.get("use_sliding_window"):
+            raise ValueError(f"config.json: sliding_window={d.get('sliding_window')!r} is set but model_type "
+                             f"{model_type!r} has no sliding-window attention (transformers would ignore it)")
+        return None
+    if fam.sliding == "mistral":  # MistralConfig: one window for every layer (None = full attention)
+        window = d.get("sliding_window")
+        first_sliding = 0
+    else:  # Qwen2/Qwen3Config: a window only with use_sliding_window, on layers >= max_window_layers
+        window = d.get("sliding_window") if d.get("use_sliding_window") else None
+        first_sliding = d.get("max_window_layers", 28)
+    types = d.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if window is not None and i >= first_sliding else "full_attention"
+                 for i in range(n_layers)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != n_layers:
+        raise ValueError(f"config.json: layer_types {types!r} must name 'full_attention' or 'sliding_attention' "
+                         f"for each of the {n_layers} layers")
+    n_sliding = types.count("sliding_attention")
+    if n_sliding == 0:
+        return None
+    if n_sliding != n_layers:
+        raise ValueError(
+            f"config.json: sliding-window attention on {n_sliding} of {n_layers} layers (layer_types / "
+            f"max_window_layers={d.get('max_window_layers')!r}) is not supported; only a window on every layer "
+            "or on none")
+    if window is None:
+        raise ValueError("config.json: layer_types ask for sliding_attention but sliding_window is null "
+                         "(or use_sliding_window is false)")
+    return int(window)
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """The decoder layer's fields, shared by targets (`ModelConfig`) and draft heads (`DraftConfig`); HF names.
+    The family switches (see `FAMILIES`) change the one decoder layer, not copies of it."""
 
     vocab_size: int
     hidden_size: int
     intermediate_size: int
-    num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
@@ -46,14 +102,35 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # HF's rope_scaling dict, frozen to a sorted tuple of (key, value); only "llama3" is implemented.
     rope_scaling: tuple | None = None
+    attention_bias: bool = False  # biases on the q, k, v and o projections (HF's `attention_bias`)
+    qkv_bias: bool = False  # biases on the q, k, v projections only (Qwen2; EAGLE heads' `qkv_bias`)
+    qk_norm: bool = False  # per-head RMSNorm of q and k (weights [H]) before rope (Qwen3's q_norm / k_norm)
+
+
+LAYER_FIELDS = tuple(f.name for f in dataclasses.fields(LayerConfig))
+
+
+@dataclass(frozen=True)
+class ModelConfig(LayerConfig):
+    """Decoder config for the LLaMA family of architectures (Llama, Mistral, Qwen2, Qwen3); field names follow HF
+    (`LlamaConfig`, `Qwen3Config`, ...). The family differences are switches of the one decoder layer."""
+
+    num_hidden_layers: int = field(kw_only=True)
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    model_type: str = "llama"  # "llama" | "mistral" | "qwen2" | "qwen3" (see `FAMILIES`)
+    sliding_window: int | None = None  # every layer attends to positions p - sliding_window < p' <= p only
 
     def __post_init__(self):
         if self.hidden_size <= 0 or self.vocab_size <= 0 or self.num_hidden_layers <= 0:
             raise ValueError(f"ModelConfig: sizes must be positive, got {self}")
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"ModelConfig: model_type {self.model_type!r} is not supported "
+                             f"(supported: {sorted(FAMILIES)})")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"ModelConfig: sliding_window must be positive or None, got {self.sliding_window}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"ModelConfig: num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -70,13 +147,38 @@ class ModelConfig:
     def num_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.qkv_bias or self.attention_bias
+
     @classmethod
     def from_hf_config(cls, d: dict) -> "ModelConfig":
-        """Build from an HF `config.json` dict (LlamaConfig / MistralConfig-like fields)."""
+        """Build from an HF `config.json` dict (Llama / Mistral / Qwen2 / Qwen3 fields), dispatching on `model_type`.
+
+        Fields this code does not implement (another activation, MLP biases, sliding windows on only some layers,
+        rope scaling other than llama3) fail naming the field; nothing is silently ignored."""
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
         missing = [k for k in required if k not in d]
         if missing:
             raise ValueError(f"config.json is missing required fields {missing}")
+        archs = d.get("architectures") or []
+        model_type = d.get("model_type") or next((_ARCH_TO_TYPE[a] for a in archs if a in _ARCH_TO_TYPE), "llama")
+        if model_type not in FAMILIES:
+            raise ValueError(f"config.json: model_type {model_type!r} (architectures {archs}) is not supported "
+                             f"(supported model types: {sorted(FAMILIES)})")
+        fam = FAMILIES[model_type]
+        act = d.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"config.json: hidden_act={act!r} is not supported (the MLP is SwiGLU: 'silu')")
+        if d.get("mlp_bias"):
+            raise ValueError("config.json: mlp_bias=true is not supported (MLP projections have no bias)")
+        if d.get("attention_bias") and not fam.attention_bias:
+            raise ValueError(f"config.json: attention_bias=true is not used by model_type {model_type!r} "
+                             "(transformers would ignore it)")
+        for name, implied in (("qkv_bias", fam.qkv_bias), ("qk_norm", fam.qk_norm)):
+            if name in d and bool(d[name]) != implied:
+                raise ValueError(f"config.json: {name}={d[name]!r} contradicts model_type {model_type!r} "
+                                 f"(which implies {name}={implied})")
         n_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
         eos = d.get("eos_token_id")
@@ -97,66 +199,96 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos,
+            model_type=model_type,
+            attention_bias=bool(d.get("attention_bias", False)),
+            qkv_bias=fam.qkv_bias,
+            qk_norm=fam.qk_norm,
+            sliding_window=_hf_sliding_window(d, fam, model_type, int(d["num_hidden_layers"])),
         )
 
     def to_hf_config(self) -> dict:
+        """An HF `config.json` dict for this model (transformers builds the same model from it); fails for switch
+        combinations no HF architecture has (e.g. qk_norm on a 'llama')."""
+        fam = FAMILIES[self.model_type]
+        bad = [f"{name}={getattr(self, name)}" for name, ok in (
+            ("qkv_bias", self.qkv_bias == fam.qkv_bias), ("qk_norm", self.qk_norm == fam.qk_norm),
+            ("attention_bias", fam.attention_bias or not self.attention_bias),
+            ("sliding_window", fam.sliding is not None or self.sliding_window is None)) if not ok]
+        if bad:
+            raise ValueError(f"ModelConfig with model_type={self.model_type!r} and {', '.join(bad)} has no HF "
+                             "equivalent")
         d = dataclasses.asdict(self)
         d["rope_scaling"] = self.rope_scaling_dict() or None
         d["eos_token_id"] = list(self.eos_token_id)
-        d["architectures"] = ["LlamaForCausalLM"]
-        d["model_type"] = "llama"
+        d["architectures"] = [fam.architecture]
+        d["hidden_act"] = "silu"
+        if fam.sliding == "qwen":
+            sliding = self.sliding_window is not None
+            d.update(use_sliding_window=sliding, max_window_layers=0 if sliding else self.num_hidden_layers,
+                     layer_types=["sliding_attention" if sliding else "full_attention"] * self.num_hidden_layers)
         return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_hf_config(), indent=2)
 
 
+HEAD_TYPES = ("eagle1", "eagle3")
+
+
 @dataclass(frozen=True)
-class DraftConfig:
-    """EAGLE-1/2 draft head: fc(2H->H, bias) + one LLaMA decoder layer without input norm.
+class DraftConfig(LayerConfig):
+    """A draft head: EAGLE-1/2 (``head_type="eagle1"``: fc(2H->H, bias) + one LLaMA decoder layer without input
+    norm) or EAGLE-3 (``head_type="eagle3"``: fc(3H_target->H) on three target layers' features + one decoder
+    layer attending over cat(norm(embed), norm(hidden)), own final norm and lm_head over a draft vocabulary;
+    see `ddd_jax.eagle3`).
 
     Records the target's vocab and hidden size so a head is never run against the wrong target.
     """
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: tuple | None = None
     fc_bias: bool = True
     target_name: str | None = None  # free text: what the head was trained for
+    # The layer's family switches (LayerConfig) come from the target in `from_target`: a Qwen2 target's head has
+    # q/k/v biases (as EAGLE's official Qwen2 heads: `qkv_bias`), a Qwen3 target's head per-head q/k norms and the
+    # target's head_dim. A head never has a sliding window (EAGLE heads attend to everything).
     # Reduced draft vocabulary (lossless: the target still verifies every token). When set, the head's params
     # carry `d2t` [draft_vocab_size] target token ids and drafting scores only those tokens, which makes a
     # draft step far cheaper for small targets whose lm_head dominates. None = the full target vocabulary.
     draft_vocab_size: int | None = None
+    head_type: str = "eagle1"  # "eagle1" (EAGLE-1/2) | "eagle3"
+    # EAGLE-3: the target's hidden size when it differs from the head's own (official `target_hidden_size`)
+    target_hidden_size: int | None = None
+
+    def __post_init__(self):
+        if self.head_type not in HEAD_TYPES:
+            raise ValueError(f"DraftConfig: head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
+        if self.head_type == "eagle3" and not self.draft_vocab_size:
+            raise ValueError("DraftConfig: an EAGLE-3 head needs draft_vocab_size (its lm_head's width)")
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target features the head consumes: H_target (EAGLE-1/2) or 3*H_target (EAGLE-3)."""
+        th = self.target_hidden_size or self.hidden_size
+        return 3 * th if self.head_type == "eagle3" else th
 
     @classmethod
     def from_target(cls, cfg: ModelConfig, target_name: str | None = None, **over) -> "DraftConfig":
-        kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                  num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-                  head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-                  rope_scaling=cfg.rope_scaling, target_name=target_name)
-        kw.update(over)
+        kw = {f: getattr(cfg, f) for f in LAYER_FIELDS}
+        kw.update(target_name=target_name, **over)
         return cls(**kw)
 
     def check_target(self, cfg: ModelConfig) -> None:
-        if self.vocab_size != cfg.vocab_size or self.hidden_size != cfg.hidden_size:
+        th = self.target_hidden_size or self.hidden_size
+        if self.vocab_size != cfg.vocab_size or th != cfg.hidden_size:
             raise ValueError(
-                f"draft head was built for vocab_size={self.vocab_size}, hidden_size={self.hidden_size} "
+                f"draft head was built for vocab_size={self.vocab_size}, hidden_size={th} "
                 f"but the target has vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}")
+        if self.head_type == "eagle3" and cfg.num_hidden_layers < 3:
+            raise ValueError(f"an EAGLE-3 head reads target layers (2, L//2, L-3): the target needs at least 3 "
+                             f"layers, it has {cfg.num_hidden_layers}")
 
     def layer_config(self) -> ModelConfig:
         """The one decoder layer, described as a 1-layer ModelConfig (shared layer code)."""
-        return ModelConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size, num_hidden_layers=1,
-                           num_attention_heads=self.num_attention_heads,
-                           num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-                           rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-                           rope_scaling=self.rope_scaling)
+        return ModelConfig(num_hidden_layers=1, **{f: getattr(self, f) for f in LAYER_FIELDS})
 
     @classmethod
     def from_dict(cls, d: dict) -> "DraftConfig":

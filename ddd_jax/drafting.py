@@ -31,7 +31,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from .cache import KVCache, with_length
-from .eagle import draft_logits, head_forward, new_cache
+from .eagle import draft_logits, head_forward, new_cache, project_features
 from .layers import causal_mask, tree_kv_mask
 from .tree import Beam, confidence, expand, first_beam
 
@@ -56,7 +56,10 @@ class SyncCounter:
         """One device->host transfer of a pytree of arrays (counted once)."""
         self.total += 1
         self.draft += int(draft)
-        return jax.tree.map(np.asarray, jax.device_get(x))
+        if all(getattr(a, "is_fully_addressable", True) for a in jax.tree.leaves(x)):
+            return jax.tree.map(np.asarray, jax.device_get(x))
+        from .sharding import to_host  # arrays sharded over several processes: the whole value on each
+        return jax.tree.map(to_host, x)
 
 
 @jax.tree_util.register_dataclass
@@ -77,6 +80,7 @@ def fill_prefix(dparams, plan, tparams, tokens, hidden, positions, length, capac
     B, T = tokens.shape
     shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
     dcache = new_cache(plan.dcfg, B, capacity, tparams["embed"].dtype)
+    hidden = project_features(dparams, plan.dcfg, hidden)  # EAGLE-3: fc over the 3 layers' features
     _, dcache = head_forward(dparams, plan.dcfg, tparams["embed"], shifted, hidden, positions, dcache,
                              tree_kv_mask(dcache.length, capacity, causal_mask(B, T)))
     return with_length(dcache, length - 1)
@@ -89,9 +93,10 @@ def draft_prefix(dparams, plan, tparams, dcache: KVCache, pend_tok, pend_feat, p
     B, M = pend_tok.shape
     pos = dcache.length[:, None] + jnp.arange(M, dtype=jnp.int32)[None]
     kv = tree_kv_mask(dcache.length, dcache.capacity, causal_mask(B, M))
-    h, dc = head_forward(dparams, plan.dcfg, tparams["embed"], pend_tok, pend_feat, pos, dcache, kv)
+    feat = project_features(dparams, plan.dcfg, pend_feat)  # EAGLE-3: fc; beam features stay D wide
+    h, dc = head_forward(dparams, plan.dcfg, tparams["embed"], pend_tok, feat, pos, dcache, kv)
     last = jnp.take_along_axis(h, (pend_n - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
-    return with_length(dc, dcache.length + pend_n), last, draft_logits(dparams, tparams, plan.tcfg, last)
+    return with_length(dc, dcache.length + pend_n), last, draft_logits(dparams, tparams, plan.tcfg, last, plan.dcfg)
 
 
 def draft_step(dparams, plan, tparams, dcache: KVCache, base, beam: Beam) -> tuple[KVCache, Beam]:
@@ -107,7 +112,7 @@ def draft_step(dparams, plan, tparams, dcache: KVCache, base, beam: Beam) -> tup
     pos = jnp.broadcast_to((base + beam.step)[:, None], (B, k)).astype(jnp.int32)
     view = with_length(dcache, base + beam.step * k)
     h, dc = head_forward(dparams, plan.dcfg, tparams["embed"], beam.tok, beam.feat, pos, view, kv)
-    logp = draft_logits(dparams, tparams, plan.tcfg, h)
+    logp = draft_logits(dparams, tparams, plan.tcfg, h, plan.dcfg)
     return with_length(dc, dcache.length), expand(beam, h, logp, k, plan.max_depth, dparams.get("d2t"))
 
 

@@ -12,6 +12,9 @@ its `topK_genrate` (`len_posi`).
 Draft params (nested dict; the target's embed / lm_head are passed separately, not stored):
     fc_w [2D, D]    fc_b [D] (if config.fc_bias)
     layers/{wq [1,D,N*H], wk, wv [1,D,K*H], wo [1,N*H,D], mlp_norm [1,D], w_gate, w_up [1,D,F], w_down [1,F,D]}
+    plus the layer's family leaves when its config has them (`llama.layer_shapes`): bq [1,N*H], bk, bv [1,K*H]
+    (qkv_bias / attention_bias), bo [1,D] (attention_bias), q_norm, k_norm [1,H] (qk_norm). The head of a Qwen2 target
+    has q/k/v biases, that of a Qwen3 target per-head q/k norms and the target's head_dim (`DraftConfig.from_target`).
 """
 from __future__ import annotations
 
@@ -25,12 +28,15 @@ import numpy as np
 from . import io as dio
 from .cache import KVCache, init_cache
 from .checkpoints.keytable import check_shapes
+from . import eagle3
 from .config import DraftConfig, ModelConfig
-from .layers import causal_mask
-from .llama import decoder_stack, layer_shapes, lm_head, output_embedding
+from .layers import causal_mask, linear
+from .llama import WEIGHT_AXES, axes_like, decoder_stack, layer_shapes, lm_head, output_embedding
 
 
 def param_shapes(dcfg: DraftConfig) -> dict:
+    if dcfg.head_type == "eagle3":
+        return eagle3.param_shapes(dcfg)
     D = dcfg.hidden_size
     s = {"fc_w": (2 * D, D), "layers": layer_shapes(dcfg.layer_config(), 1, input_norm=False)}
     if dcfg.fc_bias:
@@ -40,7 +46,18 @@ def param_shapes(dcfg: DraftConfig) -> dict:
     return s
 
 
+DRAFT_AXES = {"fc_w": ("embed2", "embed"), "fc_b": ("embed",), "d2t": ("draft_vocab",), "lm_sub": ("draft_vocab", "embed")}
+
+
+def param_axes(dcfg: DraftConfig) -> dict:
+    """Logical axis names of every head weight, mirroring `param_shapes(dcfg)` (see `llama.param_axes`)."""
+    names = {**WEIGHT_AXES, **DRAFT_AXES, **(eagle3.AXES if dcfg.head_type == "eagle3" else {})}
+    return axes_like(param_shapes(dcfg), names)
+
+
 def init_params(dcfg: DraftConfig, key, dtype=jnp.float32, std: float = 0.02) -> dict:
+    if dcfg.head_type == "eagle3":
+        return eagle3.init_params(dcfg, key, dtype, std)
     shapes = param_shapes(dcfg)
     flat = dio.flatten(shapes)
     keys = jax.random.split(key, len(flat))
@@ -65,10 +82,12 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions,
     kv_mask is [B, T, S]; without, kv_mask is [B, T, T] (default causal). Returns (next_features [B,T,D],
     cache with K/V written and length unchanged).
     """
+    if dcfg.head_type == "eagle3":  # features are the head's width here: see `project_features`
+        return eagle3.head_forward(dparams, dcfg, embed, tokens, features, positions, cache, kv_mask)
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
     e = jnp.take(embed, tokens, axis=0).astype(features.dtype)
-    x = jnp.concatenate([e, features], axis=-1) @ dparams["fc_w"].astype(features.dtype)
+    x = linear(jnp.concatenate([e, features], axis=-1), dparams["fc_w"].astype(features.dtype))
     if "fc_b" in dparams:
         x = x + dparams["fc_b"].astype(features.dtype)
     if kv_mask is None:
@@ -77,12 +96,25 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions,
     return x, cache
 
 
-def draft_logits(dparams, tparams, tcfg: ModelConfig, h):
+def project_features(dparams, dcfg: DraftConfig, feats):
+    """Target features -> what the head's layer reads as its hidden input: identity for EAGLE-1/2; EAGLE-3's fc
+    over the three layers' features. Drafting applies it to target features only (never to the head's outputs)."""
+    if dcfg.head_type == "eagle3":
+        return eagle3.project_features(dparams, dcfg, feats)
+    return feats
+
+
+def draft_logits(dparams, tparams, tcfg: ModelConfig, h, dcfg: DraftConfig | None = None):
     """Draft log-probs over the draft vocabulary: [..., V] (full) or [..., V'] when the head has `d2t`
     (then `dparams["lm_sub"]` [V', D] holds the target's output embedding rows of those tokens; see
-    `Draft.decode_params`). Renormalised over the draft vocabulary."""
+    `Draft.decode_params`). Renormalised over the draft vocabulary. EAGLE-3 heads (pass `dcfg`) use their own
+    norm and lm_head."""
+    if "final_norm" in dparams:
+        if dcfg is None or dcfg.head_type != "eagle3":
+            raise ValueError("draft_logits: an EAGLE-3 head's params need its DraftConfig (dcfg=...)")
+        return jax.nn.log_softmax(eagle3.logits(dparams, dcfg, h), axis=-1)
     if "lm_sub" in dparams:
-        logits = jnp.einsum("...d,vd->...v", h, dparams["lm_sub"], preferred_element_type=jnp.float32)
+        logits = linear(h, dparams["lm_sub"], transposed=True)
     else:
         logits = lm_head(tparams, tcfg, h)
     return jax.nn.log_softmax(logits, axis=-1)
@@ -90,6 +122,8 @@ def draft_logits(dparams, tparams, tcfg: ModelConfig, h):
 
 def with_draft_vocab(draft: "Draft", token_ids) -> "Draft":
     """The same head drafting only over `token_ids` (e.g. the most frequent target tokens of its training data)."""
+    if draft.config.head_type == "eagle3":
+        raise ValueError("with_draft_vocab: an EAGLE-3 head's draft vocabulary is fixed by its own lm_head")
     ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
     V = draft.config.vocab_size
     if ids.size == 0 or ids.min() < 0 or ids.max() >= V or len(np.unique(ids)) != ids.size:
@@ -111,15 +145,34 @@ class Draft:
     config: DraftConfig
     params: dict  # see the module docstring; `d2t` [V'] int32 when drafting over a reduced vocabulary
     target: object  # ddd_jax Target (has .config and .params)
+    name: str | None = None  # what it was loaded as (a packaged name or a path): selects tuned settings
     # [V', D] the target's output-embedding rows of the draft vocabulary (derived from d2t once; never saved)
     lm_sub: jax.Array | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self):
         self.config.check_target(self.target.config)
         check_shapes(self.params, param_shapes(self.config), "draft head")
+        mesh = self.mesh
+        if mesh is not None:  # on the target's mesh, by the same rules as the target's weights
+            from . import sharding
+            self.params = sharding.place_params(self.params, param_axes(self.config), mesh)
         if "d2t" in self.params:
+            _check_d2t(self.params["d2t"], self.config.vocab_size)
+        if "d2t" in self.params and self.config.head_type == "eagle1":
             w = output_embedding(self.target.params, self.target.config)
             self.lm_sub = jnp.take(w, self.params["d2t"], axis=0)
+            if mesh is not None:
+                self.lm_sub = sharding.put(self.lm_sub, sharding.named(mesh, DRAFT_AXES["lm_sub"]))
+
+    @property
+    def mesh(self):
+        """The target's device mesh (None: one device)."""
+        return getattr(self.target, "mesh", None)
+
+    def module(self):
+        """This head as a flax nnx module (`modules.EagleHeadModule`) over the same arrays."""
+        from .modules import EagleHeadModule
+        return EagleHeadModule.from_draft(self)
 
     def decode_params(self) -> dict:
         """Params as the decode loops use them: the head's params, plus `lm_sub` for a reduced draft vocabulary."""
@@ -134,7 +187,13 @@ class Draft:
         if tokens.ndim != 2 or features.ndim != 3 or features.shape[:2] != tokens.shape:
             raise ValueError(f"draft.forward: tokens must be [B,T] and features [B,T,D]; got {tokens.shape}, "
                              f"{features.shape}")
-        if features.shape[-1] != self.config.hidden_size:
+        if features.shape[-1] != self.config.feature_size:
+            if self.config.head_type == "eagle3":
+                raise ValueError(
+                    f"draft.forward: an EAGLE-3 head takes target features [B,T,{self.config.feature_size}] "
+                    f"(the residual stream entering target layers 2, L//2, L-3, concatenated); got width "
+                    f"{features.shape[-1]}" + (" -- EAGLE-1/2 features (the final hidden state)?"
+                                               if features.shape[-1] * 3 == self.config.feature_size else ""))
             raise ValueError(f"draft.forward: feature width {features.shape[-1]} != hidden_size "
                              f"{self.config.hidden_size}")
         return _forward_jit(self.params, self.config, self.target.params, self.target.config, tokens, features)
@@ -143,8 +202,19 @@ class Draft:
 def _forward_impl(dparams, dcfg, tparams, tcfg, tokens, features):
     B, T = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    h, _ = head_forward(dparams, dcfg, tparams["embed"], tokens, features, pos)
+    h, _ = head_forward(dparams, dcfg, tparams["embed"], tokens, project_features(dparams, dcfg, features), pos)
+    if dcfg.head_type == "eagle3":
+        return h, eagle3.to_target_vocab(dparams, eagle3.logits(dparams, dcfg, h), tcfg.vocab_size)
     return h, lm_head(tparams, tcfg, h)
+
+
+def _check_d2t(d2t, vocab_size: int) -> None:
+    if isinstance(d2t, jax.core.Tracer):
+        return
+    ids = np.asarray(d2t)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"draft head: d2t maps draft ids to target ids in [{int(ids.min())}, {int(ids.max())}], "
+                         f"outside the target vocabulary [0, {vocab_size})")
 
 
 _forward_jit = jax.jit(_forward_impl, static_argnames=("dcfg", "tcfg"))
@@ -153,4 +223,5 @@ _forward_jit = jax.jit(_forward_impl, static_argnames=("dcfg", "tcfg"))
 def init_draft(target, seed: int = 0, dtype=jnp.float32, **config_overrides) -> Draft:
     """A fresh random head for `target` (tests, training)."""
     dcfg = DraftConfig.from_target(target.config, target_name=getattr(target, "name", None), **config_overrides)
+    # on a mesh, Draft places the head on the target's mesh (same values as unsharded: generated, then placed)
     return Draft(dcfg, init_params(dcfg, jax.random.PRNGKey(seed), dtype), target)

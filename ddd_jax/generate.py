@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import drafting, llama
+from . import drafting, eagle3, llama, settings, sharding
 from .cache import KVCache, commit, with_length
 from .config import DDDConfig, DraftConfig, ModelConfig, TreeConfig, check_tree_for_ddd
 from .drafting import SyncCounter, threshold_policy
@@ -81,7 +81,7 @@ class State:
     dcache: KVCache | None
     root: jax.Array  # [B] int32 last emitted token (not yet in the target cache)
     pend_tok: jax.Array  # [B, M] int32 draft pairs to commit next cycle: token at position p+1 ...
-    pend_feat: jax.Array  # [B, M, D] ... and the target feature at position p
+    pend_feat: jax.Array  # [B, M, Df] ... and the target feature at position p (Df = dcfg.feature_size)
     pend_n: jax.Array  # [B] int32
     out: jax.Array  # [B, max_new_tokens + M] int32 emitted tokens
     out_len: jax.Array  # [B] int32
@@ -148,26 +148,38 @@ def _emit(plan: Plan, state_out, out_len, done, emitted, n):
 
 
 # ----------------------------------------------------------------------------------------------- prefill
-@partial(jax.jit, static_argnames=("plan", "capacity"))
-def _prefill(tparams, dparams, plan: Plan, tokens, plen, key, *, capacity: int) -> State:
+def _aux_layers(plan: Plan) -> tuple:
+    """Target layers whose inputs the head reads (EAGLE-3), collected in the same target pass; () otherwise."""
+    return eagle3.feature_layers(plan.tcfg) if plan.dcfg is not None and plan.dcfg.head_type == "eagle3" else ()
+
+
+def _features(plan: Plan, out: llama.Output):
+    """The draft head's target features: [B, T, 3D] layer inputs (EAGLE-3) or the final hidden [B, T, D]."""
+    return out.aux if _aux_layers(plan) else out.hidden
+
+
+@partial(jax.jit, static_argnames=("plan", "capacity", "mesh"))
+def _prefill(tparams, dparams, plan: Plan, tokens, plen, key, *, capacity: int, mesh=None) -> State:
     B, T = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     tcache = llama.new_cache(plan.tcfg, B, capacity, tparams["embed"].dtype)
-    out = llama.forward(tparams, plan.tcfg, tokens, pos, tcache, logit_index=(plen - 1)[:, None])
+    out = llama.forward(tparams, plan.tcfg, tokens, pos, tcache, logit_index=(plen - 1)[:, None],
+                        aux_layers=_aux_layers(plan))
+    feats = _features(plan, out)
     tcache = with_length(out.cache, plen)
     key, sub = jax.random.split(key)
     first = _choose(out.logits[:, 0], sub, plan.temperature, plan.top_p)
     M = plan.M
-    D = plan.tcfg.hidden_size
-    feat_last = jnp.take_along_axis(out.hidden, (plen - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+    D = feats.shape[-1]
+    feat_last = jnp.take_along_axis(feats, (plen - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
     dcache = None
     if plan.dcfg is not None:  # the last pair (first, f_{plen-1}) stays pending for the first cycle's step 0
-        dcache = drafting.fill_prefix(dparams, plan, tparams, tokens, out.hidden, pos, plen, capacity)
+        dcache = drafting.fill_prefix(dparams, plan, tparams, tokens, feats, pos, plen, capacity)
     C = plan.max_new_tokens
     state = State(
         tcache=tcache, dcache=dcache, root=first,
         pend_tok=jnp.zeros((B, M), jnp.int32).at[:, 0].set(first),
-        pend_feat=jnp.zeros((B, M, D), out.hidden.dtype).at[:, 0].set(feat_last),
+        pend_feat=jnp.zeros((B, M, D), feats.dtype).at[:, 0].set(feat_last),
         pend_n=jnp.ones((B,), jnp.int32),
         out=jnp.zeros((B, plan.max_new_tokens + M), jnp.int32), out_len=jnp.zeros((B,), jnp.int32),
         done=jnp.zeros((B,), bool), key=key, cycle=jnp.zeros((), jnp.int32),
@@ -175,7 +187,10 @@ def _prefill(tparams, dparams, plan: Plan, tokens, plen, key, *, capacity: int) 
         checks=jnp.zeros((), jnp.int32))
     out_buf, out_len, done, _ = _emit(plan, state.out, state.out_len, state.done, first[:, None].repeat(M, 1),
                                       jnp.ones((B,), jnp.int32))
-    return dataclasses.replace(state, out=out_buf, out_len=out_len, done=done)
+    state = dataclasses.replace(state, out=out_buf, out_len=out_len, done=done)
+    if mesh is not None:  # batch over "data", KV heads over "model"; the decode loops inherit these shardings
+        state = sharding.constrain_state(state, mesh)
+    return state
 
 
 # ----------------------------------------------------------------------------------------------- vanilla
@@ -210,14 +225,15 @@ def _verify(tparams, plan: Plan, s: State, d: drafting.Draft):
     """One target forward over the tree built from the draft's pool; greedy or lossless-sampling acceptance."""
     tree = build_tree(s.root, d.beam, plan.total_tokens)
     L = s.tcache.length
-    o = llama.forward(tparams, plan.tcfg, tree.tokens, L[:, None] + tree.depth, s.tcache, attn_mask=tree.anc)
+    o = llama.forward(tparams, plan.tcfg, tree.tokens, L[:, None] + tree.depth, s.tcache, attn_mask=tree.anc,
+                      aux_layers=_aux_layers(plan))
     if plan.temperature <= 0.0:
         acc = accept_greedy(tree, o.logits, plan.M)
         key = s.key
     else:
         key, sub = jax.random.split(s.key)
         acc = accept_sample(tree, o.logits, sub, plan.temperature, plan.top_p, plan.M)
-    return o.cache, o.hidden, acc, key
+    return o.cache, _features(plan, o), acc, key
 
 
 def _commit(plan: Plan, s: State, tcache_new, hidden, acc, key, d: drafting.Draft) -> State:
@@ -327,6 +343,8 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
     """Generate new tokens for `prompt_ids` (list[int], or a list of lists for a batch).
 
     method: "vanilla" (baseline), "eagle2" (fixed-depth EAGLE-2 tree), "ddd" (Dynamic Depth Decoding).
+    tree / ddd: None = this backend's tuned settings for this target and head when `ddd-jax tune` saved some,
+    else the paper's defaults (`ddd_jax.settings.resolve`); stats["settings"] says which were used and why.
     sync (ddd only): "host" | "callback" | "device" (see `ddd_jax.drafting`). loop: "device" (one jitted loop
     over the whole generation) or "host" (Python loop over cycles/tokens); default "device" except for
     sync="host", profile=True or stream. policy: host function for sync="host" or "callback"
@@ -334,8 +352,10 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
     the static plan, so each distinct policy compiles once. stream: callable(new_token_ids) invoked after each
     cycle (forces loop="host").
     """
-    tree = tree or TreeConfig()
-    ddd = ddd or DDDConfig()
+    if method == "vanilla":
+        tree, ddd, source = tree or TreeConfig(), ddd or DDDConfig(), None
+    else:
+        tree, ddd, source = settings.resolve(target, draft, tree, ddd)
     plan = make_plan(target, draft, method=method, sync=sync, tree=tree, ddd=ddd, temperature=temperature,
                      top_p=top_p, max_new_tokens=max_new_tokens, policy=policy)
     if loop is None:
@@ -345,6 +365,14 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
     if plan.host_checks and loop == "device":
         raise ValueError("sync='host' reads the confidence on the host each check: it needs loop='host'")
     batched, toks, plen, capacity = _prepare_prompts(target, prompt_ids, plan, capacity)
+    n_rows = toks.shape[0]
+    mesh = getattr(target, "mesh", None)
+    if mesh is not None:  # batch over "data": pad with copies of the last prompt (dropped from the results)
+        pad = sharding.pad_batch(n_rows, mesh)
+        toks = jnp.concatenate([toks, jnp.repeat(toks[-1:], pad, axis=0)]) if pad else toks
+        plen = jnp.concatenate([plen, jnp.repeat(plen[-1:], pad)]) if pad else plen
+        toks = sharding.put(np.asarray(toks), sharding.batch_sharding(mesh, 2))
+        plen = sharding.put(np.asarray(plen), sharding.batch_sharding(mesh, 1))
     tparams = target.params
     dparams = draft.decode_params() if plan.method != "vanilla" else None
     threshold = jnp.float32(ddd.threshold)
@@ -352,7 +380,10 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
     clock = _PhaseClock(profile)
 
     t0 = time.perf_counter()
-    s = _prefill(tparams, dparams, plan, toks, plen, jax.random.PRNGKey(seed), capacity=capacity)
+    key = jax.random.PRNGKey(seed)
+    if mesh is not None:  # replicated: a global array on every process of a multi-host mesh
+        key = sharding.put(np.asarray(key), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    s = _prefill(tparams, dparams, plan, toks, plen, key, capacity=capacity, mesh=mesh)
     jax.block_until_ready(s)
     t1 = time.perf_counter()
     if plan.method == "vanilla":
@@ -361,7 +392,11 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
         s = _run_spec(tparams, dparams, plan, s, threshold, loop, counter, clock, stream)
     jax.block_until_ready(s)
     t2 = time.perf_counter()
-    return _result(target, plan, s, batched, counter, clock.times, t1 - t0, t2 - t1)
+    if mesh is not None and jax.process_count() > 1:  # every process gets every sequence's results
+        s = jax.tree.map(sharding.to_host, s)
+    used = None if source is None else {"tree": dataclasses.asdict(tree), "source": source,
+                                        **({"ddd": dataclasses.asdict(ddd)} if method == "ddd" else {})}
+    return _result(target, plan, s, batched, counter, clock.times, t1 - t0, t2 - t1, used, n_rows)
 
 
 class _PhaseClock:
@@ -427,7 +462,8 @@ def _run_spec(tparams, dparams, plan, s, threshold, loop, counter, clock: _Phase
             return s
 
 
-def _result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, times, prefill_s, decode_s):
+def _result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, times, prefill_s, decode_s,
+            used_settings, n_rows: int | None = None):
     out = np.asarray(s.out)
     out_len = np.asarray(s.out_len)
     cycles = int(np.asarray(s.cycle))
@@ -436,9 +472,10 @@ def _result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, t
     callbacks = in_loop if plan.method == "ddd" and plan.sync == "callback" else 0
     acc_hist = np.asarray(s.acc_hist)[:cycles]
     depth_hist = np.asarray(s.depth_hist)[:cycles]
-    toks = [[int(t) for t in out[b, : out_len[b]]] for b in range(out.shape[0])]
+    n_rows = out.shape[0] if n_rows is None else n_rows  # rows past n_rows pad the batch for the mesh
+    toks = [[int(t) for t in out[b, : out_len[b]]] for b in range(n_rows)]
     stats = []
-    for b in range(out.shape[0]):
+    for b in range(n_rows):
         calls = acc_hist[:, b] > 0
         acc = [int(x) for x in acc_hist[calls, b]]
         dep = [int(x) for x in depth_hist[calls, b]] if plan.method != "vanilla" else []
@@ -453,7 +490,7 @@ def _result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, t
             "host_syncs": counter.total + callbacks,
             "prefill_s": prefill_s, "decode_s": decode_s, "total_s": prefill_s + decode_s,
             "tokens_per_s": (n_new - 1) / decode_s if decode_s > 0 and n_new > 1 else 0.0,
-            **times,
+            "settings": used_settings, **times,
         }
         stats.append(st)
     texts = [target.decode(t) for t in toks]
@@ -464,5 +501,6 @@ def _result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, t
 
 def _merge(stats: list) -> dict:
     return {"new_tokens": sum(s["new_tokens"] for s in stats), "host_syncs": stats[0]["host_syncs"],
-            "draft_syncs": stats[0]["draft_syncs"], "ddd_checks": stats[0]["ddd_checks"], "prefill_s": stats[0]["prefill_s"],
+            "draft_syncs": stats[0]["draft_syncs"], "ddd_checks": stats[0]["ddd_checks"],
+            "settings": stats[0]["settings"], "prefill_s": stats[0]["prefill_s"],
             "decode_s": stats[0]["decode_s"]}

@@ -26,14 +26,9 @@ def tree_and_ddd(args):
     """Build (TreeConfig, DDDConfig, source) from flags over tuned settings over defaults."""
     import dataclasses
 
-    from .config import DDDConfig, TreeConfig
-    tree, ddd, source = TreeConfig(), DDDConfig(), "defaults"
-    if getattr(args, "settings", "none") == "auto":
-        from .settings import load_settings, settings_path, to_configs
-        s = load_settings()
-        if s:
-            tree, ddd = to_configs(s)
-            source = f"tuned ({settings_path()})"
+    from .settings import base_configs
+    tree, ddd, source = base_configs(args.target, args.draft or DEFAULT_DRAFTS.get(args.target),
+                                     use_tuned=getattr(args, "settings", "none") == "auto")
     over = {k: v for k, v in (("top_k", args.top_k), ("total_tokens", args.total_tokens), ("depth", args.depth))
             if v is not None}
     tree = dataclasses.replace(tree, **over) if over else tree
@@ -48,6 +43,9 @@ def tree_and_ddd(args):
     if args.ddd_max_depth is not None:
         over["max_depth"] = args.ddd_max_depth
     ddd = dataclasses.replace(ddd, **over) if over else ddd
+    if any(getattr(args, k) is not None for k in ("top_k", "total_tokens", "depth", "ddd_checks", "ddd_threshold",
+                                                   "ddd_max_depth")):
+        source += " + command-line flags"
     return tree, ddd, source
 
 
@@ -68,6 +66,8 @@ def add_parser(sub) -> None:
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and stats")
     add_tree_args(p)
+    from .sharding import add_mesh_args
+    add_mesh_args(p)
     p.set_defaults(func=run)
 
 
@@ -76,7 +76,8 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     tree, ddd, source = tree_and_ddd(args)
-    target = load_target(args.target)
+    from .sharding import mesh_from_args
+    target = load_target(args.target, mesh=mesh_from_args(args))
     draft = None
     if args.method != "vanilla" or args.compare:
         name = args.draft or DEFAULT_DRAFTS.get(args.target)
@@ -91,10 +92,11 @@ def run(args) -> int:
     if args.stream and not args.json:
         shown = []
 
-        def stream(new):
+        def print_new(new):
             shown.extend(new)
             sys.stdout.write(target.decode(shown)[len(target.decode(shown[: len(shown) - len(new)])):])
             sys.stdout.flush()
+        stream = print_new
 
     # first call compiles; report steady-state speed by running once to warm up when comparing
     if args.compare:

@@ -1,5 +1,5 @@
-"""Pure LLaMA building blocks: RMSNorm, rotary embeddings, attention masks, masked GQA attention over a KV cache,
-SwiGLU MLP.
+"""Pure LLaMA building blocks: the matrix product every layer uses, RMSNorm, rotary embeddings, attention masks,
+masked GQA attention over a KV cache, SwiGLU MLP.
 
 Axis letters: B batch, T new tokens, S cache slots, D model width, N query heads, K kv heads,
 G = N/K query heads per kv head, H head dim, F MLP width.
@@ -11,16 +11,38 @@ import math
 import jax
 import jax.numpy as jnp
 
+from . import kernels
 from .config import ModelConfig
 
 NEG_INF = -1e30  # large finite negative: fully-masked rows stay NaN-free
+
+
+def linear(x, w, layer=None, *, transposed: bool = False):
+    """The one matrix product of the model: x [..., K] @ w [K, N] -> [..., N], or with transposed=True
+    x @ w.T for w [N, K] (output-embedding rows: lm_head, the draft vocabulary; float32 result).
+
+    layer: w is stacked [L, K, N] / [L, N, K] and `layer` (an int, may be traced) picks one; the CPU kernel reads
+    it in place, so a layer scan never copies a weight. On CPU, float32 products of at most `kernels.MAX_ROWS`
+    rows (decoding, verification) run the small-M kernel of `ddd_jax.kernels`, whose rows are bit-identical
+    whatever M; anything else is XLA's dot.
+    """
+    if kernels.usable(x, w):
+        return kernels.product(x, w, layer, trans=transposed)
+    if layer is not None:
+        w = jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
+    if transposed:
+        return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+    return x @ w
 
 
 def rms_norm(x, w, eps: float):
     """HF LlamaRMSNorm: normalise in float32, scale by w in the input dtype."""
     dtype = x.dtype
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    # sum of squares through `linear` (a product with a row of ones): XLA's own row reduction changes its order
+    # with the number of rows (M >= 8 here), the kernel's does not
+    ss = linear(x32 * x32, jnp.ones((1, x.shape[-1]), jnp.float32), transposed=True)  # [..., 1]
+    x32 = x32 * jax.lax.rsqrt(ss / x.shape[-1] + eps)
     return w * x32.astype(dtype)
 
 
@@ -69,12 +91,38 @@ def tree_kv_mask(length, capacity: int, attn_mask):
     return (rel < 0)[:, None, :] | (in_new[:, None, :] & new_part)
 
 
-def attention(q, k, v, mask):
+def slot_positions(length, capacity: int, positions):
+    """[B, S] the position of each cache slot after new tokens at `positions` [B, T] are written at slots
+    [length, length+T): a committed slot s holds position s; slots past the new tokens get a large position."""
+    T = positions.shape[1]
+    rel = jnp.arange(capacity)[None, :] - length[:, None]  # [B, S]
+    new = jnp.take_along_axis(positions, jnp.clip(rel, 0, T - 1), axis=1)
+    return jnp.where(rel < 0, jnp.arange(capacity)[None, :], jnp.where(rel < T, new, jnp.iinfo(jnp.int32).max))
+
+
+def sliding_window_mask(q_positions, kv_positions, window: int):
+    """[B, T, S] True where key position p' is within the window of query position p: p - window < p'
+    (HF's `sliding_window_overlay`; causality comes from the other masks)."""
+    return kv_positions[:, None, :] > q_positions[:, :, None] - window
+
+
+def attention(q, k, v, mask, layer=None):
     """Grouped-query attention.
 
-    q: [B, T, N, H]; k, v: [B, S, K, H]; mask: [B, T, S] bool (True = may attend). Returns [B, T, N*H].
-    Softmax in float32.
+    q: [B, T, N, H]; k, v: [B, S, K, H], or stacked caches [L, B, S, K, H] with `layer` (an int, may be traced:
+    read in place on the kernel path); mask: [B, T, S] bool (True = may attend). Returns [B, T, N*H].
+    Softmax in float32. On CPU, float32 with at most `kernels.MAX_ROWS` query rows runs `ddd_jax.kernels`'
+    attention: only the slots a row may attend, summed in slot order, so a row's output does not depend on the
+    other rows (a tree node gets exactly what decoding its path one token at a time gives).
     """
+    if kernels.attention_usable(q, k):
+        return kernels.attention(q, k, v, mask, layer, _attention_xla)
+    if layer is not None:
+        k, v = k[layer], v[layer]
+    return _attention_xla(q, k, v, mask)
+
+
+def _attention_xla(q, k, v, mask):
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
@@ -87,6 +135,6 @@ def attention(q, k, v, mask):
     return out.reshape(B, T, N * H)
 
 
-def mlp(x, w_gate, w_up, w_down):
-    """SwiGLU: down(silu(gate(x)) * up(x)). w_gate/w_up: [D, F]; w_down: [F, D]."""
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+def mlp(x, w_gate, w_up, w_down, layer=None):
+    """SwiGLU: down(silu(gate(x)) * up(x)). w_gate/w_up: [D, F]; w_down: [F, D] (or stacked, see `linear`)."""
+    return linear(jax.nn.silu(linear(x, w_gate, layer)) * linear(x, w_up, layer), w_down, layer)

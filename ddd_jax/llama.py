@@ -5,6 +5,10 @@ Parameters are a plain nested dict of arrays (layers stacked on a leading L axis
     layers/attn_norm [L, D]      layers/wq [L, D, N*H]   layers/wk [L, D, K*H]   layers/wv [L, D, K*H]
     layers/wo    [L, N*H, D]     layers/mlp_norm [L, D]  layers/w_gate [L, D, F] layers/w_up [L, D, F]
     layers/w_down [L, F, D]
+  family switches (config flags; absent otherwise, so LLaMA checkpoints keep this exact layout):
+    layers/bq [L, N*H]  layers/bk [L, K*H]  layers/bv [L, K*H]   q/k/v biases (qkv_bias: Qwen2; attention_bias)
+    layers/bo [L, D]                                               o bias (attention_bias: Llama/Qwen3 option)
+    layers/q_norm [L, H]  layers/k_norm [L, H]                     per-head RMSNorm of q, k before rope (Qwen3)
     final_norm   [D]
     lm_head      [D, V]          (absent when tie_word_embeddings: logits use embed.T)
 
@@ -28,6 +32,7 @@ class Output(NamedTuple):
     logits: jax.Array | None  # [B, T, V] float32 (or [B, R, V] with logit_index)
     hidden: jax.Array  # [B, T, D] final-normed features
     cache: KVCache | None
+    aux: jax.Array | None = None  # [B, T, A*D] residual stream entering each of `aux_layers` (EAGLE-3 features)
 
 
 def layer_shapes(cfg: ModelConfig, n_layers: int, input_norm: bool = True) -> dict:
@@ -39,6 +44,12 @@ def layer_shapes(cfg: ModelConfig, n_layers: int, input_norm: bool = True) -> di
     }
     if input_norm:
         s["attn_norm"] = (n_layers, D)
+    if cfg.has_qkv_bias:
+        s.update(bq=(n_layers, N * H), bk=(n_layers, K * H), bv=(n_layers, K * H))
+    if cfg.attention_bias:
+        s["bo"] = (n_layers, D)
+    if cfg.qk_norm:
+        s.update(q_norm=(n_layers, H), k_norm=(n_layers, H))
     return s
 
 
@@ -50,6 +61,37 @@ def param_shapes(cfg: ModelConfig) -> dict:
     if not cfg.tie_word_embeddings:
         s["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
     return s
+
+
+# Logical axes of every weight, by name (stacked layer weights get a leading "layers" axis). `ddd_jax.sharding`
+# maps them to mesh axes with one rules table; a weight missing here is an error there, never silently replicated.
+WEIGHT_AXES = {
+    "embed": ("vocab", "embed"), "lm_head": ("embed", "vocab"), "final_norm": ("embed",),
+    "attn_norm": ("embed",), "mlp_norm": ("embed",),
+    "wq": ("embed", "q_heads"), "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"), "wo": ("q_heads", "embed"),
+    "w_gate": ("embed", "ffw"), "w_up": ("embed", "ffw"), "w_down": ("ffw", "embed"),
+    "bq": ("q_heads",), "bk": ("kv_heads",), "bv": ("kv_heads",), "bo": ("embed",),
+    "q_norm": ("head_dim",), "k_norm": ("head_dim",),
+}
+
+
+def axes_like(shapes: dict, names: dict = WEIGHT_AXES) -> dict:
+    """Logical axes mirroring a nested shape dict: leaves under "layers" get a leading "layers" axis."""
+    def walk(tree, stacked):
+        out = {}
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                out[k] = walk(v, stacked or k == "layers")
+            else:
+                ax = names.get(k)
+                out[k] = None if ax is None else (("layers",) if stacked else ()) + tuple(ax)
+        return out
+    return walk(shapes, False)
+
+
+def param_axes(cfg: ModelConfig) -> dict:
+    """Logical axis names of every target weight, mirroring `param_shapes(cfg)` (None: no axes known)."""
+    return axes_like(param_shapes(cfg))
 
 
 def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> dict:
@@ -73,13 +115,17 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.float32, std: float = 0.02) -> 
     return jax.tree.unflatten(treedef, out)
 
 
-def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | None, kv_mask):
+def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | None, kv_mask,
+                  aux_layers: tuple = (), qkv_input=None):
     """Run stacked decoder layers.
 
     lp: stacked layer params (leading L axis); x: [B, T, D]; positions: [B, T].
     With a cache: new K/V are written at slots cache.length[b] + t and kv_mask is [B, T, S] over all
     slots (after the write). Without a cache: kv_mask is [B, T, T] over the new tokens.
-    Returns (x, cache with k/v written; length unchanged).
+    aux_layers (static): also return the residual stream *entering* these layers (HF `hidden_states[i]`),
+    collected inside the scan. qkv_input: optional (x, p) -> what q/k/v read, replacing the input norm
+    (EAGLE-3's layer: cat(norm(embed), hidden_norm(x)) while the residual stream stays x).
+    Returns (x, cache with k/v written; length unchanged), plus aux [A, B, T, D] when aux_layers is given.
     """
     B, T, _ = x.shape
     N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -87,40 +133,59 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
     eps = cfg.rms_norm_eps
     n_layers = lp["wq"].shape[0]
 
-    def qkv(x, p):
+    # Matrix weights are read from the stacked lp by layer index (`L.linear`: no per-layer copy on the kernel
+    # path); the scanned p carries the small per-layer vectors (norms).
+    def qkv(x, p, i):
         h = L.rms_norm(x, p["attn_norm"], eps) if "attn_norm" in p else x
-        q = (h @ p["wq"]).reshape(B, T, N, H)
-        k = (h @ p["wk"]).reshape(B, T, K, H)
-        v = (h @ p["wv"]).reshape(B, T, K, H)
+        h = h if qkv_input is None else qkv_input(x, p)
+        q, k, v = L.linear(h, lp["wq"], i), L.linear(h, lp["wk"], i), L.linear(h, lp["wv"], i)
+        if "bq" in p:  # family switch: q/k/v biases
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+        q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
+        if "q_norm" in p:  # family switch: per-head RMSNorm before rope
+            q, k = L.rms_norm(q, p["q_norm"], eps), L.rms_norm(k, p["k_norm"], eps)
         return L.apply_rope(q, positions, inv), L.apply_rope(k, positions, inv), v
 
-    def rest(x, p, a):
-        x = x + a @ p["wo"]
+    def rest(x, p, i, a):
+        o = L.linear(a, lp["wo"], i)
+        x = x + (o + p["bo"] if "bo" in p else o)
         h = L.rms_norm(x, p["mlp_norm"], eps)
-        return x + L.mlp(h, p["w_gate"], p["w_up"], p["w_down"])
+        return x + L.mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"], i)
 
+    small = {k: v for k, v in lp.items() if v.ndim <= 2}  # [L, D] norms (and biases)
+    layer_ids = jnp.arange(n_layers)
+
+    def keep(aux, x, i):  # the stream entering layer i, into every aux slot that names layer i
+        return tuple(jnp.where(i == j, x, a) for a, j in zip(aux, aux_layers))
+
+    aux0 = tuple(jnp.zeros_like(x) for _ in aux_layers)
     if cache is None:
-        def body(x, p):
-            q, k, v = qkv(x, p)
-            return rest(x, p, L.attention(q, k, v, kv_mask)), None
-        x, _ = jax.lax.scan(body, x, lp)
-        return x, None
+        def body(c, xs):
+            x, aux = c
+            p, i = xs
+            aux = keep(aux, x, i)
+            q, k, v = qkv(x, p, i)
+            return (rest(x, p, i, L.attention(q, k, v, kv_mask)), aux), None
+        (x, aux), _ = jax.lax.scan(body, (x, aux0), (small, layer_ids))
+        return (x, None, jnp.stack(aux)) if aux_layers else (x, None)
 
     b_idx = jnp.arange(B)[:, None]
     dst = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T] slots of the new tokens
 
     def body(carry, xs):
-        x, kall, vall = carry
+        x, kall, vall, aux = carry
         p, i = xs
-        q, k, v = qkv(x, p)
+        aux = keep(aux, x, i)
+        q, k, v = qkv(x, p, i)
         # scatter straight into the carried [L, B, S, K, H] buffers (in place), then attend over layer i
         kall = kall.at[i, b_idx, dst].set(k.astype(kall.dtype), mode="drop")
         vall = vall.at[i, b_idx, dst].set(v.astype(vall.dtype), mode="drop")
-        x = rest(x, p, L.attention(q, kall[i], vall[i], kv_mask))
-        return (x, kall, vall), None
+        x = rest(x, p, i, L.attention(q, kall, vall, kv_mask, i))
+        return (x, kall, vall, aux), None
 
-    (x, kall, vall), _ = jax.lax.scan(body, (x, cache.k, cache.v), (lp, jnp.arange(n_layers)))
-    return x, KVCache(k=kall, v=vall, length=cache.length)
+    (x, kall, vall, aux), _ = jax.lax.scan(body, (x, cache.k, cache.v, aux0), (small, layer_ids))
+    new = KVCache(k=kall, v=vall, length=cache.length)
+    return (x, new, jnp.stack(aux)) if aux_layers else (x, new)
 
 
 def output_embedding(params, cfg: ModelConfig):
@@ -129,12 +194,14 @@ def output_embedding(params, cfg: ModelConfig):
 
 
 def lm_head(params, cfg: ModelConfig, hidden):
-    """Logits [..., V] float32 of hidden [..., D]."""
-    return jnp.einsum("...d,vd->...v", hidden, output_embedding(params, cfg), preferred_element_type=jnp.float32)
+    """Logits [..., V] float32 of hidden [..., D]. (Reads lm_head [D, V] as stored: no transposed copy per call.)"""
+    if cfg.tie_word_embeddings:
+        return L.linear(hidden, params["embed"], transposed=True)
+    return L.linear(hidden, params["lm_head"])
 
 
 def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None = None, attn_mask=None,
-            logit_index=None, return_logits: bool = True) -> Output:
+            logit_index=None, return_logits: bool = True, aux_layers: tuple = ()) -> Output:
     """Target forward.
 
     tokens, positions: [B, T] int32. attn_mask: [B, T, T] bool over the new tokens (default causal);
@@ -142,7 +209,9 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None =
     slots [length, length+T) and length advances by T (use `cache.commit` to keep only a tree path).
     logit_index: optional [B, R] rows of the new tokens to compute logits for (e.g. the last real
     prompt token), saving the vocab projection elsewhere. Shapes are static; the caller guarantees
-    length + T <= capacity (`generate` checks it on the host).
+    length + T <= capacity (`generate` checks it on the host). aux_layers (static tuple of layer indices,
+    e.g. `eagle3.feature_layers(cfg)`): Output.aux [B, T, A*D] holds the residual stream entering each of them
+    (transformers' `hidden_states[i]`), concatenated in the given order, from this same pass.
     """
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
@@ -153,7 +222,18 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None =
         kv_mask = L.tree_kv_mask(cache.length, cache.capacity, attn_mask)
     else:
         kv_mask = attn_mask
-    x, new_cache = decoder_stack(params["layers"], cfg, x, positions, cache, kv_mask)
+    if cfg.sliding_window is not None:  # family switch: every layer sees only the last sliding_window positions
+        kv_pos = positions if cache is None else L.slot_positions(cache.length, cache.capacity, positions)
+        kv_mask = kv_mask & L.sliding_window_mask(positions, kv_pos, cfg.sliding_window)
+    aux = None
+    if aux_layers:
+        bad = [i for i in aux_layers if not 0 <= i < cfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"aux_layers {bad} outside the target's layers [0, {cfg.num_hidden_layers})")
+        x, new_cache, aux = decoder_stack(params["layers"], cfg, x, positions, cache, kv_mask, aux_layers=aux_layers)
+        aux = jnp.concatenate(list(aux), axis=-1)
+    else:
+        x, new_cache = decoder_stack(params["layers"], cfg, x, positions, cache, kv_mask)
     hidden = L.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if new_cache is not None:
         new_cache = KVCache(k=new_cache.k, v=new_cache.v, length=cache.length + T)
@@ -161,7 +241,7 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None =
     if return_logits:
         h = hidden if logit_index is None else jnp.take_along_axis(hidden, logit_index[..., None], axis=1)
         logits = lm_head(params, cfg, h)
-    return Output(logits=logits, hidden=hidden, cache=new_cache)
+    return Output(logits=logits, hidden=hidden, cache=new_cache, aux=aux)
 
 
 def new_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:

@@ -1,4 +1,4 @@
-"""The Target: a loaded LLaMA-architecture model (config, params, tokenizer, chat template) and its jitted forward."""
+"""The Target: a loaded LLaMA-family model (Llama, Mistral, Qwen2, Qwen3) (config, params, tokenizer, chat template) and its jitted forward."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,9 +27,15 @@ class Target:
     tokenizer: object | None = None
     chat_template: str | None = None
     special_tokens: dict = field(default_factory=dict)  # e.g. {"bos_token": "<|im_start|>", "eos_token": ...}
+    mesh: object = None  # a ("data", "model") jax.sharding.Mesh the params are sharded over (None: one device)
 
     def __post_init__(self):
         check_shapes(self.params, llama.param_shapes(self.config), f"target {self.name!r}")
+        if self.mesh is not None:  # no-op for params a loader already placed tensor by tensor
+            from . import sharding
+            sharding.check_mesh(self.mesh)
+            sharding.check_divisible(self.config, self.mesh, f"target {self.name!r}")
+            self.params = sharding.place_params(self.params, llama.param_axes(self.config), self.mesh)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -38,6 +44,11 @@ class Target:
     def forward(self, tokens, positions, cache=None, attn_mask=None, logit_index=None, return_logits=True):
         """Jitted `llama.forward` over this target's params (see there for shapes)."""
         return _forward(self.params, self.config, tokens, positions, cache, attn_mask, logit_index, return_logits)
+
+    def module(self):
+        """This target as a flax nnx module (`modules.LlamaModule`) over the same arrays."""
+        from .modules import LlamaModule
+        return LlamaModule.from_target(self)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

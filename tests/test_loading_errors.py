@@ -75,7 +75,8 @@ def test_non_llama_and_draft_dirs(tmp_path, tiny_hf_llama):
     _, path = tiny_hf_llama(seed=0)
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(dict(cfg, model_type="gpt2", architectures=["GPT2LMHeadModel"])))
-    with pytest.raises(ValueError, match="not a LLaMA architecture"):
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' .* not supported \(supported model types: \['llama', "
+                                         r"'mistral', 'qwen2', 'qwen3'\]\)"):
         load_target(path)
     (tmp_path / "head").mkdir()
     (tmp_path / "head" / "config.json").write_text(json.dumps({"format": "ddd-jax-eagle-head"}))

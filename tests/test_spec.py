@@ -19,6 +19,17 @@ MODES = [("eagle2", "device"), ("ddd", "host"), ("ddd", "callback"), ("ddd", "de
 # the tiny target's distributions are flat (beam confidence after step 2 is around -4.3, after step 3 around
 # -5.8), so this threshold makes DDD stop at different checks on different cycles
 SMALL_DDD = DDDConfig(check_steps=(2, 3), threshold=-5.0, max_depth=5)
+TREES = {"k10-n60": TreeConfig(top_k=10, total_tokens=60, depth=5),
+         "k4-n12": TreeConfig(top_k=4, total_tokens=12, depth=3),
+         "k1-n3": TreeConfig(top_k=1, total_tokens=3, depth=2)}
+# Every (method, sync, tree) is its own XLA compile (seconds each on CPU). `make test-fast` runs each mode and each
+# tree shape once (FAST_BATCHED) and B=1 in device mode; the other combinations are marked slow (`make test` runs all).
+FAST_BATCHED = {("eagle2", "device", "k4-n12"), ("ddd", "host", "k1-n3"), ("ddd", "callback", "k4-n12"),
+                ("ddd", "device", "k10-n60")}
+
+
+def fast_if(fast: bool):
+    return () if fast else pytest.mark.slow
 
 
 def train_prompts(n, offset=0):
@@ -49,11 +60,9 @@ def setup():
     return target, draft, ps, ref
 
 
-@pytest.mark.parametrize("tree", [TreeConfig(top_k=10, total_tokens=60, depth=5),
-                                  TreeConfig(top_k=4, total_tokens=12, depth=3),
-                                  TreeConfig(top_k=1, total_tokens=3, depth=2)],
-                         ids=["k10-n60", "k4-n12", "k1-n3"])
-@pytest.mark.parametrize("method,sync", MODES)
+@pytest.mark.parametrize("method,sync,tree", [
+    pytest.param(m, s, tree, id=f"{m}-{s}-{tid}", marks=fast_if((m, s, tid) in FAST_BATCHED))
+    for m, s in MODES for tid, tree in TREES.items()])
 def test_token_identical_batched(setup, tree, method, sync):
     target, draft, ps, ref = setup
     ddd = SMALL_DDD if tree.top_k > 1 else DDDConfig(check_steps=(2,), threshold=-4.3, max_depth=3)
@@ -67,7 +76,8 @@ def test_token_identical_batched(setup, tree, method, sync):
         assert max(st["accepted_per_call"], default=1) <= (ddd.max_depth if method == "ddd" else tree.depth) + 2
 
 
-@pytest.mark.parametrize("method,sync", MODES)
+@pytest.mark.parametrize("method,sync", [pytest.param(m, s, marks=fast_if((m, s) == ("ddd", "device")))
+                                         for m, s in MODES])
 def test_token_identical_batch1(setup, method, sync):
     target, draft, ps, ref = setup
     tree = TreeConfig(top_k=4, total_tokens=12, depth=3)
@@ -76,7 +86,7 @@ def test_token_identical_batch1(setup, method, sync):
         check_identical(target, [ps[i]], [ref.tokens[i]], [r.tokens], f"B=1 {method}/{sync}")
 
 
-@pytest.mark.parametrize("method,sync", [("eagle2", "device"), ("ddd", "host")])
+@pytest.mark.parametrize("method,sync", [("eagle2", "device"), pytest.param("ddd", "host", marks=pytest.mark.slow)])
 def test_reduced_draft_vocabulary_is_lossless(setup, method, sync):
     from ddd_jax.eagle import with_draft_vocab
     target, draft, ps, ref = setup
@@ -127,6 +137,7 @@ def test_ddd_modes_agree_and_count_syncs(setup, threshold):
         assert len(seen) >= 2, f"expected DDD to stop at different checks, saw depths {seen}"
 
 
+@pytest.mark.slow  # a compile per max_new_tokens and method; test_exact.py checks _emit's EOS / max-new cuts fast
 def test_max_new_tokens_exact_and_eos(setup):
     target, draft, ps, _ = setup
     tree = TreeConfig(top_k=4, total_tokens=12, depth=3)
@@ -196,6 +207,12 @@ def _reference_tree(f, k, depth, n):
     return {pool[i][0] for i in order}
 
 
+# jitted as generate runs them (2-3x cheaper here than op-by-op dispatch)
+first_beam_jit = jax.jit(first_beam, static_argnums=(2, 3))
+expand_jit = jax.jit(expand, static_argnums=(3, 4))
+build_tree_jit = jax.jit(build_tree, static_argnums=2)
+
+
 @pytest.mark.parametrize("k,depth,n", [(3, 3, 10), (4, 2, 20), (2, 5, 12), (10, 5, 60)])
 def test_tree_builder_matches_reference(k, depth, n):
     V = 16
@@ -212,11 +229,11 @@ def test_tree_builder_matches_reference(k, depth, n):
             return tuple(reversed(out))
 
         lp0 = jnp.asarray(f(()))[None]
-        beam = first_beam(lp0, jnp.zeros((1, 4)), k, depth)
+        beam = first_beam_jit(lp0, jnp.zeros((1, 4)), k, depth)
         for _ in range(depth):
             lps = np.stack([f(path_of(beam, 0, q)) for q in np.asarray(beam.pool_idx[0])])[None]
-            beam = expand(beam, jnp.zeros((1, k, 4)), jnp.asarray(lps, jnp.float32), k, depth)
-        tree = build_tree(jnp.asarray([99]), beam, n)
+            beam = expand_jit(beam, jnp.zeros((1, k, 4)), jnp.asarray(lps, jnp.float32), k, depth)
+        tree = build_tree_jit(jnp.asarray([99]), beam, n)
         toks, parent, anc, dep = (np.asarray(x[0]) for x in (tree.tokens, tree.parent, tree.anc, tree.depth))
         assert toks[0] == 99 and bool(np.asarray(tree.valid).all())
         paths = []
@@ -242,7 +259,8 @@ def test_tree_builder_matches_reference(k, depth, n):
 
 
 # ----------------------------------------------------------------------------------- lossless sampling
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (1.5, 0.9)])  # (1.5, 0.9): nucleus cuts tokens
+@pytest.mark.parametrize("temperature,top_p", [pytest.param(1.0, 1.0, marks=pytest.mark.slow),
+                                               (1.5, 0.9)])  # (1.5, 0.9): nucleus cuts tokens
 def test_sampling_distribution_matches_target(temperature, top_p):
     from scipy.stats import chi2
 

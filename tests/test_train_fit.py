@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import shutil
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 from ddd_jax import eagle, llama
 from ddd_jax.config import ModelConfig
 from ddd_jax.target import Target
-from ddd_jax.train_draft.extract import extract, load_features, shard_name, target_features
+from ddd_jax.train_draft.extract import extract, load_features, shard_name
 from ddd_jax.train_draft.train import FitConfig, BatchPlan, fit, pack_rows
 
 V = 64
@@ -23,6 +25,10 @@ def tiny_target(vocab=V, hidden=32, name="tiny", seed=0):
     params = llama.init_params(cfg, jax.random.PRNGKey(seed), std=0.2)
     params["embed"] = params["embed"] * 5.0  # peaked next-token distributions: a clear argmax to learn
     return Target(name, cfg, params)
+
+
+def shapes_of(tree):
+    return jax.tree.map(lambda x: tuple(x.shape), tree)
 
 
 def synthetic(n, length, seed=0):
@@ -121,8 +127,9 @@ def test_resume_is_bit_exact(target, feats, tmp_path):
         fit(target, feats, tmp_path / "b", cfg, progress=False)
     resumed = fit(target, feats, tmp_path / "b", cfg, resume=True, ckpt_every=100, progress=False)
     assert resumed["step"] == 6
-    for a, b in zip(jax.tree.leaves(straight["params"]), jax.tree.leaves(resumed["params"])):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(straight["params"], resumed["params"])  # structure and every bit
+    chex.assert_trees_all_equal(resumed["module"].to_params(), resumed["params"])
+    assert shapes_of(resumed["params"]) == eagle.param_shapes(resumed["draft_config"])
     steps = [json.loads(l)["step"] for l in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps))
 
@@ -141,12 +148,19 @@ def test_export_load_forward_and_target_check(target, feats, tmp_path):
                                                       r["params"]), target)
     tok = feats.ids[None, 1:17]
     f = jnp.asarray(feats.features[None, :16], jnp.float32)
-    for a, b in zip(d.forward(tok, f), ref.forward(tok, f)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    from ddd_jax.train_draft.train import init_head_params
+    chex.assert_trees_all_equal(d.forward(tok, f), ref.forward(tok, f))
+    from ddd_jax.train_draft.train import _manager, init_head_params
     warm = init_head_params(r["draft_config"], target, FitConfig(init=f"head:{tmp_path / 'head'}"))
-    for a, b in zip(jax.tree.leaves(warm), jax.tree.leaves(d.params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(warm, d.params)
+    # a checkpoint of the former dict layout fails with a clear message, not an orbax structure error
+    (tmp_path / "old").mkdir()
+    shutil.copy(tmp_path / "run" / "fit.json", tmp_path / "old" / "fit.json")
+    import orbax.checkpoint as ocp
+    mgr = _manager(tmp_path / "old" / "checkpoints", 1)
+    mgr.save(2, args=ocp.args.StandardSave({"params": r["params"], "step": jnp.asarray(2, jnp.int32)}), force=True)
+    mgr.close()
+    with pytest.raises(ValueError, match="former dict training state"):
+        export_run(tmp_path / "old", target, tmp_path / "head3")
     with pytest.raises(ValueError, match="hidden_size"):
         load_draft_dir(tmp_path / "head", tiny_target(hidden=48))
     with pytest.raises(ValueError, match="vocab_size"):

@@ -60,11 +60,27 @@ def _tau_prompts(args, target):
     return out
 
 
+def cmd_fit_eagle3(args, target, train) -> int:
+    """EAGLE-3 heads: `eagle3_fit.fit_eagle3` (TTT objective; target features computed on the fly)."""
+    from .eagle3_fit import Fit3Config, fit_eagle3
+    cfg = Fit3Config(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, ttt_steps=args.ttt_steps,
+                     draft_vocab_size=args.draft_vocab_size, lr=args.lr, warmup=args.warmup,
+                     end_lr_frac=args.end_lr_frac, weight_decay=args.weight_decay, clip_norm=args.clip_norm,
+                     seed=args.seed)
+    r = fit_eagle3(target, train, args.out, cfg, resume=args.resume, ckpt_every=args.ckpt_every, keep=args.keep,
+                   log_every=args.log_every, export_dir=args.export_dir, stop_after=args.stop_after, progress=True)
+    print(json.dumps({"step": r["step"], "train": r["last_metrics"]}), flush=True)
+    return 0
+
+
 def cmd_fit(args) -> int:
     from .extract import load_features
     from .train import FitConfig, fit
+    mesh = _mesh(args)  # first: jax.distributed must start before JAX touches a device
     target = _load_target(args.target)
     train = load_features(args.features, target, max_shards=args.max_shards or None)
+    if args.head_type == "eagle3":
+        return cmd_fit_eagle3(args, target, train)
     ev = load_features(args.eval_features, target) if args.eval_features else None
     cfg = FitConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, accum=args.accum, lr=args.lr,
                     warmup=args.warmup, end_lr_frac=args.end_lr_frac, weight_decay=args.weight_decay,
@@ -84,9 +100,15 @@ def cmd_fit(args) -> int:
     r = fit(target, train, args.out, cfg, eval_set=ev, resume=args.resume, ckpt_every=args.ckpt_every,
             keep=args.keep, log_every=args.log_every, eval_every=args.eval_every, eval_batches=args.eval_batches,
             tau_every=args.tau_every, tau_prompts=_tau_prompts(args, target), export_every=args.export_every,
-            export_dir=args.export_dir, stop_after=args.stop_after)
+            export_dir=args.export_dir, stop_after=args.stop_after, mesh=mesh)
     print(json.dumps({"step": r["step"], "train": r["last_metrics"], "eval": r["last_eval"]}), flush=True)
     return 0
+
+
+def _mesh(args):
+    """--mesh DATAxMODEL for a data-parallel fit (all hosts' devices after --coordinator)."""
+    from ddd_jax.sharding import mesh_from_args
+    return mesh_from_args(args)
 
 
 def cmd_export(args) -> int:
@@ -171,6 +193,14 @@ def add_parser(subparsers) -> None:
     f.add_argument("--export-every", type=int, default=0)
     f.add_argument("--export-dir", default=None, help="head directory rewritten every --export-every steps")
     f.add_argument("--stop-after", type=int, default=None, help="end this run after that step (resume later)")
+    f.add_argument("--head-type", choices=["eagle1", "eagle3"], default="eagle1",
+                   help="eagle1: EAGLE-1/2 objective; eagle3: EAGLE-3 with training-time test (features of target "
+                        "layers 2, L//2, L-3 computed on the fly from the shards' token ids)")
+    f.add_argument("--ttt-steps", type=int, default=7, help="eagle3: unrolled draft steps (official: 7)")
+    f.add_argument("--draft-vocab-size", type=int, default=8192,
+                   help="eagle3: draft vocabulary (most frequent training tokens)")
+    from ddd_jax.sharding import add_mesh_args
+    add_mesh_args(f)  # --mesh DATAxMODEL: data-parallel training; --coordinator etc. for several hosts
     f.set_defaults(func=cmd_fit)
 
     x = sub.add_parser("export", help="write a checkpoint as a float16 head directory")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import jax
 
-from .train import abstract_train_state, export_extra, load_fit_dir, restore_state, save_head
+from .train import abstract_train_state, export_extra, load_fit_dir, restore_state, save_head, state_params
 
 
 def export_run(run_dir, target, out, step: int | None = None) -> dict:
@@ -16,10 +16,10 @@ def export_run(run_dir, target, out, step: int | None = None) -> dict:
     """
     dcfg, cfg, meta = load_fit_dir(run_dir)
     dcfg.check_target(target.config)
-    state, step = restore_state(Path(run_dir) / "checkpoints", abstract_train_state(dcfg, cfg), step)
+    state, step = restore_state(Path(run_dir) / "checkpoints", abstract_train_state(dcfg, cfg)[1], step)
     last_train, last_eval = _last_metrics(Path(run_dir) / "metrics.jsonl", step)
     extra = export_extra(meta, step, last_train, last_eval)
-    save_head(target, dcfg, jax.device_get(state["params"]), out, extra=extra)
+    save_head(target, dcfg, jax.device_get(state_params(state)), out, extra=extra)
     return extra
 
 

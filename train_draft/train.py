@@ -25,6 +25,11 @@ computed on that many random loss positions per row, weighted so the CE sum is a
 Determinism: the data order of epoch e is a permutation drawn from (seed, e); the noise of step s comes from
 fold_in(PRNGKey(seed), s). The batch of step s is a pure function of (seed, s), so `--resume` continues
 bit-for-bit from an orbax checkpoint (which holds params, optimizer state and the step).
+
+Training state: the head as an `EagleHeadModule` and an `nnx.Optimizer(head, tx, wrt=nnx.Param)` (optax
+underneath), split once into (graphdef, state); the jitted step takes and donates the state's leaves and merges
+them into the module inside the trace, so per-step overhead is a `jax.jit` call over ~40 arrays, not an `nnx.jit`
+call. Checkpoints are that state, `{"model": nnx.State, "optimizer": nnx.State}`, saved with orbax.
 """
 from __future__ import annotations
 
@@ -39,11 +44,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 from ddd_jax import eagle
 from ddd_jax import io as dio
 from ddd_jax.checkpoints.ours import load_draft_dir, save_draft
 from ddd_jax.config import DraftConfig
+from ddd_jax.modules import EagleHeadModule
 
 from .extract import FeatureSet
 
@@ -252,31 +259,49 @@ def _finish(sums):
     return {"vloss": vl, "ploss": pl, "acc": sums["correct"] / c, "count": sums["count"]}
 
 
-def make_train_step(dcfg: DraftConfig, cfg: FitConfig, tx):
+def make_train_step(graphdef: nnx.GraphDef, treedef, dcfg: DraftConfig, cfg: FitConfig):
+    """Jitted step over the training state's leaves: (leaves, embed, lm_w, batch, base_key) -> (leaves, metrics).
+
+    `leaves` are `jax.tree.leaves` of the {"model", "optimizer"} nnx.State (donated); inside the trace they are
+    rebuilt with `treedef`, merged with `graphdef` into the module and the optimizer, and flattened on the way out,
+    so a call is a plain `jax.jit` dispatch over a list of arrays. Carrying the leaves rather than the nnx.State
+    matters for small heads: flattening and rebuilding a State (each Variable is a pytree node) costs ~200 us of
+    Python per call, 5-8% of a test-size CPU step. Measured against the former dict-state step (same init and
+    batches give bit-identical weights; compiled HLO has the same flops, bytes and temp memory), CPU, 2 busy
+    cores, median step: test-size head (D 32, 2x2x80 tokens) 4.06 -> 3.82 ms and 4.31 -> 4.06 ms over two runs;
+    SmolLM2-135M-size head (D 576, V 49152, 2x1024 tokens, ce_positions 256) 5.51 -> 5.61 s (min 5.42 -> 5.40 s):
+    no cost above the noise.
+    """
     dtype = jnp.dtype(cfg.dtype)
 
-    def step(state, embed, lm_w, batch: Batch, base_key):
-        key = jax.random.fold_in(base_key, state["step"])
+    def step(leaves, embed, lm_w, batch: Batch, base_key):
+        train = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+        head, opt = train["model"], train["optimizer"]
+        key = jax.random.fold_in(base_key, opt.step[...])
         keys = jax.random.split(key, cfg.accum)
-        grad_fn = jax.grad(loss_sums, has_aux=True)
+        params, rest = nnx.state(head, nnx.Param, ...)  # trainable Params; the rest (d2t) stays fixed
+
+        def loss(p, mb, k):
+            return loss_sums(nnx.to_pure_dict(nnx.merge_state(p, rest)), dcfg, embed, lm_w, mb, k, cfg.noise,
+                             cfg.w_cls, dtype, cfg.ce_positions)
+
+        grad_fn = jax.grad(loss, has_aux=True)
 
         def micro(acc, xs):
             mb, k = xs
-            g, aux = grad_fn(state["params"], dcfg, embed, lm_w, mb, k, cfg.noise, cfg.w_cls, dtype,
-                             cfg.ce_positions)
+            g, aux = grad_fn(params, mb, k)
             return jax.tree.map(jnp.add, acc, (g, aux)), None
 
-        zero = (jax.tree.map(jnp.zeros_like, state["params"]),
+        zero = (jax.tree.map(jnp.zeros_like, params),
                 {k: jnp.zeros((), jnp.float32) for k in ("vloss", "ploss", "correct", "count")})
         (grads, sums), _ = jax.lax.scan(micro, zero, (batch, keys))
         c = jnp.maximum(sums["count"], 1e-5)
         grads = jax.tree.map(lambda x: x / c, grads)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
+        opt.update(head, grads)  # optax chain (clip, adamw) on the Params; advances opt.step
         metrics = _finish(sums)
         metrics["loss"] = metrics["vloss"] + cfg.w_cls * metrics["ploss"]
         metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+        return jax.tree.leaves(nnx.state(train)), metrics
 
     return jax.jit(step, donate_argnums=(0,))
 
@@ -315,11 +340,46 @@ def init_head_params(dcfg: DraftConfig, target, cfg: FitConfig) -> dict:
     return params
 
 
+def _data_parallel(mesh, cfg: FitConfig, state):
+    """(batch placer, replicated state) for data-parallel training: batches [A, B, ...] split over "data" on B."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from ddd_jax.sharding import check_mesh, mesh_sizes
+    check_mesh(mesh)
+    n = mesh_sizes(mesh)["data"]
+    if cfg.batch_size % n:
+        raise ValueError(f"--batch-size {cfg.batch_size} does not divide the mesh's 'data' axis ({n})")
+    rows = NamedSharding(mesh, P(None, "data"))
+    return (lambda b: jax.tree.map(lambda x: jax.device_put(x, rows), b),
+            jax.device_put(state, NamedSharding(mesh, P())))
+
+
 def frozen_target_arrays(target):
     """(embed [V, D], lm_head weight [D, V]) of the target, float32; never trained."""
     embed = jnp.asarray(target.params["embed"], jnp.float32)
     lm_w = embed.T if target.config.tie_word_embeddings else jnp.asarray(target.params["lm_head"], jnp.float32)
     return embed, lm_w
+
+
+def train_objects(dcfg: DraftConfig, params: dict, tx) -> dict:
+    """{"model": EagleHeadModule over `params`, "optimizer": nnx.Optimizer(model, tx, wrt=nnx.Param)}."""
+    head = EagleHeadModule.from_params(dcfg, params)
+    return {"model": head, "optimizer": nnx.Optimizer(head, tx, wrt=nnx.Param)}
+
+
+def new_train_state(dcfg: DraftConfig, params: dict, tx) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state) of `train_objects`: what the jitted step takes."""
+    return nnx.split(train_objects(dcfg, params, tx))
+
+
+def state_params(state) -> dict:
+    """The head's plain params dict (`eagle.param_shapes` layout) from a training state."""
+    return nnx.to_pure_dict(state["model"])
+
+
+def state_step(state) -> int:
+    """Optimizer steps taken so far (host int; a sync point)."""
+    return int(state["optimizer"]["step"][...])
 
 
 def save_head(target, dcfg: DraftConfig, params, out, extra: dict | None = None) -> None:
@@ -333,25 +393,32 @@ def save_head(target, dcfg: DraftConfig, params, out, extra: dict | None = None)
 def _manager(ckpt_dir: Path, keep: int):
     import orbax.checkpoint as ocp
     opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
-    return ocp.CheckpointManager(ckpt_dir.absolute(), options=opts)
+    return ocp.CheckpointManager(ckpt_dir.absolute(), options=opts, item_handlers=ocp.StandardCheckpointHandler())
+
+
+def _restore(mgr, step: int, abstract_state):
+    import orbax.checkpoint as ocp
+    if "params" in (mgr.item_metadata(step).tree or {}):
+        raise ValueError(f"{mgr.directory}/{step} holds the former dict training state (params/opt_state/step); this "
+                         "version reads {model, optimizer} nnx state: export it with the version that wrote it")
+    return mgr.restore(step, args=ocp.args.StandardRestore(abstract_state))
 
 
 def restore_state(ckpt_dir, abstract_state, step: int | None = None):
-    import orbax.checkpoint as ocp
     mgr = _manager(Path(ckpt_dir), keep=10 ** 6)
     step = mgr.latest_step() if step is None else step
     if step is None:
         raise FileNotFoundError(f"no checkpoint in {ckpt_dir}")
-    state = mgr.restore(step, args=ocp.args.StandardRestore(abstract_state))
+    state = _restore(mgr, step, abstract_state)
     mgr.close()
     return state, step
 
 
-def abstract_train_state(dcfg: DraftConfig, cfg: FitConfig):
+def abstract_train_state(dcfg: DraftConfig, cfg: FitConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state of ShapeDtypeStructs) of a training state: the restore target for orbax."""
     tx, _ = make_optimizer(cfg)
-    params = jax.eval_shape(lambda: eagle.init_params(dcfg, jax.random.PRNGKey(0), jnp.float32))
-    return {"params": params, "opt_state": jax.eval_shape(tx.init, params),
-            "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    return nnx.split(nnx.eval_shape(
+        lambda: train_objects(dcfg, eagle.init_params(dcfg, jax.random.PRNGKey(0), jnp.float32), tx)))
 
 
 def load_fit_dir(run_dir):
@@ -362,13 +429,9 @@ def load_fit_dir(run_dir):
 
 # ---------------------------------------------------------------------------------------------- tau
 
-def measure_tau(target, dcfg: DraftConfig, params, prompts: list, max_new_tokens: int = 64) -> dict | None:
-    """Mean accepted tokens per target call with `ddd_jax.generate(method="eagle2")` on a few prompts, or None
-    when `generate` does not exist yet."""
-    try:
-        from ddd_jax.generate import generate
-    except ImportError:
-        return None
+def measure_tau(target, dcfg: DraftConfig, params, prompts: list, max_new_tokens: int = 64) -> dict:
+    """Mean accepted tokens per target call with `ddd_jax.generate(method="eagle2")` on a few prompts."""
+    from ddd_jax.generate import generate
     draft = eagle.Draft(dcfg, jax.tree.map(lambda x: jnp.asarray(x, target.params["embed"].dtype), params), target)
     calls = new = 0
     per = []
@@ -400,11 +463,14 @@ def fit(target, train: FeatureSet, out_dir, cfg: FitConfig, *, eval_set: Feature
         resume: bool = False, ckpt_every: int = 200, keep: int = 3, log_every: int = 10, eval_every: int = 200,
         eval_batches: int = 8, tau_every: int = 0, tau_prompts: list | None = None, tau_max_new: int = 64,
         export_every: int = 0, export_dir=None, stop_after: int | None = None, progress: bool = True,
-        extra_meta: dict | None = None) -> dict:
+        extra_meta: dict | None = None, mesh=None) -> dict:
     """Train a head on `train` features; checkpoints, metrics.jsonl and fit.json go to out_dir.
 
     stop_after: end this call after that global step (as an interruption would), leaving a checkpoint.
-    Returns {"params", "step", "last_metrics", "last_eval"}.
+    mesh: a ("data", "model") `jax.sharding.Mesh`: data-parallel training, each micro-batch's rows over "data"
+    (batch_size must divide it), head and optimizer state replicated; the same loss as one device.
+    Returns {"params" (plain dict), "module" (EagleHeadModule over the same arrays), "step", "last_metrics",
+    "last_eval", "draft_config"}.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -430,21 +496,26 @@ def fit(target, train: FeatureSet, out_dir, cfg: FitConfig, *, eval_set: Feature
     plan = BatchPlan(train, cfg)
     tx, sched = make_optimizer(cfg)
     embed, lm_w = frozen_target_arrays(target)
-    train_step = make_train_step(dcfg, cfg, tx)
     eval_step = make_eval_step(dcfg, cfg)
     base_key = jax.random.PRNGKey(cfg.seed)
     mgr = _manager(ckpt_dir, keep)
 
     if resume and mgr.latest_step() is not None:
-        import orbax.checkpoint as ocp
-        state = mgr.restore(mgr.latest_step(), args=ocp.args.StandardRestore(abstract_train_state(dcfg, cfg)))
-        _trim_metrics(metrics_path, int(state["step"]))
+        graphdef, abstract = abstract_train_state(dcfg, cfg)
+        state = _restore(mgr, mgr.latest_step(), abstract)
+        _trim_metrics(metrics_path, state_step(state))
     else:
-        params = init_head_params(dcfg, target, cfg)
-        state = {"params": params, "opt_state": tx.init(params), "step": jnp.asarray(0, jnp.int32)}
+        graphdef, state = new_train_state(dcfg, init_head_params(dcfg, target, cfg), tx)
         if metrics_path.exists():
             metrics_path.unlink()
-    start = int(state["step"])
+    leaves, treedef = jax.tree.flatten(state)
+    del state  # the step donates the leaves; `current()` rebuilds the State view of the latest ones when needed
+    shard_batch = lambda b: b  # noqa: E731
+    if mesh is not None:
+        shard_batch, leaves = _data_parallel(mesh, cfg, leaves)
+    current = lambda: jax.tree.unflatten(treedef, leaves)
+    train_step = make_train_step(graphdef, treedef, dcfg, cfg)
+    start = state_step(current())
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     eval_batches_ = eval_rows(eval_set, cfg, eval_batches) if eval_set is not None else []
 
@@ -453,7 +524,7 @@ def fit(target, train: FeatureSet, out_dir, cfg: FitConfig, *, eval_set: Feature
             return None
         tot = None
         for b in eval_batches_:
-            s = eval_step(state["params"], embed, lm_w, b)
+            s = eval_step(state_params(current()), embed, lm_w, b)
             tot = s if tot is None else jax.tree.map(jnp.add, tot, s)
         r = {k: float(v) for k, v in _finish(jax.device_get(tot)).items()}
         rec = {"step": step, "split": "eval", "eval_vloss": r["vloss"], "eval_ploss": r["ploss"],
@@ -463,7 +534,7 @@ def fit(target, train: FeatureSet, out_dir, cfg: FitConfig, *, eval_set: Feature
 
     def save(step):
         import orbax.checkpoint as ocp
-        mgr.save(step, args=ocp.args.StandardSave(state), force=True)
+        mgr.save(step, args=ocp.args.StandardSave(current()), force=True)
         mgr.wait_until_finished()
 
     bar = None
@@ -471,12 +542,12 @@ def fit(target, train: FeatureSet, out_dir, cfg: FitConfig, *, eval_set: Feature
         from tqdm import tqdm
         bar = tqdm(total=end, initial=start, unit="step", desc="fit", mininterval=5.0)
     pending, t_last, tok_last = [], time.time(), 0
-    last_metrics, last_eval, tau_skipped = None, None, False
+    last_metrics, last_eval = None, None
     t_start = time.time()
     for step in range(start, end):
         batch = plan.batch(step)
         n_tok = int((batch.segments > 0).sum())
-        state, m = train_step(state, embed, lm_w, batch, base_key)
+        leaves, m = train_step(leaves, embed, lm_w, shard_batch(batch), base_key)
         pending.append(m)
         tok_last += n_tok
         done = step + 1
@@ -496,25 +567,21 @@ def fit(target, train: FeatureSet, out_dir, cfg: FitConfig, *, eval_set: Feature
         if eval_every and (done % eval_every == 0 or done == end):
             last_eval = run_eval(done) or last_eval
         if tau_every and tau_prompts and (done % tau_every == 0 or done == end):
-            tau = measure_tau(target, dcfg, state["params"], tau_prompts, tau_max_new)
-            if tau is None:
-                if not tau_skipped:
-                    print("fit: tau skipped: ddd_jax.generate is not available yet", flush=True)
-                tau_skipped = True
-            else:
-                _append_jsonl(metrics_path, {"step": done, "split": "tau", **tau})
+            tau = measure_tau(target, dcfg, state_params(current()), tau_prompts, tau_max_new)
+            _append_jsonl(metrics_path, {"step": done, "split": "tau", **tau})
         if done % ckpt_every == 0 or done == end:
             save(done)
         if export_every and export_dir and (done % export_every == 0 or done == end):
-            save_head(target, dcfg, state["params"], export_dir,
+            save_head(target, dcfg, state_params(current()), export_dir,
                       extra=export_extra(meta, done, last_metrics, last_eval))
     if bar is not None:
         bar.close()
-    if mgr.latest_step() != int(state["step"]):
-        save(int(state["step"]))
+    state = current()
+    if mgr.latest_step() != state_step(state):
+        save(state_step(state))
     mgr.close()
-    return {"params": state["params"], "step": int(state["step"]), "last_metrics": last_metrics,
-            "last_eval": last_eval, "draft_config": dcfg}
+    return {"params": state_params(state), "module": nnx.merge(graphdef, state)["model"], "step": state_step(state),
+            "last_metrics": last_metrics, "last_eval": last_eval, "draft_config": dcfg}
 
 
 def export_extra(meta: dict, step: int, last_metrics=None, last_eval=None) -> dict:

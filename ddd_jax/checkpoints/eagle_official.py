@@ -1,11 +1,19 @@
-"""Official EAGLE-1/2 PyTorch heads (SafeAILab/EAGLE `cnets1.py` layout) -> our draft params, via a key table.
+"""Official EAGLE-1/2 PyTorch heads (SafeAILab/EAGLE `cnets1.py` layout) -> our draft params, via a key table
+(EAGLE-3 heads are recognised by their tensor names and handed to `eagle3_official`).
 
 Official layout: `config.json` (a LlamaConfig with num_hidden_layers=1; `"bias": false` means fc has no
-bias, absent means it has one) + `pytorch_model.bin` or `model.safetensors` holding
+bias, absent means it has one; `"qkv_bias": true` -- EAGLE's heads for Qwen2 targets -- gives q/k/v projection
+biases) + `pytorch_model.bin` or `model.safetensors` holding
     embed_tokens.weight [V, D]      a frozen copy of the target's embedding: compared, then dropped
     fc.weight [D, 2D]  fc.bias [D]  over cat(embed, feature)
     layers.0.self_attn.{q,k,v,o}_proj.weight, layers.0.mlp.{gate,up,down}_proj.weight,
     layers.0.post_attention_layernorm.weight      (no input_layernorm on layer 0)
+    layers.0.self_attn.{q,k,v}_proj.bias          (only with "qkv_bias": true)
+
+The layer is EAGLE's own LLaMA layer whatever the config's `model_type` says: head_dim is hidden_size /
+num_attention_heads (cnets1 ignores a `head_dim` field; so do we, with a warning when it differs), there are no
+q/k norms, no o_proj bias and no sliding window. A head for a Qwen3 target with per-head q/k norms is an EAGLE-3
+head (not supported) or one of ours (`DraftConfig.from_target` keeps the target's head_dim and norms).
 """
 from __future__ import annotations
 
@@ -28,7 +36,6 @@ EAGLE1_RULES = (
 )
 EMBED_KEY = "embed_tokens.weight"
 EAGLE1_IGNORE = (r".*rotary_emb\.inv_freq", r"embed_tokens\.weight")  # embed: compared, then dropped
-EAGLE3_MARKERS = ("midlayer.", "d2t", "t2d")
 
 
 def draft_config_from_official(raw: dict, what: str, target_name: str | None = None) -> DraftConfig:
@@ -40,17 +47,23 @@ def draft_config_from_official(raw: dict, what: str, target_name: str | None = N
     if int(raw.get("num_hidden_layers", 1)) != 1:
         raise ValueError(f"{what}: num_hidden_layers={raw['num_hidden_layers']}; only 1-layer EAGLE-1/2 heads "
                          "are supported")
-    if raw.get("qkv_bias") or raw.get("attention_bias"):
-        raise ValueError(f"{what}: attention biases (qkv_bias/attention_bias) are not supported")
+    if raw.get("attention_bias"):
+        raise ValueError(f"{what}: attention_bias=true (an o_proj bias) is not part of EAGLE-1/2 heads; only "
+                         "qkv_bias (q/k/v biases) is supported")
+    if raw.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"{what}: hidden_act={raw['hidden_act']!r} is not supported (the MLP is SwiGLU: 'silu')")
     heads = int(raw["num_attention_heads"])
+    head_dim = int(raw["hidden_size"]) // heads  # EAGLE's cnets1 LlamaAttention: hidden_size // num_heads
+    if raw.get("head_dim") and int(raw["head_dim"]) != head_dim:
+        warnings.warn(f"{what}: config.json has head_dim={raw['head_dim']}, but EAGLE-1/2 heads (cnets1) use "
+                      f"hidden_size / num_attention_heads = {head_dim}; using {head_dim}", stacklevel=3)
     rope_theta, rope_scaling = normalize_rope(raw)
     dcfg = DraftConfig(vocab_size=int(raw["vocab_size"]), hidden_size=int(raw["hidden_size"]),
                        intermediate_size=int(raw["intermediate_size"]), num_attention_heads=heads,
-                       num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-                       head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+                       num_key_value_heads=int(raw.get("num_key_value_heads") or heads), head_dim=head_dim,
                        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                        rope_theta=rope_theta, rope_scaling=rope_scaling, fc_bias=bool(raw.get("bias", True)),
-                       target_name=target_name)
+                       target_name=target_name, qkv_bias=bool(raw.get("qkv_bias", False)))
     try:
         dcfg.layer_config()  # validates heads / rope scaling
     except ValueError as e:
@@ -91,12 +104,12 @@ def convert_official_head(src, target, dtype=None, embed_check: str = "warn") ->
     if not src.exists():
         raise FileNotFoundError(f"no EAGLE head at {src}")
     raw = dio.read_json(src / "config.json")
-    dcfg = draft_config_from_official(raw, what, target_name=getattr(target, "name", None))
     sources = checkpoint_sources(src)
     names = [s.name for s in sources]
-    if any(n.startswith(m) for n in names for m in EAGLE3_MARKERS):
-        raise ValueError(f"{what}: this looks like an EAGLE-3 head (midlayer/d2t/t2d tensors); only EAGLE-1/2 "
-                         "heads are supported")
+    from .eagle3_official import convert_official_eagle3, is_eagle3
+    if is_eagle3(names):  # midlayer / hidden_norm / d2t / t2d tensors
+        return convert_official_eagle3(src, target, dtype, embed_check)
+    dcfg = draft_config_from_official(raw, what, target_name=getattr(target, "name", None))
     embed = [s for s in sources if s.name == EMBED_KEY]
     if len(embed) > 1:
         raise ValueError(f"{what}: duplicate tensors ['{EMBED_KEY}']")
@@ -125,5 +138,5 @@ def convert_official_head(src, target, dtype=None, embed_check: str = "warn") ->
 def convert_eagle_dir(src, out, target, dtype=None, embed_check: str = "warn") -> "eagle.Draft":
     """Convert an official head to our head format at `out` (atomic: nothing is written on error)."""
     draft = convert_official_head(src, target, dtype, embed_check)
-    save_draft(draft, out, extra={"converted_from": str(Path(src).resolve()), "source_layout": "eagle1"})
+    save_draft(draft, out, extra={"converted_from": str(Path(src).resolve()), "source_layout": draft.config.head_type})
     return draft

@@ -1,8 +1,14 @@
-"""llama.cpp GGUF (llama architecture) -> our target: dequantized float weights, config and BPE tokenizer from metadata.
+"""llama.cpp GGUF (llama, qwen2, qwen3 architectures) -> our target: dequantized float weights, config and BPE
+tokenizer from metadata.
 
-Weights: `gguf.quants.dequantize` to float32, then llama.cpp's Q/K row permutation (made by its
-converter for its interleaved RoPE) is undone, giving exactly the tensors transformers' own GGUF
-loader produces. Tokenizer: byte-level BPE (`tokenizer.ggml.model == "gpt2"`) rebuilt with `tokenizers`
+`general.architecture` picks the family (`GGUF_ARCHS`; others fail naming the supported ones); metadata keys are
+read under that prefix (`qwen2.embedding_length`, ...). Weights: `gguf.quants.dequantize` to float32; for the
+llama architecture (which llama.cpp also uses for Mistral) its Q/K row permutation (made by its converter for its
+interleaved RoPE) is undone, giving exactly the tensors transformers' own GGUF loader produces; qwen2/qwen3 are
+stored unpermuted (NeoX rope). Qwen2 adds q/k/v biases (`attn_{q,k,v}.bias`), Qwen3 per-head q/k norms
+(`attn_{q,k}_norm.weight`). A sliding window in the metadata fails; llama.cpp records none for Mistral (stored
+as the llama architecture), so none is applied there, as in llama.cpp.
+Tokenizer: byte-level BPE (`tokenizer.ggml.model == "gpt2"`) rebuilt with `tokenizers`
 from the vocab and merges; control tokens become special added tokens.
 """
 from __future__ import annotations
@@ -14,6 +20,7 @@ import numpy as np
 from .. import llama
 from ..config import ModelConfig
 from ..target import Target
+from .hf import _placer
 from .keytable import Rule, SourceTensor, convert, flat_shapes, plan, resolve_dtype
 
 GGUF_LLAMA_RULES = (
@@ -22,6 +29,12 @@ GGUF_LLAMA_RULES = (
     Rule(r"blk\.(\d+)\.attn_q\.weight", "layers.wq", transpose=True, fn="unpermute_q"),
     Rule(r"blk\.(\d+)\.attn_k\.weight", "layers.wk", transpose=True, fn="unpermute_k"),
     Rule(r"blk\.(\d+)\.attn_v\.weight", "layers.wv", transpose=True),
+    # family leaves: matched only where the config expects them (qwen2 biases, qwen3 q/k norms)
+    Rule(r"blk\.(\d+)\.attn_q\.bias", "layers.bq"),
+    Rule(r"blk\.(\d+)\.attn_k\.bias", "layers.bk"),
+    Rule(r"blk\.(\d+)\.attn_v\.bias", "layers.bv"),
+    Rule(r"blk\.(\d+)\.attn_q_norm\.weight", "layers.q_norm"),
+    Rule(r"blk\.(\d+)\.attn_k_norm\.weight", "layers.k_norm"),
     Rule(r"blk\.(\d+)\.attn_output\.weight", "layers.wo", transpose=True),
     Rule(r"blk\.(\d+)\.ffn_norm\.weight", "layers.mlp_norm"),
     Rule(r"blk\.(\d+)\.ffn_gate\.weight", "layers.w_gate", transpose=True),
@@ -31,6 +44,8 @@ GGUF_LLAMA_RULES = (
     Rule(r"output\.weight", "lm_head", transpose=True),
 )
 GGUF_IGNORE = ()
+# general.architecture -> (our model_type, whether llama.cpp permuted the Q/K rows)
+GGUF_ARCHS = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
 
 _CONTROL = 3  # llama.cpp token types
 _USER_DEFINED = 4
@@ -60,29 +75,42 @@ def read_gguf(path):
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
 
 
-def gguf_config(reader, path="GGUF"):
-    """ModelConfig from GGUF metadata (llama architecture only)."""
+def gguf_arch(reader, path="GGUF") -> str:
+    """general.architecture, checked against `GGUF_ARCHS`."""
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {sorted(GGUF_ARCHS)})")
+    return arch
+
+
+def gguf_config(reader, path="GGUF"):
+    """ModelConfig from GGUF metadata (llama, qwen2, qwen3 architectures)."""
+    arch = gguf_arch(reader, path)
+
+    def opt(key, default=None):
+        return _field(reader, f"{arch}.{key}", default)
 
     def need(key):
-        v = _field(reader, f"llama.{key}")
+        v = opt(key)
         if v is None:
-            raise ValueError(f"{path}: GGUF metadata is missing llama.{key}")
+            raise ValueError(f"{path}: GGUF metadata is missing {arch}.{key}")
         return v
 
     tokens = _field(reader, "tokenizer.ggml.tokens")
     n_heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
-    vocab = _field(reader, "llama.vocab_size") or (len(tokens) if tokens is not None else None)
+    vocab = opt("vocab_size") or (len(tokens) if tokens is not None else None)
     if vocab is None:
         emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
         vocab = int(emb.shape[-1])
-    head_dim = _field(reader, "llama.attention.key_length") or hidden // n_heads
-    scaling = _field(reader, "llama.rope.scaling.type")
+    head_dim = opt("attention.key_length") or hidden // n_heads
+    scaling = opt("rope.scaling.type")
     if scaling not in (None, "none"):
-        raise ValueError(f"{path}: GGUF rope scaling {scaling!r} is not supported")
+        raise ValueError(f"{path}: GGUF rope scaling ({arch}.rope.scaling.type) {scaling!r} is not supported")
+    window = opt("attention.sliding_window")
+    if window:
+        raise ValueError(f"{path}: GGUF {arch}.attention.sliding_window={window} is not supported for GGUF; "
+                         "convert from the HF checkpoint instead")
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ValueError(f"{path}: GGUF has rope_freqs.weight (llama3 rope scaling); not supported for GGUF, "
@@ -90,27 +118,31 @@ def gguf_config(reader, path="GGUF"):
     eos = [_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")]
     eos = tuple(dict.fromkeys(int(e) for e in eos if e is not None))
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    model_type = GGUF_ARCHS[arch][0]
     return ModelConfig(
         vocab_size=int(vocab), hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
         num_hidden_layers=int(need("block_count")), num_attention_heads=n_heads,
-        num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv") or n_heads),
+        num_key_value_heads=int(opt("attention.head_count_kv") or n_heads),
         head_dim=int(head_dim),
-        rms_norm_eps=float(f"{_field(reader, 'llama.attention.layer_norm_rms_epsilon', 1e-5):.7g}"),  # f32 -> 1e-05
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(f"{opt('attention.layer_norm_rms_epsilon', 1e-5):.7g}"),  # f32 -> 1e-05
+        rope_theta=float(opt("rope.freq_base", 10000.0)),
         tie_word_embeddings="output.weight" not in names,
-        max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
-        bos_token_id=None if bos is None else int(bos), eos_token_id=eos)
+        max_position_embeddings=int(opt("context_length", 2048)),
+        bos_token_id=None if bos is None else int(bos), eos_token_id=eos,
+        model_type=model_type, qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3")
 
 
-def gguf_params(reader, cfg, dtype=None, path="GGUF", as_jax: bool = True) -> dict:
+def gguf_params(reader, cfg, dtype=None, path="GGUF", as_jax: bool = True, mesh=None) -> dict:
     from gguf.quants import dequantize
     sources = [SourceTensor(t.name, tuple(int(s) for s in reversed(list(t.shape))),
                             lambda t=t: dequantize(t.data, t.tensor_type)) for t in reader.tensors]
     expected = flat_shapes(llama.param_shapes(cfg))
     slots = plan(sources, GGUF_LLAMA_RULES, expected, f"GGUF {path}", ignore=GGUF_IGNORE)
-    transforms = {"unpermute_q": lambda w: unpermute(w, cfg.num_attention_heads),
-                  "unpermute_k": lambda w: unpermute(w, cfg.num_key_value_heads)}
-    return convert(slots, expected, resolve_dtype(dtype) or np.dtype(np.float32), transforms, as_jax=as_jax)
+    permuted = GGUF_ARCHS[gguf_arch(reader, path)][1]
+    transforms = {"unpermute_q": (lambda w: unpermute(w, cfg.num_attention_heads)) if permuted else (lambda w: w),
+                  "unpermute_k": (lambda w: unpermute(w, cfg.num_key_value_heads)) if permuted else (lambda w: w)}
+    return convert(slots, expected, resolve_dtype(dtype) or np.dtype(np.float32), transforms, as_jax=as_jax,
+                   place=_placer(cfg, mesh))
 
 
 def gguf_tokenizer(reader, path="GGUF"):
@@ -160,15 +192,17 @@ def gguf_tokenizer(reader, path="GGUF"):
 
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # as llama3, but one digit at a time
 _PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-               "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT}
+               "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 
 
-def load_gguf_target(path, dtype=None, name: str | None = None, as_jax: bool = True) -> Target:
-    """A Target from a llama-architecture .gguf file (float32 unless dtype is given)."""
+def load_gguf_target(path, dtype=None, name: str | None = None, as_jax: bool = True, mesh=None) -> Target:
+    """A Target from a llama / qwen2 / qwen3 architecture .gguf file (float32 unless dtype is given)."""
     path = Path(path)
     reader = read_gguf(path)
     cfg = gguf_config(reader, path)
-    params = gguf_params(reader, cfg, dtype, path, as_jax=as_jax)
+    params = gguf_params(reader, cfg, dtype, path, as_jax=as_jax, mesh=mesh)
     tok, template, special = gguf_tokenizer(reader, path)
-    return Target(name or path.stem, cfg, params, tok, template, special)
+    return Target(name or path.stem, cfg, params, tok, template, special, mesh=mesh)

@@ -1,8 +1,12 @@
-"""HF LLaMA checkpoints -> our target: the key table and HF directories (safetensors, sharded, pytorch .bin, tokenizer).
+"""HF checkpoints (Llama, Mistral, Qwen2, Qwen3) -> our target: the key table and HF directories (safetensors,
+sharded, pytorch .bin, tokenizer).
 
-`HF_LLAMA_RULES` maps `LlamaForCausalLM` state-dict names onto `llama.param_shapes` keys through the
-key-table engine (`keytable.plan` + `keytable.convert`): every tensor is accounted for and every shape
-checked before one is read; tensors are then read one at a time (memory-mapped safetensors, mmapped .bin).
+`HF_LLAMA_RULES` maps the state-dict names these architectures share (`LlamaForCausalLM`, `MistralForCausalLM`,
+`Qwen2ForCausalLM`, `Qwen3ForCausalLM`) onto `llama.param_shapes` keys through the key-table engine
+(`keytable.plan` + `keytable.convert`). The config (`read_hf_config`, dispatching on `model_type`) decides which
+family leaves are expected (q/k/v biases, o bias, q/k norms); a tensor the config does not expect, or one it
+expects that is absent, fails the load. Every shape is checked before one tensor is read; tensors are then read
+one at a time (memory-mapped safetensors, mmapped .bin).
 """
 from __future__ import annotations
 
@@ -23,6 +27,9 @@ def llama_layer_rules(prefix: str, input_norm: bool = True) -> tuple:
     p = re.escape(prefix) + r"layers\.(\d+)\."
     rules = [Rule(p + r"input_layernorm\.weight", "layers.attn_norm")] if input_norm else []
     rules += [Rule(p + f"self_attn\\.{n}_proj\\.weight", f"layers.w{n}", transpose=True) for n in "qkvo"]
+    # family leaves: used only where the config expects them (`plan` reports the others as unexpected)
+    rules += [Rule(p + f"self_attn\\.{n}_proj\\.bias", f"layers.b{n}") for n in "qkvo"]
+    rules += [Rule(p + f"self_attn\\.{n}_norm\\.weight", f"layers.{n}_norm") for n in "qk"]
     rules.append(Rule(p + r"post_attention_layernorm\.weight", "layers.mlp_norm"))
     rules += [Rule(p + f"mlp\\.{n}_proj\\.weight", f"layers.w_{n}", transpose=True) for n in ("gate", "up", "down")]
     return tuple(rules)
@@ -109,16 +116,46 @@ def checkpoint_sources(d: Path) -> list[SourceTensor]:
 # HF LLaMA directory -> params, config, tokenizer, Target
 
 
-def load_hf_params(d, cfg, dtype=None, as_jax: bool = True) -> dict:
-    """Convert the weights of HF LLaMA directory `d` to `llama.param_shapes(cfg)` params."""
+def load_hf_params(d, cfg, dtype=None, as_jax: bool = True, mesh=None) -> dict:
+    """Convert the weights of HF directory `d` to `llama.param_shapes(cfg)` params (sharded over `mesh`, tensor by
+    tensor, when given)."""
     d = Path(d)
     sources = checkpoint_sources(d)
     dtype = resolve_dtype(dtype) or source_dtype(sources, "model.embed_tokens.weight")
     expected = flat_shapes(llama.param_shapes(cfg))
     ignore = HF_IGNORE + ((r"lm_head\.weight",) if cfg.tie_word_embeddings else ())
     rules = [r for r in HF_LLAMA_RULES if not (cfg.tie_word_embeddings and r.key == "lm_head")]
-    slots = plan(sources, rules, expected, f"HF checkpoint {d}", ignore=ignore)
-    return convert(slots, expected, dtype, as_jax=as_jax)
+    what = f"HF checkpoint {d}"
+    names = {s.name for s in sources}
+    if not cfg.tie_word_embeddings and "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
+        raise ValueError(f"{what}: missing tensors ['lm_head'] (config.json has tie_word_embeddings=false but there "
+                         "is no lm_head.weight)")
+    slots = plan(sources, rules, expected, what, ignore=ignore)
+    if cfg.tie_word_embeddings:
+        check_tied_lm_head(sources, what)
+    return convert(slots, expected, dtype, as_jax=as_jax, place=_placer(cfg, mesh))
+
+
+def _placer(cfg, mesh):
+    """The per-tensor placement of a target's weights on `mesh` (None: ordinary arrays)."""
+    if mesh is None:
+        return None
+    from .. import sharding
+    sharding.check_mesh(mesh)
+    sharding.check_divisible(cfg, mesh)
+    return sharding.placer(mesh, llama.param_axes(cfg))
+
+
+def check_tied_lm_head(sources: list[SourceTensor], what: str) -> None:
+    """With tie_word_embeddings=true a stored lm_head.weight is dropped; it must then equal the embedding."""
+    import numpy as np
+    by_name = {s.name: s for s in sources}
+    head, emb = by_name.get("lm_head.weight"), by_name.get("model.embed_tokens.weight")
+    if head is None or emb is None:
+        return
+    if tuple(head.shape) != tuple(emb.shape) or not np.array_equal(np.asarray(head.load()), np.asarray(emb.load())):
+        raise ValueError(f"{what}: config.json has tie_word_embeddings=true but lm_head.weight differs from "
+                         "model.embed_tokens.weight (set tie_word_embeddings=false to use it)")
 
 
 def read_tokenizer_files(d) -> tuple[object | None, str | None, dict]:
@@ -148,14 +185,14 @@ def read_tokenizer_files(d) -> tuple[object | None, str | None, dict]:
 
 
 def read_hf_config(d):
-    """ModelConfig from config.json, with generation_config.json's eos ids merged in (e.g. Llama-3 <|eot_id|>)."""
+    """ModelConfig from config.json (dispatching on `model_type`; unsupported ones fail naming the supported), with
+    generation_config.json's eos ids merged in (e.g. Llama-3 <|eot_id|>)."""
     d = Path(d)
     raw = dio.read_json(d / "config.json")
-    mt = raw.get("model_type")
-    archs = raw.get("architectures") or []
-    if mt not in (None, "llama") and "LlamaForCausalLM" not in archs:
-        raise ValueError(f"{d}/config.json: model_type {mt!r} is not a LLaMA architecture (supported: 'llama')")
-    cfg = ModelConfig.from_hf_config(raw)
+    try:
+        cfg = ModelConfig.from_hf_config(raw)
+    except ValueError as e:
+        raise ValueError(f"{d}/{e}" if str(e).startswith("config.json") else f"{d}/config.json: {e}") from None
     gen = d / "generation_config.json"
     if gen.is_file():
         g = dio.read_json(gen).get("eos_token_id")
@@ -165,15 +202,15 @@ def read_hf_config(d):
     return raw, cfg
 
 
-def load_hf_dir(path, dtype=None, name: str | None = None, as_jax: bool = True) -> Target:
-    """A Target from an HF LLaMA directory (config.json + safetensors / sharded / pytorch .bin weights)."""
+def load_hf_dir(path, dtype=None, name: str | None = None, as_jax: bool = True, mesh=None) -> Target:
+    """A Target from an HF Llama / Mistral / Qwen2 / Qwen3 directory (config.json + safetensors / sharded / pytorch .bin weights)."""
     path = Path(path)
     _, cfg = read_hf_config(path)
-    params = load_hf_params(path, cfg, dtype, as_jax=as_jax)
+    params = load_hf_params(path, cfg, dtype, as_jax=as_jax, mesh=mesh)
     tok, template, special = read_tokenizer_files(path)
     if tok is not None and special.get("eos_token") is not None:
         # make sure generation stops on the tokenizer's eos (e.g. an end-of-turn token) too
         eid = tok.token_to_id(special["eos_token"])
         if eid is not None and eid not in cfg.eos_token_id:
             cfg = replace(cfg, eos_token_id=tuple(cfg.eos_token_id) + (int(eid),))
-    return Target(name or path.name, cfg, params, tok, template, special)
+    return Target(name or path.name, cfg, params, tok, template, special, mesh=mesh)

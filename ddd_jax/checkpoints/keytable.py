@@ -72,7 +72,7 @@ def plan(sources: Iterable[SourceTensor], rules, expected: dict, what: str, igno
         if r.key not in expected:
             unexpected.append(src.name)
             continue
-        layer = int(m.group(1)) if m.groups() else None
+        layer = int(m.group(1) or 0) if m.groups() else None  # an optional group that matched nothing: layer 0
         full = tuple(expected[r.key])
         want = full[1:] if layer is not None else full
         if layer is not None and not 0 <= layer < full[0]:
@@ -111,27 +111,38 @@ def _abbrev(xs: list, n: int = 12) -> str:
     return repr(xs[:n])[:-1] + (f", ... ({len(xs)} in all)]" if len(xs) > n else "]")
 
 
-def convert(slots: list[_Slot], expected: dict, dtype, transforms: dict | None = None, as_jax: bool = True) -> dict:
-    """Read the planned tensors one at a time into preallocated [L, ...] buffers; return nested params."""
+def convert(slots: list[_Slot], expected: dict, dtype, transforms: dict | None = None, as_jax: bool = True,
+            place=None) -> dict:
+    """Read the planned tensors into [L, ...] buffers, one of our keys at a time; return nested params.
+
+    Each key's host buffer is finished, then handed to `place(key, buffer)` (e.g. `ddd_jax.sharding.placer`: a
+    NamedSharding per tensor) or `jnp.asarray` with as_jax, and dropped before the next key's is built, so only
+    one converted tensor is ever on the host beside what is already placed. as_jax=False keeps numpy buffers.
+    """
     transforms = transforms or {}
-    bufs = {k: np.empty(tuple(s), dtype) for k, s in expected.items()}
+    by_key: dict[str, list[_Slot]] = {k: [] for k in expected}
     for slot in slots:
-        x = np.asarray(slot.src.load())
-        if slot.rule.fn:
-            x = transforms[slot.rule.fn](x)
-        if slot.rule.transpose:
-            x = x.T
-        buf = bufs[slot.rule.key]
-        if slot.layer is None:
-            buf[...] = x
-        else:
-            buf[slot.layer] = x
-        del x
-    if as_jax:
+        by_key[slot.rule.key].append(slot)
+    if as_jax and place is None:
         import jax.numpy as jnp
-        for k in list(bufs):
-            bufs[k] = jnp.asarray(bufs.pop(k))  # one leaf at a time: never two full copies
-    return dio.unflatten(bufs)
+        place = lambda key, x: jnp.asarray(x)  # noqa: E731
+    out = {}
+    for key, shape in expected.items():
+        buf = np.empty(tuple(shape), dtype)
+        for slot in by_key[key]:
+            x = np.asarray(slot.src.load())
+            if slot.rule.fn:
+                x = transforms[slot.rule.fn](x)
+            if slot.rule.transpose:
+                x = x.T
+            if slot.layer is None:
+                buf[...] = x
+            else:
+                buf[slot.layer] = x
+            del x
+        out[key] = buf if not as_jax else place(key, buf)
+        del buf
+    return dio.unflatten(out)
 
 
 def export(params: dict, rules, what: str) -> dict:

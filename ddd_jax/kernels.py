@@ -1,0 +1,180 @@
+"""The optional CPU kernels behind `layers.linear` and `layers.attention`, registered with `jax.ffi`.
+
+`pip install` builds `ddd_jax/_cpu_kernels*.so` from `ddd_jax/csrc/cpu_kernels.cc` (g++ and jaxlib's FFI headers;
+see setup.py). On the CPU backend, float32 work of at most `MAX_ROWS` rows -- decoding and verification -- runs
+there: small-M matrix products that read a stacked weight's layer in place (no per-layer copy; weights streamed
+once for all rows), and attention over the slots a row may attend only. Everything else, and every machine where
+the library is missing, cannot be loaded or the CPU lacks AVX2/FMA, takes XLA (one stderr line when the library
+is missing or broken). `DDD_JAX_NO_KERNELS=1` disables them.
+
+Numerics: float32 arithmetic; every output element is reduced in one fixed order that depends on the reduced
+length only, so a row's result is bit-identical whatever the number of rows computed with it, and a tree node's
+attention equals decoding its path one token at a time (see the .cc file's header). Gradients go through XLA.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import glob
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+TARGETS = {"ddd_linear": "DddLinear", "ddd_attention": "DddAttention"}
+MAX_ROWS = 128  # beyond this (prefill, training) XLA's GEMM is the better product
+_state: dict = {}
+
+
+def _library_path() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_cpu_kernels*.so")))
+    return found[0] if found else None
+
+
+def _warn(msg: str) -> None:
+    sys.stderr.write(msg.replace("\n", " ") + "\n")  # one line, once (available() caches the outcome)
+
+
+def _load() -> bool:
+    if os.environ.get("DDD_JAX_NO_KERNELS", "") not in ("", "0"):
+        return False
+    path = os.environ.get("DDD_JAX_KERNELS_LIB") or _library_path()
+    if path is None:
+        _warn("ddd_jax: CPU kernel library not built; using XLA's dot (reinstall with g++ to build it)")
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(path)
+        if not lib.ddd_cpu_supported():
+            return False  # no AVX2/FMA: XLA's dot, silently (nothing to fix)
+        for name, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except Exception as e:  # noqa: BLE001  (any failure here must leave the XLA path working)
+        _warn(f"ddd_jax: CPU kernel library {path} not usable ({e}); using XLA's dot")
+        return False
+    _state["lib"] = lib
+    return True
+
+
+def available() -> bool:
+    """True when the kernel is registered (loads it on first call)."""
+    if "ok" not in _state:
+        _state["ok"] = _load()
+    return _state["ok"]
+
+
+@contextlib.contextmanager
+def enabled(flag: bool):
+    """Within the block, functions traced from now on use (flag=True, if available) or skip the kernels. Already
+    compiled functions keep what they were traced with: use fresh `jax.jit` wrappers (tests, A/B benchmarks)."""
+    before = available()
+    _state["ok"] = bool(flag) and before
+    try:
+        yield
+    finally:
+        _state["ok"] = before
+
+
+def set_max_threads(n: int) -> None:
+    """Cap the threads one product uses (0: XLA's CPU thread pool size). For benchmarks."""
+    if available():
+        _state["lib"].ddd_set_max_threads(ctypes.c_int64(n))
+
+
+def _call(x2, w3, layer, trans: bool):
+    """x2 [M, K] float32, w3 [L, K, N] (or [L, N, K] if trans), layer int32 [] -> [M, N] float32."""
+    N = w3.shape[1] if trans else w3.shape[2]
+    call = jax.ffi.ffi_call("ddd_linear", jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32),
+                            vmap_method="sequential")
+    return call(x2, w3, layer, trans=trans)
+
+
+def _xla(x2, w3, layer, trans: bool):
+    w = jax.lax.dynamic_index_in_dim(w3, layer, 0, keepdims=False)
+    return jnp.dot(x2, w.T if trans else w, preferred_element_type=jnp.float32)
+
+
+def _product_impl(x2, w3, layer, trans):
+    return jax.lax.platform_dependent(x2, w3, layer, cpu=lambda a, b, c: _call(a, b, c, trans),
+                                      default=lambda a, b, c: _xla(a, b, c, trans))
+
+
+def _product_fwd(x2, w3, layer, trans):
+    return _product_impl(x2, w3, layer, trans), (x2, w3, layer)
+
+
+def _product_bwd(trans, res, g):  # XLA products (training never needs the kernel)
+    x2, w3, layer = res
+    w = jax.lax.dynamic_index_in_dim(w3, layer, 0, keepdims=False)
+    gx = jnp.dot(g, w if trans else w.T, preferred_element_type=jnp.float32)
+    gw = (g.T @ x2) if trans else (x2.T @ g)
+    gw3 = jnp.zeros_like(w3).at[layer].set(gw.astype(w3.dtype))
+    return gx.astype(x2.dtype), gw3, None
+
+
+_product = jax.custom_vjp(_product_impl, nondiff_argnums=(3,))
+_product.defvjp(_product_fwd, _product_bwd)
+
+
+def product(x, w, layer=None, trans: bool = False):
+    """x [..., K] @ w[layer] (trans: @ w[layer].T) through the kernel; w is [K, N] / [N, K] or stacked [L, ., .]
+    (layer: int32 scalar, may be traced). The caller checks `usable`. Returns [..., N] float32."""
+    w3 = w if w.ndim == 3 else w[None]
+    layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+    K = x.shape[-1]
+    impl = _product if available() else _xla  # (registers the targets before anything is lowered)
+    out = impl(x.reshape(-1, K), w3, layer, trans)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def usable(x, w) -> bool:
+    """Whether `product` applies: float32 operands, at most MAX_ROWS rows, kernel available."""
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and 0 < rows <= MAX_ROWS and available())
+
+
+# ----------------------------------------------------------------------------------------------- attention
+def _attention_call(q, k5, v5, layer, mask):
+    B, T, N, H = q.shape
+    call = jax.ffi.ffi_call("ddd_attention", jax.ShapeDtypeStruct((B, T, N * H), jnp.float32),
+                            vmap_method="sequential")
+    return call(q, k5, v5, layer, mask)
+
+
+def _attention_impl(q, k5, v5, layer, mask, reference):
+    return jax.lax.platform_dependent(
+        q, k5, v5, layer, mask, cpu=_attention_call,
+        default=lambda q, k5, v5, layer, mask: reference(q, k5[layer], v5[layer], mask))
+
+
+def _attention_fwd(q, k5, v5, layer, mask, reference):
+    return _attention_impl(q, k5, v5, layer, mask, reference), (q, k5, v5, layer, mask)
+
+
+def _attention_bwd(reference, res, g):  # XLA's attention differentiated (training never needs the kernel)
+    q, k5, v5, layer, mask = res
+    _, vjp = jax.vjp(lambda q, k5, v5: reference(q, k5[layer], v5[layer], mask), q, k5, v5)
+    return (*vjp(g), None, None)
+
+
+_attention = jax.custom_vjp(_attention_impl, nondiff_argnums=(5,))
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attention(q, k, v, mask, layer, reference):
+    """Masked GQA attention through the kernel: q [B, T, N, H]; k, v [L, B, S, K, H] with `layer`
+    (or [B, S, K, H] when layer is None); mask [B, T, S] bool. Returns [B, T, N*H] float32. `reference` is the
+    XLA implementation with the same signature minus layer (used off CPU and for gradients)."""
+    if layer is None:
+        k, v, layer = k[None], v[None], 0
+    if not available():
+        return reference(q, k[layer], v[layer], mask)
+    return _attention(q, k, v, jnp.asarray(layer, jnp.int32), mask, reference)
+
+
+def attention_usable(q, k) -> bool:
+    rows = q.shape[0] * q.shape[1]
+    return q.dtype == jnp.float32 and k.dtype == jnp.float32 and 0 < rows <= MAX_ROWS and available()

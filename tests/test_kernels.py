@@ -1,0 +1,219 @@
+"""The CPU kernels behind `layers.linear` / `layers.attention`: numerics against XLA, rows that are bit-identical
+whatever the number of rows (the property that keeps greedy speculative decoding token-identical to vanilla),
+a tree node equal bit for bit to decoding its path one token at a time, and the XLA fallback.
+
+On the XLA path (no kernel) identity is only up to float rounding: XLA's row reductions (rms_norm's mean, the
+attention einsums, its GEMMs) change their summation order with the number of rows (from 8 rows on for a
+576-wide mean on this CPU), so a token verified in a tree can differ from vanilla in the last bits; token identity
+then rests on the argmax having no near-tie (what test_spec checks on real prompts)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddd_jax import kernels, layers, llama
+from ddd_jax.config import ModelConfig
+
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="CPU kernel library not built / not supported")
+
+CFG = ModelConfig(vocab_size=101, hidden_size=72, intermediate_size=100, num_hidden_layers=3, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=12, max_position_embeddings=256)
+
+
+def _product(x, w, layer, trans):
+    return jax.jit(lambda x, w, l: layers.linear(x, w, l, transposed=trans))(x, w, layer)
+
+
+@needs_kernel
+@pytest.mark.parametrize("trans", [False, True])
+@pytest.mark.parametrize("K,N", [(1, 1), (7, 5), (13, 29), (64, 24), (100, 37), (576, 192), (33, 200)])
+def test_linear_matches_dot_and_rows_are_m_independent(trans, K, N):
+    rng = np.random.default_rng(K * 1000 + N)
+    w = jnp.asarray(rng.standard_normal((3, N, K) if trans else (3, K, N)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((17, K)), jnp.float32)
+    alone = np.asarray(_product(x[:1], w, 2, trans))
+    for M in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17):
+        out = np.asarray(_product(x[:M], w, 2, trans))
+        w64 = np.asarray(w[2], np.float64)
+        ref = np.asarray(x[:M], np.float64) @ (w64.T if trans else w64)
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+        assert np.array_equal(out[:1], alone), f"row 0 changed with M={M}"
+        if M > 1:  # and every other row equals itself computed alone
+            assert np.array_equal(out[M - 1], np.asarray(_product(x[M - 1:M], w, 2, trans))[0])
+
+
+@needs_kernel
+@pytest.mark.parametrize("trans", [False, True])
+def test_kernel_product_past_one_row_group(trans):
+    """The kernel walks rows in groups of 128 (its accumulator tile); linear() sends at most MAX_ROWS to it."""
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((1, 30, 50)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((300, 50 if trans else 30)), jnp.float32)
+    got = np.asarray(jax.jit(lambda x, w: kernels.product(x, w, 0, trans))(x, w))
+    w64 = np.asarray(w[0], np.float64)
+    np.testing.assert_allclose(got, np.asarray(x, np.float64) @ (w64.T if trans else w64), rtol=1e-5, atol=1e-5)
+    assert np.array_equal(got[257], np.asarray(jax.jit(lambda x, w: kernels.product(x, w, 0, trans))(x[257:258], w))[0])
+
+
+@needs_kernel
+def test_linear_layer_index_in_scan_and_leading_dims():
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((4, 20, 30)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 3, 20)), jnp.float32)
+
+    def f(x, w):
+        return jax.lax.scan(lambda c, i: (c, layers.linear(x, w, i)), 0, jnp.arange(4))[1]
+
+    got = np.asarray(jax.jit(f)(x, w))  # [4, 2, 3, 30]
+    ref = np.einsum("abk,lkn->labn", np.asarray(x, np.float64), np.asarray(w, np.float64))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_gradients_through_the_kernels_match_xla():
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((5, 16)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2, 16, 8)), jnp.float32)
+
+    def loss(x, w):
+        return jnp.sum(jnp.sin(layers.linear(x, w, 1)) + layers.linear(x, w[0].T, transposed=True))
+
+    with kernels.enabled(True):
+        g_k = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    with kernels.enabled(False):
+        g_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    for a, b in zip(g_k, g_x):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def _attention_inputs(seed, B=2, T=5, S=23, L=3):
+    rng = np.random.default_rng(seed)
+    N, K, H = 6, 2, 12
+    q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((L, B, S, K, H)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((L, B, S, K, H)), jnp.float32)
+    mask = rng.random((B, T, S)) < 0.6
+    mask[0, 1] = False  # a fully masked row (XLA: uniform weights over all slots)
+    return q, k, v, jnp.asarray(mask)
+
+
+@needs_kernel
+def test_attention_matches_xla_and_rows_are_independent():
+    q, k, v, mask = _attention_inputs(0)
+    att = jax.jit(lambda q, k, v, m, l: layers.attention(q, k, v, m, l))
+    with kernels.enabled(True):
+        got = np.asarray(att(q, k, v, mask, 1))
+        rows = [np.asarray(jax.jit(lambda q, k, v, m, l: layers.attention(q, k, v, m, l))(
+            q[:, t:t + 1], k, v, mask[:, t:t + 1], 1)) for t in range(q.shape[1])]
+    with kernels.enabled(False):
+        ref = np.asarray(jax.jit(lambda q, k, v, m, l: layers.attention(q, k, v, m, l))(q, k, v, mask, 1))
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-6)
+    assert np.array_equal(got, np.concatenate(rows, axis=1))
+
+
+def _chain_vs_tree(params, cfg, prefix, path_tokens, tree_tokens, tree_parent, path_nodes):
+    """Logits of the tree nodes `path_nodes` (a root-to-leaf path) from one tree-masked forward, and of the same
+    tokens decoded one at a time."""
+    n = len(tree_tokens)
+    anc = np.eye(n, dtype=bool)
+    for i in range(1, n):
+        anc[i] |= anc[tree_parent[i]]
+    depth = anc.sum(1) - 1
+    fwd = jax.jit(lambda p, t, pos, c, m: llama.forward(p, cfg, t, pos, c, attn_mask=m))
+    P = len(prefix)
+    cache = llama.new_cache(cfg, 1, 64)
+    c0 = fwd(params, np.array([prefix], np.int32), np.arange(P)[None], cache, np.tril(np.ones((1, P, P), bool))).cache
+    tree = fwd(params, np.array([tree_tokens], np.int32), (P + depth)[None], c0, anc[None])
+    seq, c = [], c0
+    for j, tok in enumerate(path_tokens):
+        o = fwd(params, np.array([[tok]], np.int32), np.array([[P + j]]), c, np.ones((1, 1, 1), bool))
+        seq.append(np.asarray(o.logits[0, 0]))
+        c = o.cache
+    return np.asarray(tree.logits[0])[path_nodes], np.stack(seq)
+
+
+# tree: root 0; children 1, 2; 1's children 3, 4; 2's child 5; 4's child 6. Path 0 -> 1 -> 4 -> 6.
+TREE_TOKENS = [40, 41, 42, 43, 44, 45, 46]
+TREE_PARENT = [0, 0, 0, 1, 1, 2, 4]
+PATH = [0, 1, 4, 6]
+
+
+@needs_kernel
+def test_tree_node_is_bitwise_its_sequential_decode():
+    params = llama.init_params(CFG, jax.random.PRNGKey(0), std=0.1)
+    with kernels.enabled(True):
+        tree, seq = _chain_vs_tree(params, CFG, [5, 17, 3, 99, 64], [TREE_TOKENS[i] for i in PATH], TREE_TOKENS,
+                                   TREE_PARENT, PATH)
+    assert np.array_equal(tree, seq)
+
+
+def test_xla_path_tree_node_close_to_sequential_decode():
+    params = llama.init_params(CFG, jax.random.PRNGKey(0), std=0.1)
+    with kernels.enabled(False):
+        tree, seq = _chain_vs_tree(params, CFG, [5, 17, 3, 99, 64], [TREE_TOKENS[i] for i in PATH], TREE_TOKENS,
+                                   TREE_PARENT, PATH)
+    np.testing.assert_allclose(tree, seq, atol=1e-5)
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_smollm2_rows_bitwise_m_independent_and_close_to_xla():
+    import ddd_jax
+    target = ddd_jax.load_target("smollm2-135m-instruct")
+    cfg = target.config
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(0, cfg.vocab_size, (1, 40)).astype(np.int32)
+    new = rng.integers(0, cfg.vocab_size, (1, 16)).astype(np.int32)
+
+    def run():
+        fwd = jax.jit(lambda p, t, pos, c, m: llama.forward(p, cfg, t, pos, c, attn_mask=m))
+        c = fwd(target.params, prefix, np.arange(40)[None], llama.new_cache(cfg, 1, 64),
+                layers.causal_mask(1, 40)).cache
+        return {M: np.asarray(fwd(target.params, new[:, :M], 40 + np.arange(M)[None], c,
+                                  layers.causal_mask(1, M)).logits[0]) for M in (1, 2, 8, 16)}
+
+    with kernels.enabled(True):
+        k = run()
+    for M in (2, 8, 16):
+        assert np.array_equal(k[M][0], k[1][0]), f"row 0 at M={M} differs from M=1"
+        assert np.array_equal(k[M][1], k[2][1])
+    with kernels.enabled(False):
+        x = run()
+    np.testing.assert_allclose(k[16], x[16], atol=2e-4)
+    assert (k[16].argmax(-1) == x[16].argmax(-1)).all()
+
+
+def _run_python(code: str, **env):
+    e = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=600)
+
+
+FALLBACK = """
+import jax, numpy as np
+from ddd_jax import kernels, llama
+from ddd_jax.config import ModelConfig
+cfg = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+p = llama.init_params(cfg, jax.random.PRNGKey(0), std=0.1)
+out = llama.forward(p, cfg, np.array([[1, 2, 3]]), np.arange(3)[None], llama.new_cache(cfg, 1, 8))
+print("AVAILABLE", kernels.available(), "FINITE", bool(np.isfinite(np.asarray(out.logits)).all()))
+"""
+
+
+def test_disabled_by_env_uses_xla():
+    r = _run_python(FALLBACK, DDD_JAX_NO_KERNELS="1")
+    assert r.returncode == 0, r.stderr
+    assert "AVAILABLE False FINITE True" in r.stdout
+
+
+def test_missing_library_warns_once_and_uses_xla(tmp_path):
+    r = _run_python(FALLBACK, DDD_JAX_KERNELS_LIB=str(tmp_path / "nope.so"))
+    assert r.returncode == 0, r.stderr
+    assert "AVAILABLE False FINITE True" in r.stdout
+    assert r.stderr.count("ddd_jax: CPU kernel library") == 1

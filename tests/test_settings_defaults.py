@@ -1,0 +1,59 @@
+"""generate() without tree/DDD arguments: the backend's tuned settings for this target/head pair, else the paper's
+defaults, and stats["settings"] says which and why."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+
+from ddd_jax import DDDConfig, TreeConfig, generate
+from ddd_jax.settings import save_settings
+from spec_helpers import fitted_draft, prompts, tiny_target
+
+TUNED = {"tree": {"top_k": 2, "total_tokens": 5, "depth": 2},
+         "ddd": {"check_steps": [2], "threshold": -2.0, "max_depth": 4}}
+
+
+@pytest.fixture
+def named(monkeypatch, tmp_path):
+    monkeypatch.setenv("DDD_JAX_SETTINGS_DIR", str(tmp_path))
+    target = tiny_target()
+    return target, dataclasses.replace(fitted_draft(), name="tiny-head")
+
+
+def _save(target_name, draft_name):
+    save_settings({**TUNED, "meta": {"target": target_name, "draft": draft_name}}, backend=jax.default_backend())
+
+
+def test_tuned_settings_for_this_pair_are_used(named):
+    target, draft = named
+    _save(target.name, draft.name)
+    p = prompts(1, seed=5)[0]
+    r = generate(target, draft, p, max_new_tokens=12, method="ddd")
+    st = r.stats["settings"]
+    assert st["tree"] == TUNED["tree"] and st["ddd"]["check_steps"] == (2,) and st["ddd"]["max_depth"] == 4
+    assert st["source"].startswith(f"tuned for {target.name} + tiny-head")
+    assert max(r.stats["depth_per_call"]) <= 4
+    assert r.tokens == generate(target, None, p, max_new_tokens=12).tokens
+    ex = generate(target, draft, p, max_new_tokens=12, method="eagle2", tree=TreeConfig(top_k=3, total_tokens=6,
+                                                                                        depth=2), ddd=DDDConfig())
+    assert ex.stats["settings"]["source"] == "explicit" and ex.stats["settings"]["tree"]["top_k"] == 3
+
+
+@pytest.mark.parametrize("other", ["target", "draft"])
+def test_settings_for_another_pair_fall_back_to_paper_defaults(named, other):
+    target, draft = named
+    _save("someone-else" if other == "target" else target.name, "someone-else" if other == "draft" else draft.name)
+    r = generate(target, draft, prompts(1, seed=5)[0], max_new_tokens=8, method="eagle2")
+    st = r.stats["settings"]
+    assert st["tree"] == dataclasses.asdict(TreeConfig())
+    assert st["source"].startswith("paper defaults") and f"{other} 'someone-else'" in st["source"]
+
+
+def test_no_settings_file_means_paper_defaults(named):
+    target, draft = named
+    r = generate(target, draft, prompts(1, seed=5)[0], max_new_tokens=8, method="ddd")
+    assert r.stats["settings"]["ddd"] == dataclasses.asdict(DDDConfig())
+    assert "no tuned settings" in r.stats["settings"]["source"]
+    assert generate(target, None, [1, 2, 3], max_new_tokens=4).stats["settings"] is None

@@ -1,0 +1,281 @@
+"""EAGLE-3 draft-head training: soft cross-entropy against the target over the draft vocabulary with training-time
+test (TTT), no feature regression. Target features are computed on the fly from the stored token ids.
+
+Objective (SafeAILab/EAGLE `eagle/traineagle3/cnets.py` `Model.forward`). For a packed row of tokens x_0..x_{n-1}
+the target gives, in one frozen forward, the features a_c (inputs of layers 2, L//2, L-3, concatenated) and its
+logits z_c. Step 0 runs the head over the pairs (x_{c+1}, fc(a_c)); step k >= 1 runs it over (x_{c+1+k}, g^{k-1}_c)
+-- the head's own output of step k-1 at the same row position c -- attending to step 0's keys causally and to
+steps 1..k's keys at position c only (the official diagonal mask: `cache_hidden` and `attn_weightsi` there).
+Every step's logits q^k_c = lm_head(norm(g^k_c)) over the draft vocabulary are scored against
+p_{c+1+k} = softmax(z_{c+1+k} restricted to the draft vocabulary) (`target_p`), counted only where the loss mask
+of x_{c+2+k} is set and the target's own argmax lies in the draft vocabulary (`position_mask` from `t2d`):
+
+    loss = sum_k 0.8^k * ( -sum_c m^k_c sum_v p log q ) / sum_c m^0_c        (K = ttt_steps, official 7)
+
+The draft vocabulary is the `draft_vocab_size` most frequent loss-masked tokens of the training data (EOS always
+in); it is fixed for the run and recorded in fit.json, and `d2t` is never trained.
+
+Differences from the official recipe, on purpose: step k's pairs sit at rope position c+k (where decoding puts
+them; the official trainer keeps position c), packed rows (block-diagonal masks; each sequence loses its last
+token), gradient-norm clipping and a cosine schedule as `train.py`.
+
+Storage: only the token ids and loss masks of the feature shards are read (`train_draft.extract` output; their
+final-normed features are ignored), so EAGLE-3 needs no 3x feature storage; the price is one frozen target
+forward per step. Measured here (SmolLM2-135M, 2 shared CPU cores, one 256-token row, K=7, V'=8192): the frozen
+target part (forward with the aux layers + full-vocab logits) took 7.0 s of a 26.1 s step (27%), while storing the
+three layers plus the final hidden state (for the soft labels) in float16 would take 4.6 KB per token (4.6 GB per
+1M tokens) -- so features are computed on the fly. Determinism and resume are as in `train.py`: the batch of step s is a pure function of
+(seed, s), and `resume=True` continues bit-for-bit from the orbax checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ddd_jax import eagle, eagle3, llama
+from ddd_jax import io as dio
+from ddd_jax.cache import KVCache
+from ddd_jax.checkpoints.ours import save_draft
+from ddd_jax.config import DraftConfig
+
+from .extract import FeatureSet
+from .train import pack_rows
+from .vocab import frequent_tokens
+
+
+@dataclass(frozen=True)
+class Fit3Config:
+    """Everything that determines the trained EAGLE-3 weights (stored in fit.json; resume must match)."""
+
+    steps: int = 1000
+    batch_size: int = 2  # packed rows per step
+    seq_len: int = 1024  # tokens per packed row
+    ttt_steps: int = 7  # K: unrolled draft steps (official: 7)
+    step_decay: float = 0.8  # weight of step k: step_decay**k
+    draft_vocab_size: int = 8192
+    lr: float = 3e-4
+    warmup: int = 50
+    end_lr_frac: float = 0.05
+    b1: float = 0.9
+    b2: float = 0.95
+    weight_decay: float = 0.0
+    clip_norm: float = 0.5
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def draft_vocab(fs: FeatureSet, size: int, vocab_size: int, always=()) -> np.ndarray:
+    """The `size` most frequent loss-masked tokens of the training data (sorted target ids)."""
+    mask = fs.mask.astype(bool)
+    counts = np.bincount(fs.ids[mask], minlength=vocab_size)[:vocab_size]
+    return frequent_tokens(counts, min(size, vocab_size), always=always)
+
+
+def make_batch(fs: FeatureSet, rows, seq_len: int):
+    """Packed rows -> (ids, mask, pos, seg) [R, L]; row r holds the first n tokens of each of its sequences."""
+    R, L = len(rows), seq_len
+    ids, msk = np.zeros((R, L), np.int32), np.zeros((R, L), np.float32)
+    pos, seg = np.zeros((R, L), np.int32), np.zeros((R, L), np.int32)
+    for r, row in enumerate(rows):
+        c = 0
+        for s, (k, n) in enumerate(row):
+            o = int(fs.offsets[k])
+            ids[r, c:c + n] = fs.ids[o:o + n]
+            msk[r, c:c + n] = fs.mask[o:o + n]
+            pos[r, c:c + n] = np.arange(n)
+            seg[r, c:c + n] = s + 1
+            c += n
+    return ids, msk, pos, seg
+
+
+class RowPlan:
+    """Rows of every step as a pure function of (seed, step): epoch e packs a fresh permutation."""
+
+    def __init__(self, fs: FeatureSet, cfg: Fit3Config):
+        self.fs, self.cfg = fs, cfg
+        self.lengths = np.diff(fs.offsets)
+        self._cache: dict = {}
+        self.steps_per_epoch = len(self._rows(0)) // cfg.batch_size
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"not enough data for one step: {len(self._rows(0))} packed rows of {cfg.seq_len} "
+                             f"tokens, a step needs {cfg.batch_size}")
+
+    def _rows(self, epoch: int):
+        if epoch not in self._cache:
+            order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.lengths))
+            self._cache = {epoch: pack_rows(self.lengths, order, self.cfg.seq_len)}
+        return self._cache[epoch]
+
+    def batch(self, step: int):
+        e, i = divmod(step, self.steps_per_epoch)
+        B = self.cfg.batch_size
+        return make_batch(self.fs, self._rows(e)[i * B:(i + 1) * B], self.cfg.seq_len)
+
+
+def _shift(x, k: int, fill=0):
+    """x[:, c + k] at position c (fill past the end)."""
+    if k == 0:
+        return x
+    pad = jnp.full(x.shape[:1] + (k,) + x.shape[2:], fill, x.dtype)
+    return jnp.concatenate([x[:, k:], pad], axis=1)
+
+
+def ttt_loss(params, d2t, dcfg: DraftConfig, fcfg: Fit3Config, tparams, tcfg, ids, msk, pos, seg):
+    """(loss, metrics) of one packed batch [B, L]: the frozen target forward, then K unrolled head steps."""
+    B, L = ids.shape
+    K = fcfg.ttt_steps
+    causal_same = jnp.tril(jnp.ones((L, L), bool))[None] & (seg[:, :, None] == seg[:, None, :]) & (seg > 0)[:, :, None]
+    o = llama.forward(tparams, tcfg, ids, pos, attn_mask=causal_same, return_logits=False,
+                      aux_layers=eagle3.feature_layers(tcfg))
+    aux = jax.lax.stop_gradient(o.aux)
+    lm_rows = llama.output_embedding(tparams, tcfg)  # [V, D]
+    full = jnp.einsum("bld,vd->blv", o.hidden, lm_rows, preferred_element_type=jnp.float32)
+    in_vocab = jnp.zeros((tcfg.vocab_size,), bool).at[d2t].set(True)
+    top_ok = in_vocab[jnp.argmax(full, -1)]  # official position_mask: the target's argmax is drafted
+    p_all = jax.lax.stop_gradient(jax.nn.softmax(full[..., d2t], axis=-1))  # [B, L, V'] target_p
+    embed = tparams["embed"]
+    dp = {**params, "d2t": d2t}
+    cache = KVCache(k=jnp.zeros((1, B, K * L, dcfg.num_key_value_heads, dcfg.head_dim), aux.dtype),
+                    v=jnp.zeros((1, B, K * L, dcfg.num_key_value_heads, dcfg.head_dim), aux.dtype),
+                    length=jnp.zeros((B,), jnp.int32))
+    eye = jnp.broadcast_to(jnp.eye(L, dtype=bool), (B, L, L))
+    h = eagle3.project_features(dp, dcfg, aux)
+    denom = None
+    loss, metrics = 0.0, {}
+    for k in range(K):
+        valid = _shift(seg, 2 + k) == seg  # x_{c+1+k}, p_{c+1+k} and x_{c+2+k} belong to position c's sequence
+        m = _shift(msk, 2 + k) * _shift(top_ok, 1 + k, False) * valid * (seg > 0)  # loss mask of x_{c+2+k}
+        blocks = [causal_same] + [eye] * k + [jnp.zeros((B, L, L), bool)] * (K - 1 - k)
+        kv = jnp.concatenate(blocks, axis=-1)  # [B, L, K*L]: step 0 causal, steps 1..k diagonal
+        h, cache = eagle3.head_forward(dp, dcfg, embed, _shift(ids, 1 + k), h, pos + k,
+                                       KVCache(cache.k, cache.v, jnp.full((B,), k * L, jnp.int32)), kv)
+        logq = jax.nn.log_softmax(eagle3.logits(dp, dcfg, h), axis=-1)
+        p = _shift(p_all, 1 + k)
+        ce = -jnp.sum(p * logq, axis=-1)
+        denom = jnp.maximum(jnp.sum(m), 1.0) if denom is None else denom
+        loss = loss + fcfg.step_decay ** k * jnp.sum(m * ce) / denom
+        metrics[f"ploss{k}"] = jnp.sum(m * ce) / jnp.maximum(jnp.sum(m), 1.0)
+        metrics[f"acc{k}"] = jnp.sum(m * (jnp.argmax(logq, -1) == jnp.argmax(p, -1))) / jnp.maximum(jnp.sum(m), 1.0)
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+def make_optimizer(cfg: Fit3Config):
+    sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1),
+                                               end_value=cfg.lr * cfg.end_lr_frac)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                       optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)), sched
+
+
+def make_step(dcfg: DraftConfig, fcfg: Fit3Config, tcfg, tx):
+    def step(state, d2t, tparams, ids, msk, pos, seg):
+        (_, m), g = jax.value_and_grad(ttt_loss, has_aux=True)(state["params"], d2t, dcfg, fcfg, tparams, tcfg,
+                                                                ids, msk, pos, seg)
+        updates, opt = tx.update(g, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt,
+                "step": state["step"] + 1}, m
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def eagle3_config(target, draft_vocab_size: int) -> DraftConfig:
+    eagle3.feature_layers(target.config)  # the target must be deep enough
+    return DraftConfig.from_target(target.config, target_name=target.name, head_type="eagle3", fc_bias=False,
+                                   draft_vocab_size=int(draft_vocab_size))
+
+
+def _trainable(params: dict) -> dict:
+    return {k: v for k, v in params.items() if k != "d2t"}
+
+
+def _manager(ckpt_dir: Path, keep: int):
+    import orbax.checkpoint as ocp
+    opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
+    return ocp.CheckpointManager(ckpt_dir.absolute(), options=opts)
+
+
+def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: bool = False, ckpt_every: int = 200,
+               keep: int = 3, log_every: int = 10, export_dir=None, stop_after: int | None = None,
+               progress: bool = False) -> dict:
+    """Train an EAGLE-3 head on the token ids of `train`; checkpoints, metrics.jsonl and fit.json go to out_dir.
+    Returns {"params" (with d2t), "step", "last_metrics", "draft_config"}."""
+    import orbax.checkpoint as ocp
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ids_vocab = draft_vocab(train, cfg.draft_vocab_size, target.config.vocab_size, always=target.eos_token_ids)
+    dcfg = eagle3_config(target, len(ids_vocab))
+    meta = {"head_type": "eagle3", "draft_config": dcfg.to_dict(), "fit_config": cfg.to_dict(),
+            "target": target.name, "train_tokens": train.n_tokens, "train_seqs": train.n_seqs,
+            "draft_vocab": ids_vocab.tolist()}
+    fit_json, ckpt_dir, metrics_path = out_dir / "fit.json", out_dir / "checkpoints", out_dir / "metrics.jsonl"
+    if resume and fit_json.exists():
+        old = dio.read_json(fit_json)
+        for k in ("fit_config", "draft_config", "train_tokens", "draft_vocab"):
+            if old.get(k) != meta[k]:
+                raise ValueError(f"--resume: {fit_json} was written with a different {k}")
+    elif not resume and ckpt_dir.exists() and any(ckpt_dir.iterdir()):
+        raise ValueError(f"{ckpt_dir} already holds checkpoints: pass --resume or use a new output directory")
+    dio.atomic_write_text(fit_json, json.dumps(meta, indent=1))
+
+    plan = RowPlan(train, cfg)
+    tx, sched = make_optimizer(cfg)
+    tparams = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target.params)
+    d2t = jnp.asarray(ids_vocab, jnp.int32)
+    step_fn = make_step(dcfg, cfg, target.config, tx)
+    mgr = _manager(ckpt_dir, keep)
+    params = _trainable(eagle3.init_params(dcfg, jax.random.PRNGKey(cfg.seed), jnp.float32))
+    if resume and mgr.latest_step() is not None:
+        abstract = {"params": jax.eval_shape(lambda: params), "opt_state": jax.eval_shape(tx.init, params),
+                    "step": jax.ShapeDtypeStruct((), jnp.int32)}
+        state = mgr.restore(mgr.latest_step(), args=ocp.args.StandardRestore(abstract))
+        if metrics_path.exists():
+            keep_lines = [ln for ln in metrics_path.read_text().splitlines()
+                          if ln.strip() and json.loads(ln)["step"] <= int(state["step"])]
+            dio.atomic_write_text(metrics_path, "".join(ln + "\n" for ln in keep_lines))
+    else:
+        state = {"params": params, "opt_state": tx.init(params), "step": jnp.asarray(0, jnp.int32)}
+        if metrics_path.exists():
+            metrics_path.unlink()
+    start = int(state["step"])
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    pending, last, t0 = [], None, time.time()
+
+    def save(step):
+        mgr.save(step, args=ocp.args.StandardSave(state), force=True)
+        mgr.wait_until_finished()
+
+    for step in range(start, end):
+        ids, msk, pos, seg = plan.batch(step)
+        state, m = step_fn(state, d2t, tparams, ids, msk, pos, seg)
+        pending.append(m)
+        done = step + 1
+        if done % log_every == 0 or done == end:
+            ms = jax.device_get(pending)
+            last = {"step": done, "lr": float(sched(done - 1)),
+                    **{k: float(np.mean([x[k] for x in ms])) for k in ms[0]}, "elapsed_s": time.time() - t0}
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(last) + "\n")
+            if progress:
+                print(f"fit-eagle3 step {done}: loss {last['loss']:.4f} acc0 {last['acc0']:.3f}", flush=True)
+            pending = []
+        if done % ckpt_every == 0 or done == end:
+            save(done)
+    if mgr.latest_step() != int(state["step"]):
+        save(int(state["step"]))
+    mgr.close()
+    full = {**jax.tree.map(np.asarray, state["params"]), "d2t": np.asarray(ids_vocab, np.int32)}
+    if export_dir is not None:
+        save_draft(eagle.Draft(dcfg, full, target), export_dir, dtype=np.float16,
+                   extra={"trained_for": target.name, "step": int(state["step"]), "fit_config": cfg.to_dict(),
+                          "train_metrics": last})
+    return {"params": full, "step": int(state["step"]), "last_metrics": last, "draft_config": dcfg}
