@@ -126,10 +126,11 @@ def _out_dir(args, command: str) -> Path:
     return Path("runs") / command / stamp
 
 
-def resolve_configs(args):
-    """(TreeConfig, DDDConfig, source): library defaults < settings file (--settings auto) < explicit flags."""
+def resolve_configs(args, backend: str | None = None):
+    """(TreeConfig, DDDConfig, source): library defaults < settings file (--settings auto) < explicit flags.
+    backend: whose settings file (default: JAX's default backend)."""
     from ddd_jax.settings import base_configs
-    tree, ddd, source = base_configs(args.target, args.draft, use_tuned=args.settings == "auto")
+    tree, ddd, source = base_configs(args.target, args.draft, use_tuned=args.settings == "auto", backend=backend)
     tkw = {k: v for k, v in (("top_k", args.tree_top_k), ("total_tokens", args.total_tokens),
                               ("depth", args.depth)) if v is not None}
     dkw = {k: v for k, v in (("check_steps", args.ddd_checks), ("threshold", args.ddd_threshold),

@@ -160,3 +160,43 @@ def plot_cost_curve(result: dict, path, total_tokens: int | None = None) -> Path
     ax.legend(fontsize=7, loc="upper left")
     ax.set_title(f"{result['target']}: context {result['context']}, cache {result['capacity']}", fontsize=9)
     return _save(fig, path)
+
+
+def plot_lazy_split(result: dict, path) -> Path:
+    """lazy-eval: time per target call split into draft / sync / verify / other (commit and loop), one stacked bar
+    per framework x method x sync. Sync is an estimate (host syncs per call x the measured cost of one), taken out
+    of the phase it happens in; draft / verify come from the profile pass, vanilla's verify from the timed runs."""
+    from ddd_jax.io import atomic_file
+    rows = result["rows"]
+    cost = result["sync_cost_us"]
+    parts = {"draft": [], "sync": [], "verify": [], "other (commit, loop)": []}
+    for r in rows:
+        c = cost.get(r["framework"], 0.0) / 1e3  # ms per sync
+        syncs, dsync, vsync = r["host_syncs_per_call"], r["draft_syncs_per_call"], r.get("verify_syncs_per_call", 0.0)
+        draft, verify = r["draft_ms_per_call"] or 0.0, r["verify_ms_per_call"] or 0.0
+        total = r["ms_per_call"] if r["method"] == "vanilla" else (r.get("profile_ms_per_call") or draft + verify)
+        total = total or 0.0
+        parts["draft"].append(max(draft - dsync * c, 0.0))
+        parts["sync"].append(syncs * c)
+        parts["verify"].append(max(verify - vsync * c, 0.0))
+        parts["other (commit, loop)"].append(max(total - draft - verify - (syncs - dsync - vsync) * c, 0.0))
+    labels = [r["label"] for r in rows]
+    fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(labels) + 3), 4.5))
+    bottom = [0.0] * len(labels)
+    for (name, vals), color in zip(parts.items(), ("tab:orange", "tab:red", "tab:blue", "tab:gray")):
+        ax.bar(range(len(labels)), vals, bottom=bottom, label=name, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("ms per target call")
+    ax.legend(fontsize=8)
+    c, e = result["config"], result["env"]
+    costs = ", ".join(f"{fw} {v:.1f} µs" for fw, v in cost.items())
+    ax.set_title(f"{c['target']} on {c['device']} ({e.get('device')}): time per cycle; one sync = {costs}",
+                 fontsize=9)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    return path

@@ -1,4 +1,4 @@
-"""`ddd-jax` command line: thin argparse front over library functions (generate, convert, train-draft, bench, tune)."""
+"""`ddd-jax` command line: thin argparse front over library functions (generate, convert, train-draft, bench, tune, lazy-eval)."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,8 @@ import importlib
 import sys
 
 # (module, what it adds). Each module exposes add_parser(subparsers) registering `func(args) -> int`.
-_COMMANDS = ["ddd_jax.generate_cli", "ddd_jax.plan_cli", "ddd_jax.convert.cli", "ddd_jax.train_draft.cli", "ddd_jax.bench.cli"]
+_COMMANDS = ["ddd_jax.generate_cli", "ddd_jax.plan_cli", "ddd_jax.convert.cli", "ddd_jax.train_draft.cli",
+             "ddd_jax.bench.cli", "ddd_jax.bench.lazy_eval_cli"]
 
 
 def build_parser() -> argparse.ArgumentParser:

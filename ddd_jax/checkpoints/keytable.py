@@ -145,6 +145,34 @@ def convert(slots: list[_Slot], expected: dict, dtype, transforms: dict | None =
     return dio.unflatten(out)
 
 
+def export(params: dict, rules, what: str) -> dict:
+    """The inverse of `plan` + `convert`: our params -> {source name: numpy array} by the same rules (layer
+    tensors unstacked, `transpose` undone). Every param must be covered by a rule; rules whose key is absent
+    (e.g. an untied lm_head) are skipped; rules with a transform `fn` cannot be inverted."""
+    flat = dio.flatten(params)
+    out, used = {}, set()
+    for r in rules:
+        if r.key not in flat:
+            continue
+        if r.fn:
+            raise ValueError(f"{what}: rule {r.pattern!r} has a transform ({r.fn}) and cannot be exported")
+        x = np.asarray(flat[r.key])
+        template = r.pattern.replace(r"(\d+)", "{}")
+        if re.compile(r.pattern).groups != template.count("{}") or template.count("{}") > 1:
+            raise ValueError(f"{what}: cannot invert rule pattern {r.pattern!r}")
+        unescape = lambda name: re.sub(r"\\(.)", r"\1", name)  # noqa: E731
+        if "{}" in template:
+            for i in range(x.shape[0]):
+                out[unescape(template.format(i))] = x[i].T if r.transpose else x[i]
+        else:
+            out[unescape(template)] = x.T if r.transpose else x
+        used.add(r.key)
+    left = sorted(set(flat) - used)
+    if left:
+        raise ValueError(f"{what}: no rule exports {left}")
+    return out
+
+
 def flat_shapes(nested_shapes: dict) -> dict:
     return {k: tuple(v) for k, v in dio.flatten(nested_shapes).items()}
 

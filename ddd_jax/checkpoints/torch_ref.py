@@ -43,27 +43,37 @@ class _Attention(nn.Module):
         self.k_proj = nn.Linear(in_mult * D, self.k * self.h, bias=qkv_bias)
         self.v_proj = nn.Linear(in_mult * D, self.k * self.h, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n * self.h, D, bias=False)
+        # [H/2] float32 rope inverse frequencies: a plain attribute, so neither the state dict nor `.to(dtype)`
+        # touches it (a scaled rope may overwrite it)
+        self.inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.h, 2, dtype=torch.float32) / self.h))
 
-    def forward(self, x, pos):
+    def forward(self, x, pos, past=None, mask=None):
+        """x [B,T,D], pos [B,T]; past: (k, v) [B,K,S0,H] cached keys/values (rope applied) or None;
+        mask: [B,T,S0+T] bool (True = may attend), default causal. Returns (out [B,T,D], (k, v) incl. past)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n, self.h).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.k, self.h).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.k, self.h).transpose(1, 2)
-        inv = 1.0 / (self.theta ** (torch.arange(0, self.h, 2, dtype=torch.float32) / self.h))
-        ang = pos.float()[:, None, :, None] * inv  # [B,1,T,H/2]
+        ang = pos.float()[:, None, :, None] * self.inv_freq.to(pos.device)  # [B,1,T,H/2]
         cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
 
         def rot(t):
             t1, t2 = t[..., : self.h // 2], t[..., self.h // 2:]
             return t * cos + torch.cat([-t2, t1], -1) * sin
 
-        q, k = rot(q), rot(k)
+        q, k = rot(q).to(x.dtype), rot(k).to(x.dtype)
+        if past is not None:
+            k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
+        kv = (k, v)
         g = self.n // self.k
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-        att = q @ k.transpose(2, 3) / math.sqrt(self.h)
-        att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), torch.finfo(att.dtype).min)
-        o = torch.softmax(att.float(), -1).to(v.dtype) @ v
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n * self.h))
+        kr, vr = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        att = q @ kr.transpose(2, 3) / math.sqrt(self.h)
+        if mask is None:
+            S = kr.shape[2]
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)[None]
+        att = att.masked_fill(~mask[:, None], torch.finfo(att.dtype).min)
+        o = torch.softmax(att.float(), -1).to(v.dtype) @ vr
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n * self.h)), kv
 
 
 class _MLP(nn.Module):
@@ -85,9 +95,10 @@ class _Layer0(nn.Module):
         self.mlp = _MLP(c)
         self.post_attention_layernorm = _RMSNorm(c["hidden_size"], c["rms_norm_eps"])
 
-    def forward(self, x, pos):
-        x = x + self.self_attn(x, pos)  # layer 0: no input_layernorm
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, pos, past=None, mask=None):
+        a, kv = self.self_attn(x, pos, past, mask)
+        x = x + a  # layer 0: no input_layernorm
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
 def _norm_config(c: dict) -> dict:
@@ -114,10 +125,16 @@ class TorchEagleHead(nn.Module):
     def forward(self, features, tokens):
         """features [B,T,D] (feature_i), tokens [B,T] (token_{i+1}) -> next features [B,T,D]."""
         B, T, _ = features.shape
+        pos = torch.arange(T, device=features.device)[None].expand(B, T)
+        return self.step(features, tokens, pos)[0]
+
+    def step(self, features, tokens, positions, past=None, mask=None):
+        """One cached head forward (EAGLE's draft steps): features [B,T,D], tokens [B,T], positions [B,T];
+        past: (k, v) [B,K,S0,H] from earlier calls or None; mask [B,T,S0+T] bool over past + new (default
+        causal). Returns (next features [B,T,D], (k, v) [B,K,S0+T,H])."""
         e = self.embed_tokens(tokens).to(features.dtype)
         x = self.fc(torch.cat([e, features], -1))
-        pos = torch.arange(T)[None].expand(B, T)
-        return self.layers[0](x, pos)
+        return self.layers[0](x, positions, past, mask)
 
 
 def random_eagle_head(config: dict, seed: int = 0, embed: np.ndarray | None = None) -> TorchEagleHead:

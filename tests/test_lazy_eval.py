@@ -1,0 +1,205 @@
+"""The PyTorch counterpart of the decode loop (ddd_jax.torch_decoding) and `ddd-jax lazy-eval`, on a tiny random
+target: torch vanilla = transformers' generate, every torch mode = torch vanilla, torch depths = JAX depths, the
+JSON contract of the CLI, and its refusals."""
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import ddd_jax  # noqa: E402
+from ddd_jax import DDDConfig, Target, TreeConfig  # noqa: E402
+from ddd_jax import torch_decoding as td  # noqa: E402
+from ddd_jax.bench.lazy_eval import ROW_FIELDS, ROWS, row_label, run_lazy_eval  # noqa: E402
+from ddd_jax.cli import main  # noqa: E402
+from ddd_jax.eagle import with_draft_vocab  # noqa: E402
+
+from spec_helpers import fitted_draft, prompts, tiny_target  # noqa: E402
+
+# threshold -2.5 with checks after steps 1 and 3 makes this head stop at depth 1 or 3 (and sometimes 5)
+TREE = TreeConfig(top_k=2, total_tokens=6, depth=3)
+DDD = DDDConfig(check_steps=(1, 3), threshold=-2.5, max_depth=5)
+MAX_NEW = 16
+PROMPTS = prompts(3, seed=3)
+SPEC = (("eagle2", "device"), ("ddd", "host"), ("ddd", "device"))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target, draft = tiny_target(), fitted_draft()
+    return target, draft, td.load_torch(target, draft)
+
+
+def test_torch_vanilla_equals_transformers_generate(tiny):
+    target, _, m = tiny
+    for p in PROMPTS:
+        ref = m.model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,  # explicit mask: 0 is a token
+                               eos_token_id=list(target.eos_token_ids))[0, len(p):].tolist()
+        got = td.generate(m, p, MAX_NEW)
+        assert got.tokens == ref
+        assert got.stats["target_calls"] == len(ref) - 1 and got.stats["host_syncs"] == len(ref) - 1  # 1 read/token
+        assert got.tokens == ddd_jax.generate(target, None, p, max_new_tokens=MAX_NEW).tokens  # same as JAX
+
+
+@pytest.mark.parametrize("vocab", ["full", "reduced"])
+def test_torch_speculative_modes_equal_vanilla_and_take_jax_depths(tiny, vocab):
+    """Every torch mode emits torch vanilla's tokens and takes JAX's depths and acceptances. JAX's own modes agree
+    with each other (tests/test_spec.py), so JAX runs one mode per method here, and only DDD with the reduced
+    vocabulary (fewer compiles; the plans are shared with the CLI test below)."""
+    target, draft, m = tiny
+    if vocab == "reduced":  # the head drafts over 64 of the 96 tokens (d2t / lm_sub)
+        draft = with_draft_vocab(draft, np.arange(95, 31, -1))
+        m = td.load_torch(target, draft)
+        assert m.d2t is not None and m.draft_out.shape == (64, target.config.hidden_size)
+    depths = set()
+    for p in PROMPTS:
+        van = td.generate(m, p, MAX_NEW).tokens
+        ref = {meth: ddd_jax.generate(target, draft, p, max_new_tokens=MAX_NEW, method=meth, sync="device", tree=TREE,
+                                      ddd=DDD) for meth in (("eagle2", "ddd") if vocab == "full" else ("ddd",))}
+        for method, sync in SPEC:
+            if method not in ref:
+                continue
+            got = td.generate(m, p, MAX_NEW, method=method, sync=sync, tree=TREE, ddd=DDD)
+            st, jx = got.stats, ref[method].stats
+            assert got.tokens == van, (method, sync)
+            assert got.tokens == ref[method].tokens and st["depth_per_call"] == jx["depth_per_call"], (method, sync)
+            assert st["accepted_per_call"] == jx["accepted_per_call"] and st["ddd_checks"] == jx["ddd_checks"]
+            assert st["target_calls"] == len(st["depth_per_call"]) and sum(st["accepted_per_call"]) == len(van) - 1
+            # syncs: one .item() per DDD check in host mode, none in device mode; 2 per cycle outside the draft
+            assert st["draft_syncs"] == (st["ddd_checks"] if sync == "host" and method == "ddd" else 0)
+            assert st["host_syncs"] == st["draft_syncs"] + 2 * st["target_calls"]
+            depths.update(st["depth_per_call"])
+    assert {1, 3} <= depths and max(depths) <= DDD.max_depth  # DDD stopped at both checks and went past them
+
+
+def test_torch_decoding_refuses_bad_input(tiny):
+    target, _, m = tiny
+    with pytest.raises(ValueError, match="callback"):
+        td.generate(m, [1, 2], 4, method="ddd", sync="callback", tree=TREE, ddd=DDD)
+    with pytest.raises(ValueError, match="batches"):
+        td.generate(m, [[1, 2], [3]], 4)
+    with pytest.raises(ValueError, match="vocabulary|lie in"):
+        td.generate(m, [1, 999], 4)
+    with pytest.raises(ValueError, match="draft head"):
+        td.generate(td.load_torch(target), [1, 2], 4, method="eagle2", tree=TREE)
+    with pytest.raises(ValueError, match="unknown torch device"):
+        td.torch_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            td.torch_device("gpu")
+
+
+def test_sync_cost_is_measured_in_both_frameworks(tiny):
+    import jax
+
+    from ddd_jax.bench.lazy_eval import jax_sync_loop, sync_cost, sync_work, torch_sync_loop
+    target, draft, _ = tiny
+    work = sync_work(target, draft)
+    assert work[0].shape == (48, 48) and work[1].shape == (96, 48)
+    for loop in (torch_sync_loop(work, "cpu", 2), jax_sync_loop(work, jax.devices("cpu")[0], 2)):
+        res = sync_cost(loop, steps=5, rounds=3)
+        assert len(res["diffs_us"]) == 3 and res["p25_us"] <= res["us"] <= res["p75_us"]
+        assert res["step_us"] > 0 and np.isfinite(res["us"])
+
+
+# ----------------------------------------------------------------------------------------------- CLI and contract
+def _word_target(tmp_path):
+    """The tiny target with a word-level tokenizer ("w0".."w95") and a plain chat template, saved in our format,
+    and the fitted head saved beside it: a tokenizer-complete model for the CLI."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    base = tiny_target()
+    tok = Tokenizer(WordLevel({f"w{i}": i for i in range(base.config.vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    t = Target("tiny-words", base.config, base.params, tok, "{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    ddd_jax.checkpoints.ours.save_target(t, tmp_path / "target")
+    ddd_jax.save_draft(fitted_draft(), tmp_path / "head")
+    return tmp_path / "target", tmp_path / "head"
+
+
+def _questions(path, n=2):
+    rows = [{"question_id": 81 + i, "category": "writing", "turns": [" ".join(f"w{t}" for t in p), "w1 w2"]}
+            for i, p in enumerate(prompts(n, seed=5, hi=12))]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def _flags():
+    return ["--settings", "none", "--tree-top-k", str(TREE.top_k), "--total-tokens", str(TREE.total_tokens),
+            "--depth", str(TREE.depth), "--ddd-checks", "1,3", f"--ddd-threshold={DDD.threshold}",
+            "--ddd-max-depth", str(DDD.max_depth), "--max-new-tokens", str(MAX_NEW), "--no-progress"]
+
+
+def test_cli_lazy_eval_writes_the_contract(tmp_path, capsys):
+    tdir, hdir = _word_target(tmp_path)
+    q = _questions(tmp_path / "q.jsonl")
+    out = tmp_path / "out"
+    rc = main(["lazy-eval", "--questions", str(q), "--target", str(tdir), "--draft", str(hdir), "--out", str(out),
+               "--limit", "1", "--profile-prompts", "1", "--sync-rounds", "1", "--torch-threads", "1", *_flags()])
+    assert rc == 0, capsys.readouterr().err
+    r = json.loads((out / "lazy_eval.json").read_text())
+    assert set(r["sync_cost_us"]) == {"jax", "torch"}
+    assert all(isinstance(v, float) for v in r["sync_cost_us"].values())
+    got = [(x["framework"], x["method"], x["sync"]) for x in r["rows"]]
+    assert got == [(fw, m, s) for fw in ("jax", "torch") for m, s in ROWS[fw]]
+    for row in r["rows"]:
+        assert set(ROW_FIELDS) <= set(row)
+        assert row["framework"] in ("jax", "torch") and row["method"] in ("vanilla", "eagle2", "ddd")
+        assert row["sync"] in (("host", "callback", "device") if row["method"] == "ddd" else (None,))
+        for k in ("tokens_per_s", "draft_syncs_per_call", "host_syncs_per_call", "draft_ms_per_call",
+                  "verify_ms_per_call"):
+            assert isinstance(row[k], float) and row[k] >= 0, (row["label"], k)
+        assert isinstance(row["target_calls"], int) and row["target_calls"] > 0
+        assert row["identical_to_vanilla"] is True, row["label"]
+        if row["framework"] == "torch":
+            assert row["tokens_identical_to_jax"] == 1
+    by = {x["label"]: x for x in r["rows"]}
+    assert by["jax:ddd-device"]["host_syncs_per_call"] == 0 and by["jax:ddd-host"]["draft_syncs_per_call"] >= 1
+    assert by["torch:ddd-device"]["draft_syncs_per_call"] == 0 and by["torch:ddd-host"]["draft_syncs_per_call"] >= 1
+    assert by["torch:ddd-host"]["depths_identical_to_jax"] == 1
+    assert r["config"]["prompts"] == 1 and r["records"][0]["id"] == 81 and r["env"]["torch_threads"] == 1
+    assert "text" in r["records"][0]["runs"]["jax:vanilla"]
+    assert (out / "lazy_eval.md").read_text().count("\n| ") == 2 + len(r["rows"]) - 1
+    assert (out / "time_split.png").stat().st_size > 1000
+
+
+def test_cli_lazy_eval_refusals_write_nothing(tmp_path, capsys, monkeypatch):
+    q = _questions(tmp_path / "q.jsonl")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    out = tmp_path / "out"
+    base = ["lazy-eval", "--questions", str(q), "--out", str(out), "--target", "/nonexistent/model"]
+    cases = [(["--frameworks", "jax,mxnet"], "unknown framework"), (["--device", "tpu"], "unknown device"),
+             (["--max-new-tokens", "0"], "max-new-tokens")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "gpu"], "GPU"))
+    for extra, msg in cases:
+        assert main(base + extra) == 2
+        assert msg in capsys.readouterr().err
+    assert main(["lazy-eval", "--questions", str(empty), "--out", str(out)]) == 2
+    assert "no questions" in capsys.readouterr().err
+    # torch missing: the error names the extra to install
+    monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.delitem(sys.modules, "ddd_jax.torch_decoding")
+    monkeypatch.delattr(ddd_jax, "torch_decoding", raising=False)
+    assert main(base) == 2
+    assert "pip install 'ddd-jax[torch]'" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_library_run_on_token_prompts(tiny):
+    """run_lazy_eval on token-id prompts (no tokenizer), one framework: its rows only, no cross-framework identity."""
+    target, draft, _ = tiny
+    r = run_lazy_eval(target, draft, PROMPTS[:2], tree=TREE, ddd=DDD, max_new_tokens=MAX_NEW, frameworks="torch",
+                      profile_prompts=0, progress=False, sync_rounds=1)
+    assert [x["label"] for x in r["rows"]] == [row_label("torch", m, s) for m, s in ROWS["torch"]]
+    assert set(r["sync_cost_us"]) == {"torch"} and "torch_vs_jax" not in r["identity"]
+    assert all(x["identical_to_vanilla"] for x in r["rows"]) and r["config"]["prompts"] == 2
+    assert r["rows"][1]["draft_ms_per_call"] is None  # no profile pass asked for
