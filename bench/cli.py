@@ -189,6 +189,8 @@ def run_bench(args) -> int:
         res = cost_curve(target, draft, sizes=args.cost_sizes, context=args.cost_context, repeat=max(args.repeat, 5),
                          progress=not args.no_progress)
         res["draft"] = draft_name
+        from .run import environment
+        res["env"] = environment()  # load average, CPU kernels on/off, commit
         s = load_settings()
         res["settings"] = s
         report.write_json(res, out / "cost_curve.json")

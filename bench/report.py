@@ -47,7 +47,8 @@ def bench_table(result: dict) -> str:
     cfg, env = result["config"], result["env"]
     head = (f"**ddd-jax bench** target `{cfg['target']}`, draft `{cfg['draft']}`; {cfg['records']} prompt turns, "
             f"max_new_tokens={cfg['max_new_tokens']}, temperature={cfg['temperature']}, repeat={cfg['repeat']}; "
-            f"{env['backend']} ({env['device']}, {env['cpu_count']} CPUs), jax {env['jax']}, {env['date']}")
+            f"{env['backend']} ({env['device']}, {env['cpu_count']} CPUs), jax {env['jax']}, "
+            f"{'CPU kernels, ' if env.get('cpu_kernels') else ''}{env['date']}")
     rows = []
     sampling = result["config"]["temperature"] > 0
     for lb, m in result["methods"].items():
@@ -102,6 +103,12 @@ def tune_table(result: dict) -> str:
 
 def cost_table(result: dict) -> str:
     rows = [[r["tokens"], _f(r["target_ms"]), _f(r["target_rel_1"]), _f(r.get("draft_ms"))] for r in result["rows"]]
+    env = result.get("env") or {}
+    extra = ""
+    if env:
+        load = env.get("loadavg")
+        extra = (f"; CPU kernels {'on' if env.get('cpu_kernels') else 'off'}"
+                 + (f", load {load[0]:.1f}" if load else ""))
     return (f"cost curve: target `{result['target']}`, context {result['context']} in a cache of "
-            f"{result['capacity']} slots\n"
+            f"{result['capacity']} slots{extra}\n"
             + _table(["tokens", "target ms", "x one token (break-even tau)", "draft step ms (beam of n)"], rows))

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ddd_jax
+from ddd_jax import kernels
 from ddd_jax.config import DDDConfig, TreeConfig, check_tree_for_ddd
 from ddd_jax.generate import bucket_length, cache_capacity, make_plan
 
@@ -247,6 +248,8 @@ def environment() -> dict:
         "platform": platform.platform(), "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv), "git_commit": commit,
+        # ddd_jax.kernels in use (CPU backend), or XLA only (DDD_JAX_NO_KERNELS=1, not built, other backends)
+        "cpu_kernels": jax.default_backend() == "cpu" and kernels.available(),
     }
 
 
