@@ -21,12 +21,14 @@ install: $(BIN)/.installed
 demo: install
 	$(BIN)/ddd-jax generate --chat --prompt "$(DEMO_PROMPT)" --method ddd --sync device --max-new-tokens 128 --compare
 
-test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20
-
-# test-fast skips the tests marked slow (the real SmolLM2, the long speculative cross-products). On CPU the tiny-model
-# tests spend most of their time compiling, so XLA executables are cached across runs in $(JAX_TEST_CACHE).
+# On CPU the tests spend most of their time compiling, so XLA executables are cached on disk in $(JAX_TEST_CACHE):
+# across runs, and within one run after tests/conftest.py drops the in-memory programs at the end of each test file.
+# test-fast skips the tests marked slow (the real SmolLM2, the long speculative cross-products).
 JAX_TEST_CACHE ?= $(HOME)/.cache/ddd_jax/xla-test-cache
+test: install
+	JAX_COMPILATION_CACHE_DIR="$(JAX_TEST_CACHE)" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+		$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20
+
 test-fast: install
 	JAX_COMPILATION_CACHE_DIR="$(JAX_TEST_CACHE)" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
 		$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" --durations=20

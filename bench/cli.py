@@ -37,6 +37,19 @@ def _common(p: argparse.ArgumentParser, limit_default, max_new_default) -> None:
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
 
 
+def add_tree_flags(p) -> None:
+    """The tree / DDD flags and --settings shared by bench and lazy-eval (read by `resolve_configs`)."""
+    p.add_argument("--tree-top-k", type=int, default=None)
+    p.add_argument("--total-tokens", type=int, default=None)
+    p.add_argument("--depth", type=int, default=None, help="EAGLE-2 draft depth (steps after step 0)")
+    p.add_argument("--ddd-checks", type=_ints, default=None, help="DDD check steps S, e.g. 5,7,9")
+    p.add_argument("--ddd-threshold", type=float, default=None, help="DDD threshold x (write --ddd-threshold=-0.3)")
+    p.add_argument("--ddd-max-depth", type=int, default=None, help="DDD max depth n, e.g. 11")
+    p.add_argument("--settings", choices=["auto", "none"], default="auto",
+                   help="auto: start from the tuned settings file for this backend if there is one (explicit "
+                        "flags still win); none: library defaults")
+
+
 def add_parser(subparsers) -> None:
     b = subparsers.add_parser("bench", help="benchmark vanilla / EAGLE-2 / DDD on MT-bench prompts",
                               description="One run, methods interleaved per prompt, warm-up excluded. Writes "
@@ -47,15 +60,7 @@ def add_parser(subparsers) -> None:
                         "ddd-device-hostloop, and overrides such as 'ddd-device[S=3/5/7,x=-0.5,n=9]', 'eagle2[k=4,N=16,d=3]'")
     b.add_argument("--turns", type=int, choices=[1, 2], default=1,
                    help="2: also the second MT-bench turn, conditioned on each method's own first answer")
-    b.add_argument("--tree-top-k", type=int, default=None)
-    b.add_argument("--total-tokens", type=int, default=None)
-    b.add_argument("--depth", type=int, default=None, help="EAGLE-2 draft depth (steps after step 0)")
-    b.add_argument("--ddd-checks", type=_ints, default=None, help="DDD check steps S, e.g. 5,7,9")
-    b.add_argument("--ddd-threshold", type=float, default=None, help="DDD threshold x, e.g. -0.3")
-    b.add_argument("--ddd-max-depth", type=int, default=None, help="DDD max depth n, e.g. 11")
-    b.add_argument("--settings", choices=["auto", "none"], default="auto",
-                   help="auto: start from the tuned settings file for this backend if there is one (explicit "
-                        "flags still win); none: library defaults")
+    add_tree_flags(b)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--seed", type=int, default=0)

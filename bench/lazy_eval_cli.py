@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli import DEFAULT_DRAFT, DEFAULT_TARGET, RANDOM_DRAFT, _ints, _out_dir, load_models, load_prompts, \
+from .cli import DEFAULT_DRAFT, DEFAULT_TARGET, RANDOM_DRAFT, _out_dir, add_tree_flags, load_models, load_prompts, \
     resolve_configs
 
 
@@ -27,15 +27,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"target name or path (default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=DEFAULT_DRAFT,
                    help=f"draft head name or path (default {DEFAULT_DRAFT}); '{RANDOM_DRAFT}' = an untrained head")
-    p.add_argument("--settings", choices=["auto", "none"], default="auto",
-                   help="auto: the device's tuned settings (ddd_jax/settings/<cpu|gpu>.json) if present; "
-                        "none: library defaults; explicit flags below win either way")
-    p.add_argument("--tree-top-k", type=int, default=None)
-    p.add_argument("--total-tokens", type=int, default=None)
-    p.add_argument("--depth", type=int, default=None, help="EAGLE-2 draft depth (steps after step 0)")
-    p.add_argument("--ddd-checks", type=_ints, default=None, help="DDD check steps S, e.g. 5,7,9")
-    p.add_argument("--ddd-threshold", type=float, default=None, help="DDD threshold x (write --ddd-threshold=-1)")
-    p.add_argument("--ddd-max-depth", type=int, default=None, help="DDD max depth n")
+    add_tree_flags(p)
     p.add_argument("--profile-prompts", type=int, default=3,
                    help="prompts of the profile pass that splits time into draft / verify (default 3)")
     p.add_argument("--sync-rounds", type=int, default=40,
