@@ -236,7 +236,8 @@ class _Eagle3Layer(nn.Module):
         self.post_attention_layernorm = _RMSNorm(D, eps)
 
     def forward(self, emb, h, pos):
-        x = h + self.self_attn(torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], -1), pos)
+        a, _ = self.self_attn(torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], -1), pos)  # (out, new kv)
+        x = h + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
