@@ -49,6 +49,39 @@ def write_tiny_hf(path, model_type: str = "llama", tie: bool = False, seed: int 
     return model
 
 
+# a fixed token row for logit parity with transformers (ids < the tiny vocabulary of 128)
+PARITY_TOKENS = [[1, 5, 77, 3, 100, 12, 12, 64, 127, 0, 9, 41]]
+
+
+def torch_logits(model, tokens=None):
+    """Logits [B, T, V] float32 of a transformers model over `tokens` (default PARITY_TOKENS)."""
+    import numpy as np
+    import torch
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(PARITY_TOKENS if tokens is None else tokens), dtype=torch.long)
+                     ).logits.float().numpy()
+
+
+def our_logits(target, tokens=None):
+    """Logits [B, T, V] float32 of our target over `tokens` (default PARITY_TOKENS), positions 0..T-1."""
+    import jax.numpy as jnp
+    import numpy as np
+    tokens = np.asarray(PARITY_TOKENS if tokens is None else tokens, np.int32)
+    pos = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+    return np.asarray(target.forward(jnp.asarray(tokens), jnp.asarray(pos)).logits, np.float32)
+
+
+def assert_same_target(t, t2):
+    """Two targets have equal configs and bit-equal arrays under the same keys."""
+    import numpy as np
+    from ddd_jax import io as dio
+    assert t2.config == t.config
+    f1, f2 = dio.flatten(t.params), dio.flatten(t2.params)
+    assert sorted(f1) == sorted(f2)
+    for k in f1:
+        np.testing.assert_array_equal(np.asarray(f1[k]), np.asarray(f2[k]))
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drop JAX's compiled programs after each test file. Every XLA:CPU executable keeps a few memory mappings of

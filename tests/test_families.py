@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import write_tiny_hf
+from conftest import PARITY_TOKENS, assert_same_target, our_logits, torch_logits, write_tiny_hf
 from ddd_jax import DDDConfig, Target, TreeConfig, generate, load_draft, load_target, save_draft
 from ddd_jax import io as dio
 from ddd_jax.checkpoints.ours import save_target
@@ -20,7 +20,7 @@ from ddd_jax.config import FAMILIES, DraftConfig, ModelConfig
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-TOKENS = np.array([[1, 5, 77, 3, 100, 12, 12, 64, 127, 0, 9, 41]], np.int32)
+TOKENS = np.array(PARITY_TOKENS, np.int32)
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=16)
 # family -> (model_type, config overrides): Mistral with a 5-token window (shorter than the test sequences, so the
@@ -45,15 +45,6 @@ def make(tmp_path, case, seed=0, **more):
     path = tmp_path / f"{case}-{seed}"
     return write_tiny_hf(path, model_type, tie=tie, seed=seed, **kw), path
 
-
-def torch_logits(model, tokens=TOKENS):
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
-
-
-def our_logits(target, tokens=TOKENS):
-    pos = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
-    return np.asarray(target.forward(jnp.asarray(tokens), jnp.asarray(pos)).logits, np.float32)
 
 
 def no_eos(target: Target) -> Target:
@@ -118,11 +109,7 @@ def test_config_and_our_format_round_trip(tmp_path, case):
     assert ModelConfig.from_hf_config(model.config.to_dict()).sliding_window == t.config.sliding_window
     save_target(t, tmp_path / "ours")
     t2 = load_target(tmp_path / "ours")
-    assert t2.config == t.config
-    f1, f2 = dio.flatten(t.params), dio.flatten(t2.params)
-    assert sorted(f1) == sorted(f2)
-    for k in f1:
-        np.testing.assert_array_equal(np.asarray(f1[k]), np.asarray(f2[k]))
+    assert_same_target(t, t2)
     np.testing.assert_allclose(our_logits(t2), torch_logits(model), atol=1e-4, rtol=1e-4)
 
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import assert_same_target, our_logits, torch_logits
 from ddd_jax import io as dio
 from ddd_jax.checkpoints.loading import load_target
 from ddd_jax.checkpoints.ours import save_target
@@ -14,17 +15,6 @@ from ddd_jax.checkpoints.ours import save_target
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-TOKENS = np.array([[1, 5, 77, 3, 100, 12, 12, 64, 127, 0, 9, 41]], np.int32)
-
-
-def torch_logits(model, tokens=TOKENS):
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
-
-
-def our_logits(target, tokens=TOKENS):
-    pos = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
-    return np.asarray(target.forward(jnp.asarray(tokens), jnp.asarray(pos)).logits, np.float32)
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -75,11 +65,7 @@ def test_our_format_round_trip_and_dtype(tiny_hf_llama, tmp_path):
     cfg = dio.read_json(tmp_path / "ours" / "config.json")
     assert cfg["format"] == "ddd-jax-target"
     t2 = load_target(tmp_path / "ours")
-    assert t2.config == t.config
-    f1, f2 = dio.flatten(t.params), dio.flatten(t2.params)
-    assert sorted(f1) == sorted(f2)
-    for k in f1:
-        np.testing.assert_array_equal(np.asarray(f1[k]), np.asarray(f2[k]))
+    assert_same_target(t, t2)
     t16 = load_target(path, dtype="bfloat16")
     assert t16.params["layers"]["wq"].dtype == jnp.bfloat16
     save_target(t, tmp_path / "ours16", dtype="float16")

@@ -47,7 +47,7 @@ from ddd_jax.checkpoints.ours import save_draft
 from ddd_jax.config import DraftConfig
 
 from .extract import FeatureSet
-from .train import pack_rows
+from .train import make_optimizer, pack_rows  # the one optimizer recipe (reads lr, warmup, steps, clip_norm, b1/b2, ...)
 from .vocab import frequent_tokens
 
 
@@ -168,13 +168,6 @@ def ttt_loss(params, d2t, dcfg: DraftConfig, fcfg: Fit3Config, tparams, tcfg, id
         metrics[f"acc{k}"] = jnp.sum(m * (jnp.argmax(logq, -1) == jnp.argmax(p, -1))) / jnp.maximum(jnp.sum(m), 1.0)
     metrics["loss"] = loss
     return loss, metrics
-
-
-def make_optimizer(cfg: Fit3Config):
-    sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1),
-                                               end_value=cfg.lr * cfg.end_lr_frac)
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                       optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)), sched
 
 
 def make_step(dcfg: DraftConfig, fcfg: Fit3Config, tcfg, tx):

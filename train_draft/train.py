@@ -245,7 +245,9 @@ def loss_sums(params, dcfg: DraftConfig, embed, lm_w, mb: Batch, key, noise: flo
     return total, {"vloss": v, "ploss": pl, "correct": correct, "count": jnp.sum(m)}
 
 
-def make_optimizer(cfg: FitConfig):
+def make_optimizer(cfg):
+    """AdamW with warmup + cosine decay and global-norm clipping, from the optimizer fields that FitConfig and
+    eagle3_fit.Fit3Config share (lr, warmup, steps, end_lr_frac, b1, b2, weight_decay, clip_norm)."""
     sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1),
                                                end_value=cfg.lr * cfg.end_lr_frac)
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
