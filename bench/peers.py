@@ -1,0 +1,201 @@
+"""`ddd-jax peers`: vanilla ddd-jax beside the decoders a user would otherwise pick for the same model.
+
+Every speed-up of the target forward helps vanilla decoding too, so a speculative speed-up means little without the
+plain decoders a user could run instead. On the same prompts, interleaved per prompt after one warm-up, greedy:
+
+* ``ddd-jax``           -- ``generate(method="vanilla")`` (this library's plain decoding);
+* ``ddd-jax-ddd``       -- ``generate(method="ddd", sync="device")`` with the backend's tuned settings and the head;
+* ``transformers``      -- ``LlamaForCausalLM.generate(do_sample=False)`` in eager PyTorch, float32, on the very
+                           weights ddd-jax holds (``torch_decoding.torch_target``);
+* ``transformers-pld``  -- the same with assisted decoding by prompt lookup (``prompt_lookup_num_tokens``);
+* ``llama.cpp``         -- ``llama-cpp-python`` on the GGUF file the default target is read from (its own Q4_1
+                           kernels and quantised activations: its tokens may differ from ours at near-ties).
+
+Speed is decode speed, as ``ddd-jax bench`` measures it: new tokens after the first (which the prefill gives),
+divided by the time from the first new token to the last. For transformers and llama.cpp the first token's time
+is taken from a streamer / the token generator, so prefill is excluded the same way. Threads: every framework
+uses all cores of the process's CPU affinity.
+
+llama.cpp is optional (``pip install llama-cpp-python``: it builds from source, ~8 minutes on 2 cores); torch and
+transformers come with the ``[torch]`` extra. A peer whose package is missing is skipped with a line saying what to
+install -- unless it was asked for by name, then it is an error.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+PEERS = ("ddd-jax", "ddd-jax-ddd", "transformers", "transformers-pld", "llama.cpp")
+REFERENCE = "ddd-jax"
+
+
+def _threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+# ----------------------------------------------------------------------------------------------- runners
+# A runner maps (prompt ids, max_new_tokens) -> (new tokens, decode seconds after the first new token).
+def jax_runner(target, draft, method: str, capacity: int):
+    from ddd_jax import generate
+
+    kw = dict(method="vanilla") if method == "vanilla" else dict(method="ddd", sync="device")
+
+    def run(ids, max_new):
+        r = generate(target, draft if method != "vanilla" else None, ids, max_new_tokens=max_new, capacity=capacity,
+                     **kw)
+        return list(r.tokens), r.stats["decode_s"], r.stats.get("settings")
+    return run
+
+
+def torch_runner(target, prompt_lookup: int = 0):
+    import torch
+    import transformers
+
+    from ddd_jax.torch_decoding import torch_target
+
+    torch.set_num_threads(_threads())
+    model = torch_target(target)
+    eos = list(target.eos_token_ids)
+
+    class _Clock(transformers.generation.streamers.BaseStreamer):  # put(prompt), then put(new tokens) per step
+        def __init__(self):
+            self.calls, self.first = 0, None
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls == 2:
+                self.first = time.perf_counter()
+
+        def end(self):
+            pass
+
+    def run(ids, max_new):
+        x = torch.tensor([ids], dtype=torch.long)
+        clock = _Clock()
+        extra = dict(prompt_lookup_num_tokens=prompt_lookup) if prompt_lookup else {}
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=eos[0], streamer=clock, **extra)
+        t1 = time.perf_counter()
+        new = out[0, len(ids):].tolist()
+        return new, (t1 - clock.first) if clock.first is not None else 0.0, (
+            {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else None)
+    return run
+
+
+def llama_cpp_runner(gguf_path, capacity: int):
+    try:
+        import llama_cpp
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError("the llama.cpp peer needs llama-cpp-python: pip install llama-cpp-python "
+                                  "(builds from source; ~8 minutes on 2 cores)", name=e.name) from e
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=capacity, n_threads=_threads(),
+                          n_threads_batch=_threads(), n_batch=512, verbose=False)
+    eos = {llm.token_eos()}
+
+    def run(ids, max_new):
+        new, first = [], None
+        for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            if first is None:
+                first = time.perf_counter()
+            new.append(int(tok))
+            if tok in eos or len(new) >= max_new:
+                break
+        t1 = time.perf_counter()
+        return new, (t1 - first) if first is not None else 0.0, {"version": llama_cpp.__version__,
+                                                                "system_info": llama_cpp.llama_print_system_info().decode()}
+    return run
+
+
+def build_runners(target, draft, peers, capacity: int, gguf_path=None, prompt_lookup: int = 10,
+                  required=()) -> tuple[dict, dict]:
+    """({peer: runner}, {peer: why skipped}). A peer in `required` that cannot be built raises."""
+    runners, skipped = {}, {}
+    for p in peers:
+        try:
+            if p == "ddd-jax":
+                runners[p] = jax_runner(target, None, "vanilla", capacity)
+            elif p == "ddd-jax-ddd":
+                if draft is None:
+                    raise ValueError("ddd-jax-ddd needs a draft head")
+                runners[p] = jax_runner(target, draft, "ddd", capacity)
+            elif p == "transformers":
+                runners[p] = torch_runner(target)
+            elif p == "transformers-pld":
+                runners[p] = torch_runner(target, prompt_lookup=prompt_lookup)
+            elif p == "llama.cpp":
+                if gguf_path is None:
+                    raise ValueError("llama.cpp needs the target's GGUF file (--gguf, or the default target)")
+                runners[p] = llama_cpp_runner(gguf_path, capacity)
+            else:
+                raise ValueError(f"unknown peer {p!r}; known: {', '.join(PEERS)}")
+        except (ModuleNotFoundError, ValueError) as e:
+            if p in required or isinstance(e, ValueError):
+                raise
+            skipped[p] = str(e)
+    return runners, skipped
+
+
+# ----------------------------------------------------------------------------------------------- the run
+def _common_prefix(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_peers(runners: dict, prompt_ids: list, max_new_tokens: int, progress: bool = True) -> dict:
+    """Interleaved per prompt (peers in turn), one warm-up call each on the first prompt. Returns the summary."""
+    from .run import _progress
+
+    names = list(runners)
+    for name in names:  # compile / allocate
+        runners[name](prompt_ids[0], max_new_tokens)
+    toks = {n: [] for n in names}
+    secs = {n: [] for n in names}
+    info = {}
+    bar = _progress(len(prompt_ids) * len(names), progress, "peers")
+    try:
+        for ids in prompt_ids:
+            for name in names:
+                new, sec, extra = runners[name](ids, max_new_tokens)
+                toks[name].append(new)
+                secs[name].append(sec)
+                info[name] = extra
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    ref = toks.get(REFERENCE)
+    out = {}
+    for name in names:
+        dec = sum(max(len(t) - 1, 0) for t in toks[name])
+        s = sum(secs[name])
+        row = {"prompts": len(prompt_ids), "new_tokens": sum(len(t) for t in toks[name]), "decode_tokens": dec,
+               "decode_s": s, "tokens_per_s": dec / s if s > 0 else 0.0, "settings": info.get(name)}
+        if ref is not None:
+            same = sum(a == b for a, b in zip(toks[name], ref))
+            pref = [_common_prefix(a, b) / max(len(b), 1) for a, b in zip(toks[name], ref)]
+            row.update(identical_to_ddd_jax=same, mean_common_prefix=float(np.mean(pref)))
+        out[name] = row
+    if REFERENCE in out and out[REFERENCE]["tokens_per_s"] > 0:
+        for row in out.values():
+            row["vs_ddd_jax"] = row["tokens_per_s"] / out[REFERENCE]["tokens_per_s"]
+    return {"peers": out, "tokens": toks}
+
+
+def peers_table(result: dict) -> str:
+    from .report import _f, _table
+    rows = []
+    for name, r in result["peers"].items():
+        rows.append([name, _f(r["tokens_per_s"], "{:.1f}"), _f(r.get("vs_ddd_jax"), "{:.2f}x"),
+                     f"{r.get('identical_to_ddd_jax', '-')}/{r['prompts']}", _f(r.get("mean_common_prefix"), "{:.2f}")])
+    return _table(["decoder", "tok/s", "vs ddd-jax vanilla", "identical to ddd-jax", "mean common prefix"], rows)
