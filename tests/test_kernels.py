@@ -104,8 +104,9 @@ def _attention_inputs(seed, B=2, T=5, S=23, L=3):
 
 
 @needs_kernel
-def test_attention_matches_xla_and_rows_are_independent():
-    q, k, v, mask = _attention_inputs(0)
+@pytest.mark.parametrize("S", [23, 150])  # 150: rows sweep several slot blocks (kSlotBlock = 64)
+def test_attention_matches_xla_and_rows_are_independent(S):
+    q, k, v, mask = _attention_inputs(0, S=S)
     att = jax.jit(lambda q, k, v, m, l: layers.attention(q, k, v, m, l))
     with kernels.enabled(True):
         got = np.asarray(att(q, k, v, mask, 1))

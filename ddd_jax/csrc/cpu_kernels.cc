@@ -13,7 +13,7 @@
 //   trans = false: acc = fma(x[m,k], W[k,n], acc) for k = 0, 1, ..., K-1, starting from acc = 0;
 //   trans = true:  eight lanes, lane j = fma chain over k = j, j+8, ... (k < K8 = K rounded down to 8), the lanes
 //                  summed as ((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7)), then fma over the tail k >= K8 in order;
-//   attention:     per row and head, only the attended slots, in ascending slot order (see attend_row).
+//   attention:     per row and head, only the attended slots, in ascending slot order (see attend_rows).
 // So a row gets bit-identical outputs whether it is computed alone (M=1) or among others (a verified tree).
 //
 // Threads: work is split into column chunks (attention: rows) handed out through an atomic counter; the calling
@@ -390,98 +390,213 @@ DDD_AVX2 inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// Scores of one query head against 4 slots: 4 independent chains, each exactly the single-slot order below.
-DDD_AVX2 inline void dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3,
-                          int64_t H, float* out) {
-  const int64_t H8 = H & ~int64_t(7);
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t h = 0; h < H8; h += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + h);
-    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + h), a0);
-    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + h), a1);
-    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + h), a2);
-    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + h), a3);
-  }
-  float s[4] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)};
-  const float* ks[4] = {k0, k1, k2, k3};
-  for (int i = 0; i < 4; ++i) {
-    for (int64_t h = H8; h < H; ++h) s[i] = __builtin_fmaf(q[h], ks[i][h], s[i]);
-    out[i] = s[i];
-  }
+// The sum of a vector's 8 lanes in the tree ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) -- the tree `hsum8x8` uses for
+// each of its 8 vectors, so a score does not depend on whether its slot was summed alone or among 8.
+DDD_AVX2 inline float hsum8_pairs(__m256 a) {
+  __m256 x = _mm256_hadd_ps(a, a);  // [01, 23, 01, 23 | 45, 67, 45, 67]
+  x = _mm256_hadd_ps(x, x);         // [(01)+(23) .. | (45)+(67) ..]
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)));
 }
 
-DDD_AVX2 inline float dot1(const float* q, const float* k, int64_t H) {
+// Lane i = hsum8_pairs(a[i]).
+DDD_AVX2 inline __m256 hsum8x8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  // a0..a3: lo | hi halves
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Unscaled score of query head q against one key row: 8-lane fma chains over h < H8, hsum8_pairs, then fma over
+// the tail h >= H8 in order.
+DDD_AVX2 inline float score1(const float* q, const float* k, int64_t H) {
   const int64_t H8 = H & ~int64_t(7);
   __m256 a = _mm256_setzero_ps();
   for (int64_t h = 0; h < H8; h += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + h), _mm256_loadu_ps(k + h), a);
-  float s = hsum8(a);
+  float s = hsum8_pairs(a);
   for (int64_t h = H8; h < H; ++h) s = __builtin_fmaf(q[h], k[h], s);
   return s;
 }
 
-// out[0:8*NB] = sum_j p_j v_j[0:8*NB], an fma chain in slot order per element, accumulators in registers.
-template <int NB>
-DDD_AVX2 inline void pv_block(const float* p, const int32_t* idx, int64_t n_att, const float* v, int64_t ldv,
-                              float* out) {
-  __m256 acc[NB];
-  DDD_UNROLL for (int b = 0; b < NB; ++b) acc[b] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n_att; ++j) {
-    const __m256 pv = _mm256_set1_ps(p[j]);
-    const float* vj = v + idx[j] * ldv;
-    DDD_UNROLL for (int b = 0; b < NB; ++b) acc[b] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + 8 * b), acc[b]);
+// Scores of query head q against the 8 key rows k + idx[j] * ldk, j < 8: exactly score1 for each.
+DDD_AVX2 inline void score8(const float* q, const float* k, const int32_t* idx, int64_t ldk, int64_t H, float* out) {
+  const int64_t H8 = H & ~int64_t(7);
+  const float* kr[8];
+  DDD_UNROLL for (int j = 0; j < 8; ++j) kr[j] = k + idx[j] * ldk;
+  __m256 a[8];
+  DDD_UNROLL for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t h = 0; h < H8; h += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + h);
+    DDD_UNROLL for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + h), a[j]);
   }
-  DDD_UNROLL for (int b = 0; b < NB; ++b) _mm256_storeu_ps(out + 8 * b, acc[b]);
+  _mm256_storeu_ps(out, hsum8x8(a));
+  if (H8 < H)
+    for (int j = 0; j < 8; ++j)
+      for (int64_t h = H8; h < H; ++h) out[j] = __builtin_fmaf(q[h], kr[j][h], out[j]);
 }
 
-// One query row (all N heads) against the slots it may attend, in ascending slot order:
-//   score_j = (q . k_j) * scale;  p_j = exp(score_j - max) / sum_j' exp(..)  (sum in slot order);
-//   out = sum_j p_j v_j  (fma chain in slot order).
-// Slots it may not attend are skipped, so a tree node sees exactly the numbers a sequential decode of its path
-// sees (its ancestors sit at increasing slots, as the committed path will).
-DDD_AVX2 void attend_row(const float* q, const float* k, const float* v, const bool* mask, float* out, int64_t S,
-                         int64_t N, int64_t Kh, int64_t H, float scale, std::vector<int32_t>& idx,
-                         std::vector<float>& e) {
-  idx.clear();
-  for (int64_t s = 0; s < S; ++s)
-    if (mask[s]) idx.push_back(static_cast<int32_t>(s));
-  const bool none = idx.empty();  // fully masked row: XLA's softmax gives uniform weights over every slot
-  if (none)
-    for (int64_t s = 0; s < S; ++s) idx.push_back(static_cast<int32_t>(s));
-  const int64_t n_att = static_cast<int64_t>(idx.size());
-  const int64_t padded = (n_att + 7) & ~int64_t(7);
-  e.resize(padded);
-  const int64_t G = N / Kh, ldk = Kh * H;
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t kh = n / G;
-    const float* qn = q + n * H;
-    const float* kb = k + kh * H;
-    if (none) {
-      for (int64_t j = 0; j < n_att; ++j) e[j] = 0.0f;
-    } else {
-      int64_t j = 0;
-      for (; j + 4 <= n_att; j += 4)
-        dot4(qn, kb + idx[j] * ldk, kb + idx[j + 1] * ldk, kb + idx[j + 2] * ldk, kb + idx[j + 3] * ldk, H, &e[j]);
-      for (; j < n_att; ++j) e[j] = dot1(qn, kb + idx[j] * ldk, H);
-      for (j = 0; j < n_att; ++j) e[j] *= scale;
+// out[0:8*NB] += sum_j p_j v_j[0:8*NB] for GT query heads sharing one KV head (p: GT rows of stride ldp, out: GT
+// rows of stride H); per element the fma chain continues from out in slot order, so summing a row's slots block by
+// block gives exactly the one chain over all of them.
+template <int GT, int NB>
+DDD_AVX2 inline void pv_group(const float* p, int64_t ldp, const int32_t* idx, int64_t n_att, const float* v,
+                              int64_t ldv, float* out, int64_t H) {
+  __m256 acc[GT][NB];
+  DDD_UNROLL for (int g = 0; g < GT; ++g)
+    DDD_UNROLL for (int b = 0; b < NB; ++b) acc[g][b] = _mm256_loadu_ps(out + g * H + 8 * b);
+  for (int64_t j = 0; j < n_att; ++j) {
+    const float* vj = v + idx[j] * ldv;
+    __m256 vv[NB];
+    DDD_UNROLL for (int b = 0; b < NB; ++b) vv[b] = _mm256_loadu_ps(vj + 8 * b);
+    DDD_UNROLL for (int g = 0; g < GT; ++g) {
+      const __m256 pg = _mm256_broadcast_ss(p + g * ldp + j);
+      DDD_UNROLL for (int b = 0; b < NB; ++b) acc[g][b] = _mm256_fmadd_ps(pg, vv[b], acc[g][b]);
     }
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < n_att; ++j) mx = std::max(mx, e[j]);
-    for (int64_t j = n_att; j < padded; ++j) e[j] = mx;
-    const __m256 mv = _mm256_set1_ps(mx);
-    for (int64_t j = 0; j < padded; j += 8) _mm256_storeu_ps(&e[j], exp8(_mm256_sub_ps(_mm256_loadu_ps(&e[j]), mv)));
-    float sum = 0.0f;
-    for (int64_t j = 0; j < n_att; ++j) sum += e[j];
-    for (int64_t j = 0; j < n_att; ++j) e[j] = e[j] / sum;
-    float* on = out + n * H;
-    const float* vb = v + kh * H;
-    int64_t h = 0;
-    for (; h + 64 <= H; h += 64) pv_block<8>(e.data(), idx.data(), n_att, vb + h, ldk, on + h);
-    for (; h + 32 <= H; h += 32) pv_block<4>(e.data(), idx.data(), n_att, vb + h, ldk, on + h);
-    for (; h + 8 <= H; h += 8) pv_block<1>(e.data(), idx.data(), n_att, vb + h, ldk, on + h);
-    for (; h < H; ++h) {
-      float a = 0.0f;
-      for (int64_t j = 0; j < n_att; ++j) a = __builtin_fmaf(e[j], vb[idx[j] * ldk + h], a);
-      on[h] = a;
+  }
+  DDD_UNROLL for (int g = 0; g < GT; ++g)
+    DDD_UNROLL for (int b = 0; b < NB; ++b) _mm256_storeu_ps(out + g * H + 8 * b, acc[g][b]);
+}
+
+template <int GT>
+DDD_AVX2 inline void pv_heads(const float* p, int64_t ldp, const int32_t* idx, int64_t n_att, const float* v,
+                              int64_t ldv, float* out, int64_t H) {
+  int64_t h = 0;
+  for (; h + 16 <= H; h += 16) pv_group<GT, 2>(p, ldp, idx, n_att, v + h, ldv, out + h, H);
+  for (; h + 8 <= H; h += 8) pv_group<GT, 1>(p, ldp, idx, n_att, v + h, ldv, out + h, H);
+  for (; h < H; ++h)
+    for (int g = 0; g < GT; ++g) {
+      float a = out[g * H + h];
+      for (int64_t j = 0; j < n_att; ++j) a = __builtin_fmaf(p[g * ldp + j], v[idx[j] * ldv + h], a);
+      out[g * H + h] = a;
+    }
+}
+
+// Slots a row may attend, ascending (all S when none: XLA's softmax then gives uniform weights over every slot).
+DDD_AVX2 inline void attended_slots(const bool* mask, int64_t S, std::vector<int32_t>& idx) {
+  idx.clear();
+  int64_t s = 0;
+  for (; s + 32 <= S; s += 32) {
+    uint32_t bits = static_cast<uint32_t>(_mm256_movemask_epi8(
+        _mm256_cmpgt_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mask + s)), _mm256_setzero_si256())));
+    while (bits) {
+      idx.push_back(static_cast<int32_t>(s + __builtin_ctz(bits)));
+      bits &= bits - 1;
+    }
+  }
+  for (; s < S; ++s)
+    if (mask[s]) idx.push_back(static_cast<int32_t>(s));
+  if (idx.empty())
+    for (s = 0; s < S; ++s) idx.push_back(static_cast<int32_t>(s));
+}
+
+constexpr int64_t kSlotBlock = 64;  // slots whose keys (then values) stay in L1 while every row of a chunk uses them
+
+// Per-row state of attend_rows.
+struct RowSlots {
+  std::vector<int32_t> idx;  // attended slots, ascending
+  std::vector<float> e;      // [G, padded]: scores, then probabilities
+  bool none = false;         // the row attends nothing
+  int64_t padded = 0;
+  int64_t cur = 0;           // cursor into idx while sweeping slot blocks
+};
+
+DDD_AVX2 void pv_rows(const float* p, int64_t ldp, const int32_t* idx, int64_t n, const float* v, int64_t ldv,
+                      float* out, int64_t G, int64_t H) {
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) pv_heads<4>(p + g * ldp, ldp, idx, n, v, ldv, out + g * H, H);
+  switch (G - g) {
+    case 3: pv_heads<3>(p + g * ldp, ldp, idx, n, v, ldv, out + g * H, H); break;
+    case 2: pv_heads<2>(p + g * ldp, ldp, idx, n, v, ldv, out + g * H, H); break;
+    case 1: pv_heads<1>(p + g * ldp, ldp, idx, n, v, ldv, out + g * H, H); break;
+    default: break;
+  }
+}
+
+// The G query heads of KV head kh for R rows of one batch element (q, out: row stride ldq floats; the row's G heads
+// start at q / out), against keys / values k, v (slot stride ldk). Per row and query head, over the slots the row
+// attends in ascending order:
+//   score_j = score1(q, k_j) * scale;  p_j = exp(score_j - max) / sum  (sum: lane l adds the slots j = l mod 8 in
+//   order, the lanes then summed by hsum8_pairs -- an order fixed by the number of attended slots alone);
+//   out = sum_j p_j v_j (one fma chain in slot order).
+// Every number depends on the row's own slots only -- not on the other rows, nor on how slots fall into blocks --
+// so a tree node gets exactly what a sequential decode of its path gets (the same slots in the same order: its
+// ancestors sit at increasing slots, as the committed path will). The slot blocks only make the rows share each
+// key and value row while it is in L1.
+DDD_AVX2 void attend_rows(const float* q, const float* k, const float* v, const bool* mask, float* out, int64_t R,
+                          int64_t ldq, int64_t S, int64_t G, int64_t ldk, int64_t H, float scale,
+                          std::vector<RowSlots>& rows) {
+  if (static_cast<int64_t>(rows.size()) < R) rows.resize(R);
+  for (int64_t r = 0; r < R; ++r) {
+    RowSlots& rs = rows[r];
+    attended_slots(mask + r * S, S, rs.idx);
+    rs.none = static_cast<int64_t>(rs.idx.size()) == S && !std::any_of(mask + r * S, mask + (r + 1) * S,
+                                                                        [](bool x) { return x; });
+    rs.padded = (static_cast<int64_t>(rs.idx.size()) + 7) & ~int64_t(7);
+    rs.e.assign(G * rs.padded, 0.0f);
+    rs.cur = 0;
+  }
+  // scores, slot block by slot block
+  for (int64_t s0 = 0; s0 < S; s0 += kSlotBlock) {
+    const int64_t s1 = std::min(S, s0 + kSlotBlock);
+    for (int64_t r = 0; r < R; ++r) {
+      RowSlots& rs = rows[r];
+      const int64_t n_att = static_cast<int64_t>(rs.idx.size());
+      const int64_t lo = rs.cur;
+      int64_t hi = lo;
+      while (hi < n_att && rs.idx[hi] < s1) ++hi;
+      rs.cur = hi;
+      if (rs.none) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + r * ldq + g * H;
+        float* eg = rs.e.data() + g * rs.padded;
+        int64_t j = lo;
+        for (; j + 8 <= hi; j += 8) score8(qg, k, rs.idx.data() + j, ldk, H, eg + j);
+        for (; j < hi; ++j) eg[j] = score1(qg, k + rs.idx[j] * ldk, H);
+      }
+    }
+  }
+  // softmax per row and head
+  const __m256 sc = _mm256_set1_ps(scale);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t r = 0; r < R; ++r) {
+    RowSlots& rs = rows[r];
+    const int64_t n_att = static_cast<int64_t>(rs.idx.size()), padded = rs.padded;
+    const int64_t n8 = n_att & ~int64_t(7);
+    for (int64_t g = 0; g < G; ++g) {
+      float* eg = rs.e.data() + g * padded;
+      for (int64_t j = 0; j < padded; j += 8) _mm256_storeu_ps(eg + j, _mm256_mul_ps(_mm256_loadu_ps(eg + j), sc));
+      __m256 mxv = _mm256_set1_ps(-INFINITY);
+      for (int64_t j = 0; j < n8; j += 8) mxv = _mm256_max_ps(mxv, _mm256_loadu_ps(eg + j));
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, mxv);
+      float mx = -INFINITY;
+      for (float x : lanes) mx = std::max(mx, x);
+      for (int64_t j = n8; j < n_att; ++j) mx = std::max(mx, eg[j]);
+      const __m256 mv = _mm256_set1_ps(mx);
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t j = 0; j < padded; j += 8) {
+        __m256 x = exp8(_mm256_sub_ps(_mm256_loadu_ps(eg + j), mv));
+        if (j + 8 > n_att)  // zero the padding
+          x = _mm256_and_ps(x, _mm256_castsi256_ps(
+                                   _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n_att - j)), lane)));
+        _mm256_storeu_ps(eg + j, x);
+        sum = _mm256_add_ps(sum, x);
+      }
+      const __m256 sv = _mm256_set1_ps(hsum8_pairs(sum));
+      for (int64_t j = 0; j < padded; j += 8) _mm256_storeu_ps(eg + j, _mm256_div_ps(_mm256_loadu_ps(eg + j), sv));
+    }
+    for (int64_t g = 0; g < G; ++g) std::fill(out + r * ldq + g * H, out + r * ldq + (g + 1) * H, 0.0f);
+    rs.cur = 0;
+  }
+  // probabilities x values, slot block by slot block (each row's chain continues from out)
+  for (int64_t s0 = 0; s0 < S; s0 += kSlotBlock) {
+    const int64_t s1 = std::min(S, s0 + kSlotBlock);
+    for (int64_t r = 0; r < R; ++r) {
+      RowSlots& rs = rows[r];
+      const int64_t n_att = static_cast<int64_t>(rs.idx.size());
+      const int64_t lo = rs.cur;
+      int64_t hi = lo;
+      while (hi < n_att && rs.idx[hi] < s1) ++hi;
+      rs.cur = hi;
+      if (hi > lo) pv_rows(rs.e.data() + lo, rs.padded, rs.idx.data() + lo, hi - lo, v, ldk, out + r * ldq, G, H);
     }
   }
 }
@@ -505,15 +620,23 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   const float* vp = v.typed_data() + l * B * S * Kh * H;
   const bool* mp = mask.typed_data();
   float* op = out->typed_data();
-  const int64_t rows = B * T;
+  const int64_t G = N / Kh;
   int64_t threads = pool_threads(pool);
-  if (rows < 4) threads = 1;
-  parallel_chunks(threads, rows, [=](int64_t r) {
-    thread_local std::vector<int32_t> idx;
-    thread_local std::vector<float> e;
-    const int64_t b = r / T;
-    attend_row(qp + r * N * H, kp + b * S * Kh * H, vp + b * S * Kh * H, mp + r * S, op + r * N * H, S, N, Kh, H,
-               scale, idx, e);
+  // one chunk = (batch element, KV head, group of rows): its rows share each key / value row while it is in L1;
+  // rows are split into groups only as far as the threads need chunks
+  const int64_t per = B * Kh;
+  const int64_t groups = std::min<int64_t>(T, std::max<int64_t>(1, (2 * threads + per - 1) / per));
+  const int64_t rows_per = (T + groups - 1) / groups;
+  const int64_t n_chunks = per * ((T + rows_per - 1) / rows_per);
+  if (n_chunks < 2) threads = 1;
+  parallel_chunks(threads, n_chunks, [=](int64_t c) {
+    thread_local std::vector<RowSlots> rows;
+    const int64_t kh = c % Kh, bg = c / Kh;
+    const int64_t n_rg = (T + rows_per - 1) / rows_per;
+    const int64_t b = bg / n_rg, t0 = (bg % n_rg) * rows_per, t1 = std::min(T, t0 + rows_per);
+    const int64_t r0 = b * T + t0, off = b * S * Kh * H + kh * H;
+    attend_rows(qp + r0 * N * H + kh * G * H, kp + off, vp + off, mp + r0 * S, op + r0 * N * H + kh * G * H,
+                t1 - t0, N * H, S, G, Kh * H, H, scale, rows);
   });
   return ffi::Error::Success();
 }
