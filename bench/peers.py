@@ -40,10 +40,11 @@ def _threads() -> int:
 
 # ----------------------------------------------------------------------------------------------- runners
 # A runner maps (prompt ids, max_new_tokens) -> (new tokens, decode seconds after the first new token).
-def jax_runner(target, draft, method: str, capacity: int):
+def jax_runner(target, draft, method: str, capacity: int, tree=None, ddd=None):
+    """tree / ddd: None = what `generate` picks (the backend's tuned settings for this pair, else the paper's)."""
     from ddd_jax import generate
 
-    kw = dict(method="vanilla") if method == "vanilla" else dict(method="ddd", sync="device")
+    kw = dict(method="vanilla") if method == "vanilla" else dict(method="ddd", sync="device", tree=tree, ddd=ddd)
 
     def run(ids, max_new):
         r = generate(target, draft if method != "vanilla" else None, ids, max_new_tokens=max_new, capacity=capacity,
@@ -113,7 +114,7 @@ def llama_cpp_runner(gguf_path, capacity: int):
 
 
 def build_runners(target, draft, peers, capacity: int, gguf_path=None, prompt_lookup: int = 10,
-                  required=()) -> tuple[dict, dict]:
+                  required=(), tree=None, ddd=None) -> tuple[dict, dict]:
     """({peer: runner}, {peer: why skipped}). A peer in `required` that cannot be built raises."""
     runners, skipped = {}, {}
     for p in peers:
@@ -123,7 +124,7 @@ def build_runners(target, draft, peers, capacity: int, gguf_path=None, prompt_lo
             elif p == "ddd-jax-ddd":
                 if draft is None:
                     raise ValueError("ddd-jax-ddd needs a draft head")
-                runners[p] = jax_runner(target, draft, "ddd", capacity)
+                runners[p] = jax_runner(target, draft, "ddd", capacity, tree, ddd)
             elif p == "transformers":
                 runners[p] = torch_runner(target)
             elif p == "transformers-pld":

@@ -1,0 +1,57 @@
+"""`ddd-jax peers`: every peer decodes the same weights to the same greedy tokens (tiny random target), the
+timing fields are filled, and bad requests are refused."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import ddd_jax  # noqa: E402
+from ddd_jax import DDDConfig, TreeConfig  # noqa: E402
+from ddd_jax.bench.peers import build_runners, peers_table, run_peers  # noqa: E402
+from ddd_jax.cli import main  # noqa: E402
+
+from spec_helpers import prompts, tiny_target  # noqa: E402
+
+
+def test_peers_on_the_same_weights_give_the_same_tokens():
+    target = tiny_target()
+    draft = ddd_jax.init_draft(target, 0)  # untrained: speculative decoding is lossless whatever the head
+    names = ["ddd-jax", "ddd-jax-ddd", "transformers", "transformers-pld"]
+    runners, skipped = build_runners(target, draft, names, capacity=256, prompt_lookup=3,
+                                      tree=TreeConfig(top_k=2, total_tokens=6, depth=3),
+                                      ddd=DDDConfig(check_steps=(1, 3), threshold=-2.5, max_depth=5))
+    assert not skipped and list(runners) == names
+    ps = prompts(3, seed=5)
+    res = run_peers(runners, ps, 12, progress=False)
+    for name in names:
+        row = res["peers"][name]
+        assert row["identical_to_ddd_jax"] == len(ps), (name, res["tokens"][name], res["tokens"]["ddd-jax"])
+        assert row["mean_common_prefix"] == 1.0
+        assert row["decode_tokens"] > 0 and row["decode_s"] > 0 and row["tokens_per_s"] > 0
+    assert res["peers"]["transformers-pld"]["settings"] == {"prompt_lookup_num_tokens": 3}
+    assert "| transformers-pld |" in peers_table(res)
+
+
+def test_missing_or_unknown_peers(monkeypatch):
+    target = tiny_target()
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp -> ModuleNotFoundError
+    runners, skipped = build_runners(target, None, ["ddd-jax", "llama.cpp"], capacity=64, gguf_path="x.gguf")
+    assert list(runners) == ["ddd-jax"] and "pip install llama-cpp-python" in skipped["llama.cpp"]
+    with pytest.raises(ModuleNotFoundError, match="llama-cpp-python"):
+        build_runners(target, None, ["llama.cpp"], capacity=64, gguf_path="x.gguf", required=("llama.cpp",))
+    with pytest.raises(ValueError, match="unknown peer 'vllm'"):
+        build_runners(target, None, ["vllm"], capacity=64)
+    with pytest.raises(ValueError, match="needs a draft head"):
+        build_runners(target, None, ["ddd-jax-ddd"], capacity=64)
+
+
+def test_cli_refuses_unknown_peer_and_missing_gguf(tmp_path):
+    with pytest.raises(SystemExit, match="unknown peer"):
+        main(["peers", "--peers", "ddd-jax,vllm", "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["peers", "--peers", "llama.cpp", "--gguf", str(tmp_path / "none.gguf"), "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
