@@ -6,7 +6,7 @@ import pytest
 
 from ddd_jax import DDDConfig, TreeConfig, generate
 
-# the tuned CPU settings (ddd_jax/settings/cpu.json): small trees
+# small CPU trees (an earlier `ddd-jax tune` choice for this pair)
 TREE = TreeConfig(top_k=2, total_tokens=8, depth=2)
 DDD = DDDConfig(check_steps=(2, 4), threshold=-1.0, max_depth=6)
 
