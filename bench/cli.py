@@ -108,7 +108,8 @@ def add_parser(subparsers) -> None:
                          "llama.cpp; a missing package skips its peer unless named here)")
     pe.add_argument("--gguf", default=None, help="GGUF file for llama.cpp (default: the named target's file)")
     pe.add_argument("--prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens for transformers-pld")
-    pe.add_argument("--capacity", type=int, default=1024, help="KV-cache / context size for every decoder")
+    pe.add_argument("--capacity", type=int, default=None,
+                    help="KV-cache / context size for every decoder (default: the smallest that fits every prompt)")
     pe.set_defaults(func=run_peers)
 
 
@@ -244,7 +245,7 @@ def run_bench(args) -> int:
 
 def run_peers(args) -> int:
     from . import report
-    from .peers import PEERS, build_runners, peers_table, run_peers as _run
+    from .peers import PEERS, build_runners, peers_table, required_capacity, run_peers as _run
     from .run import environment
     named = [p.strip() for p in args.peers.split(",") if p.strip()] if args.peers else []
     unknown = [p for p in named if p not in PEERS]
@@ -263,10 +264,12 @@ def run_peers(args) -> int:
     prompts = load_prompts(args)
     target, draft, draft_name = load_models(args, need_draft="ddd-jax-ddd" in peers)
     ids = [target.encode_chat([{"role": "user", "content": q["turns"][0]}]) for q in prompts]
-    if max(len(i) for i in ids) + args.max_new_tokens + 64 > args.capacity:
-        raise SystemExit(f"ddd-jax peers: --capacity {args.capacity} is too small for the longest prompt "
-                         f"({max(len(i) for i in ids)} tokens) + {args.max_new_tokens} new tokens")
-    runners, skipped = build_runners(target, draft, peers, args.capacity, gguf_path=gguf,
+    need = required_capacity(target, draft if "ddd-jax-ddd" in peers else None, [len(i) for i in ids],
+                             args.max_new_tokens)
+    if args.capacity is not None and args.capacity < need:
+        raise SystemExit(f"ddd-jax peers: --capacity {args.capacity} is too small: the longest prompt "
+                         f"({max(len(i) for i in ids)} tokens) + {args.max_new_tokens} new tokens need {need}")
+    runners, skipped = build_runners(target, draft, peers, args.capacity or need, gguf_path=gguf,
                                      prompt_lookup=args.prompt_lookup, required=named)
     for p, why in skipped.items():
         print(f"skipping {p}: {why}", file=sys.stderr)

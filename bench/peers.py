@@ -113,6 +113,23 @@ def llama_cpp_runner(gguf_path, capacity: int):
     return run
 
 
+def required_capacity(target, draft, prompt_lengths, max_new_tokens: int, tree=None, ddd=None) -> int:
+    """The smallest cache / context every ddd-jax peer fits in (generate's own formula; the others need less)."""
+    from ddd_jax import settings
+    from ddd_jax.generate import cache_capacity, make_plan
+    from ddd_jax.config import DDDConfig, TreeConfig
+
+    P = max(prompt_lengths)
+    kw = dict(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens)
+    need = cache_capacity(P, make_plan(target, None, method="vanilla", sync="device", tree=TreeConfig(),
+                                       ddd=DDDConfig(), **kw))
+    if draft is not None:
+        tree, ddd, _ = settings.resolve(target, draft, tree, ddd)
+        need = max(need, cache_capacity(P, make_plan(target, draft, method="ddd", sync="device", tree=tree, ddd=ddd,
+                                                     **kw)))
+    return need
+
+
 def build_runners(target, draft, peers, capacity: int, gguf_path=None, prompt_lookup: int = 10,
                   required=(), tree=None, ddd=None) -> tuple[dict, dict]:
     """({peer: runner}, {peer: why skipped}). A peer in `required` that cannot be built raises."""

@@ -261,6 +261,7 @@ def test_sampling_distribution_matches_target_eagle3(temperature, top_p):
     assert max(max(s["accepted_per_call"]) for s in r.stats["per_sequence"]) >= 2
 
 
+@pytest.mark.slow  # the real SmolLM2 (the marker's rule)
 def test_smollm2_eagle3_token_identical(smollm2_gguf):
     """The real target: an (untrained) EAGLE-3 head reads SmolLM2's layers 2, 15, 27 and stays lossless."""
     from ddd_jax import load_target

@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 import ddd_jax  # noqa: E402
 from ddd_jax import DDDConfig, TreeConfig  # noqa: E402
-from ddd_jax.bench.peers import build_runners, peers_table, run_peers  # noqa: E402
+from ddd_jax.bench.peers import build_runners, peers_table, required_capacity, run_peers  # noqa: E402
 from ddd_jax.cli import main  # noqa: E402
 
 from spec_helpers import prompts, tiny_target  # noqa: E402
@@ -21,11 +21,12 @@ def test_peers_on_the_same_weights_give_the_same_tokens():
     target = tiny_target()
     draft = ddd_jax.init_draft(target, 0)  # untrained: speculative decoding is lossless whatever the head
     names = ["ddd-jax", "ddd-jax-ddd", "transformers", "transformers-pld"]
-    runners, skipped = build_runners(target, draft, names, capacity=256, prompt_lookup=3,
-                                      tree=TreeConfig(top_k=2, total_tokens=6, depth=3),
-                                      ddd=DDDConfig(check_steps=(1, 3), threshold=-2.5, max_depth=5))
-    assert not skipped and list(runners) == names
+    tree, ddd = TreeConfig(top_k=2, total_tokens=6, depth=3), DDDConfig(check_steps=(1, 3), threshold=-2.5, max_depth=5)
     ps = prompts(3, seed=5)
+    cap = required_capacity(target, draft, [len(p) for p in ps], 12, tree, ddd)
+    assert cap % 256 == 0 and cap >= max(len(p) for p in ps) + 12
+    runners, skipped = build_runners(target, draft, names, capacity=cap, prompt_lookup=3, tree=tree, ddd=ddd)
+    assert not skipped and list(runners) == names
     res = run_peers(runners, ps, 12, progress=False)
     for name in names:
         row = res["peers"][name]

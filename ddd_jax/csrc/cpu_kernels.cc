@@ -495,8 +495,27 @@ struct RowSlots {
   std::vector<float> e;      // [G, padded]: scores, then probabilities
   bool none = false;         // the row attends nothing
   int64_t padded = 0;
-  int64_t cur = 0;           // cursor into idx while sweeping slot blocks
+  int64_t cur = 0;           // cursor into idx while sweeping slot blocks (for_slot_blocks)
 };
+
+// Calls fn(r, rs, lo, hi) for every slot block [s0, s0 + kSlotBlock) and every row r, with [lo, hi) the row's
+// entries of idx inside that block (blocks in ascending order, rows in order within a block).
+template <class Fn>
+inline void for_slot_blocks(std::vector<RowSlots>& rows, int64_t R, int64_t S, Fn fn) {
+  for (int64_t r = 0; r < R; ++r) rows[r].cur = 0;
+  for (int64_t s0 = 0; s0 < S; s0 += kSlotBlock) {
+    const int64_t s1 = std::min(S, s0 + kSlotBlock);
+    for (int64_t r = 0; r < R; ++r) {
+      RowSlots& rs = rows[r];
+      const int64_t n_att = static_cast<int64_t>(rs.idx.size());
+      const int64_t lo = rs.cur;
+      int64_t hi = lo;
+      while (hi < n_att && rs.idx[hi] < s1) ++hi;
+      rs.cur = hi;
+      fn(r, rs, lo, hi);
+    }
+  }
+}
 
 DDD_AVX2 void pv_rows(const float* p, int64_t ldp, const int32_t* idx, int64_t n, const float* v, int64_t ldv,
                       float* out, int64_t G, int64_t H) {
@@ -531,28 +550,18 @@ DDD_AVX2 void attend_rows(const float* q, const float* k, const float* v, const 
                                                                         [](bool x) { return x; });
     rs.padded = (static_cast<int64_t>(rs.idx.size()) + 7) & ~int64_t(7);
     rs.e.assign(G * rs.padded, 0.0f);
-    rs.cur = 0;
   }
   // scores, slot block by slot block
-  for (int64_t s0 = 0; s0 < S; s0 += kSlotBlock) {
-    const int64_t s1 = std::min(S, s0 + kSlotBlock);
-    for (int64_t r = 0; r < R; ++r) {
-      RowSlots& rs = rows[r];
-      const int64_t n_att = static_cast<int64_t>(rs.idx.size());
-      const int64_t lo = rs.cur;
-      int64_t hi = lo;
-      while (hi < n_att && rs.idx[hi] < s1) ++hi;
-      rs.cur = hi;
-      if (rs.none) continue;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = q + r * ldq + g * H;
-        float* eg = rs.e.data() + g * rs.padded;
-        int64_t j = lo;
-        for (; j + 8 <= hi; j += 8) score8(qg, k, rs.idx.data() + j, ldk, H, eg + j);
-        for (; j < hi; ++j) eg[j] = score1(qg, k + rs.idx[j] * ldk, H);
-      }
+  for_slot_blocks(rows, R, S, [&](int64_t r, RowSlots& rs, int64_t lo, int64_t hi) DDD_AVX2 {
+    if (rs.none) return;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + r * ldq + g * H;
+      float* eg = rs.e.data() + g * rs.padded;
+      int64_t j = lo;
+      for (; j + 8 <= hi; j += 8) score8(qg, k, rs.idx.data() + j, ldk, H, eg + j);
+      for (; j < hi; ++j) eg[j] = score1(qg, k + rs.idx[j] * ldk, H);
     }
-  }
+  });
   // softmax per row and head
   const __m256 sc = _mm256_set1_ps(scale);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -584,21 +593,11 @@ DDD_AVX2 void attend_rows(const float* q, const float* k, const float* v, const 
       for (int64_t j = 0; j < padded; j += 8) _mm256_storeu_ps(eg + j, _mm256_div_ps(_mm256_loadu_ps(eg + j), sv));
     }
     for (int64_t g = 0; g < G; ++g) std::fill(out + r * ldq + g * H, out + r * ldq + (g + 1) * H, 0.0f);
-    rs.cur = 0;
   }
   // probabilities x values, slot block by slot block (each row's chain continues from out)
-  for (int64_t s0 = 0; s0 < S; s0 += kSlotBlock) {
-    const int64_t s1 = std::min(S, s0 + kSlotBlock);
-    for (int64_t r = 0; r < R; ++r) {
-      RowSlots& rs = rows[r];
-      const int64_t n_att = static_cast<int64_t>(rs.idx.size());
-      const int64_t lo = rs.cur;
-      int64_t hi = lo;
-      while (hi < n_att && rs.idx[hi] < s1) ++hi;
-      rs.cur = hi;
-      if (hi > lo) pv_rows(rs.e.data() + lo, rs.padded, rs.idx.data() + lo, hi - lo, v, ldk, out + r * ldq, G, H);
-    }
-  }
+  for_slot_blocks(rows, R, S, [&](int64_t r, RowSlots& rs, int64_t lo, int64_t hi) DDD_AVX2 {
+    if (hi > lo) pv_rows(rs.e.data() + lo, rs.padded, rs.idx.data() + lo, hi - lo, v, ldk, out + r * ldq, G, H);
+  });
 }
 
 // q [B, T, N, H]; k, v [L, B, S, Kh, H] (layer `layer` is used); mask [B, T, S]; out [B, T, N*H].
