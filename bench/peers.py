@@ -89,7 +89,8 @@ def torch_runner(target, prompt_lookup: int = 0):
     return run
 
 
-def llama_cpp_runner(gguf_path, capacity: int):
+def llama_cpp_runner(gguf_path, capacity: int, eos=()):
+    """eos: stop tokens besides the GGUF's own (pass the target's, so every peer stops where ddd-jax does)."""
     try:
         import llama_cpp
     except ModuleNotFoundError as e:
@@ -97,7 +98,7 @@ def llama_cpp_runner(gguf_path, capacity: int):
                                   "(builds from source; ~8 minutes on 2 cores)", name=e.name) from e
     llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=capacity, n_threads=_threads(),
                           n_threads_batch=_threads(), n_batch=512, verbose=False)
-    eos = {llm.token_eos()}
+    eos = set(eos) | {llm.token_eos()}
 
     def run(ids, max_new):
         new, first = [], None
@@ -149,7 +150,7 @@ def build_runners(target, draft, peers, capacity: int, gguf_path=None, prompt_lo
             elif p == "llama.cpp":
                 if gguf_path is None:
                     raise ValueError("llama.cpp needs the target's GGUF file (--gguf, or the default target)")
-                runners[p] = llama_cpp_runner(gguf_path, capacity)
+                runners[p] = llama_cpp_runner(gguf_path, capacity, eos=target.eos_token_ids)
             else:
                 raise ValueError(f"unknown peer {p!r}; known: {', '.join(PEERS)}")
         except (ModuleNotFoundError, ValueError) as e:
