@@ -141,7 +141,9 @@ def test_ddd_modes_agree_and_count_syncs(setup, threshold):
 def test_max_new_tokens_exact_and_eos(setup):
     target, draft, ps, _ = setup
     tree = TreeConfig(top_k=4, total_tokens=12, depth=3)
-    for n in (1, 2, 7):
+    # 1: the prefill's token only; 2: the first cycle's path cut to one token (longer cuts: every identity test,
+    # whose outputs must have vanilla's exact length)
+    for n in (1, 2):
         v = generate(target, None, ps[1], max_new_tokens=n)
         for method in ("eagle2", "ddd"):
             r = generate(target, draft, ps[1], max_new_tokens=n, method=method, tree=tree, ddd=SMALL_DDD)
