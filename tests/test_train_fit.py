@@ -152,6 +152,14 @@ def test_export_load_forward_and_target_check(target, feats, tmp_path):
     from ddd_jax.train_draft.train import _manager, init_head_params
     warm = init_head_params(r["draft_config"], target, FitConfig(init=f"head:{tmp_path / 'head'}"))
     chex.assert_trees_all_equal(warm, d.params)
+    # a head with a reduced draft vocabulary warm-starts too: same weights, its d2t dropped (not trained)
+    from ddd_jax.train_draft.vocab import apply_draft_vocab
+    extract(target, synthetic(4, 40), lambda e: e, tmp_path / "fv", source={"kind": "synthetic"}, max_len=40,
+            shard_size=16, buckets=(48,), progress=False)
+    apply_draft_vocab(tmp_path / "head", target, tmp_path / "fv", 16, tmp_path / "head_v")
+    assert "d2t" in load_draft_dir(tmp_path / "head_v", target).params
+    warm_v = init_head_params(r["draft_config"], target, FitConfig(init=f"head:{tmp_path / 'head_v'}"))
+    chex.assert_trees_all_equal(warm_v, d.params)
     # a checkpoint of the former dict layout fails with a clear message, not an orbax structure error
     (tmp_path / "old").mkdir()
     shutil.copy(tmp_path / "run" / "fit.json", tmp_path / "old" / "fit.json")

