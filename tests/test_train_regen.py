@@ -61,3 +61,26 @@ def test_example_masks_only_the_reply_and_bad_files(tmp_path):
     bad.write_text(json.dumps({"id": "a", "prompt_len": 5, "ids": [1, 2]}) + "\n")
     with pytest.raises(ValueError, match="malformed"):
         load_records(bad)
+
+
+def test_cli_extract_regenerated_checks_the_split_and_masks_replies(target, tmp_path, monkeypatch, capsys):
+    from ddd_jax.cli import main
+    from ddd_jax.train_draft import cli as tcli
+    from ddd_jax.train_draft.data import is_holdout
+    from ddd_jax.train_draft.extract import load_features
+    monkeypatch.setattr(tcli, "_load_target", lambda name: target)
+    held = next(f"h{i}" for i in range(10000) if is_holdout(f"h{i}", 2.0))
+    train = [f"t{i}" for i in range(50) if not is_holdout(f"t{i}", 2.0)][:2]
+    out = tmp_path / "r.jsonl"
+    regenerate(target, [(train[0], [3, 4, 5]), (train[1], [7, 8]), (held, [9, 10])], out, max_new_tokens=4,
+               batch_size=3, progress=False)
+    args = ["train-draft", "extract", "--target", "tiny", "--regenerated", str(out), "--out", str(tmp_path / "f"),
+            "--max-len", "16", "--buckets", "16", "--shard-size", "4"]
+    assert main(args) == 2
+    assert "1 records" in capsys.readouterr().err and not (tmp_path / "f").exists()
+    out.write_text("".join(line for line in out.read_text().splitlines(keepends=True) if held not in line))
+    assert main(args) == 0
+    fs = load_features(tmp_path / "f", target)
+    assert fs.n_seqs == 2 and fs.manifest["source"]["kind"] == "regenerated"
+    masks = {i: fs.mask[a:b].tolist() for i, a, b in zip(fs.seq_ids, fs.offsets[:-1], fs.offsets[1:])}
+    assert masks == {train[0]: [0, 0, 0, 1, 1, 1, 1], train[1]: [0, 0, 1, 1, 1, 1]}
