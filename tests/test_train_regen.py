@@ -24,26 +24,26 @@ def _prompts(n, seed=0):
 def test_records_are_the_targets_greedy_replies_and_resume(target, tmp_path):
     out = tmp_path / "regen.jsonl"
     prompts = _prompts(7)
-    r1 = regenerate(target, prompts[:5], out, max_new_tokens=6, batch_size=2, progress=False)
+    r1 = regenerate(target, prompts[:5], out, max_new_tokens=4, batch_size=3, progress=False)
     assert (r1["records"], r1["new_records"]) == (5, 5)
     with open(out, "a") as f:  # an interrupted write: a torn last line
         f.write('{"id": "c9", "prompt_')
-    r2 = regenerate(target, prompts, out, max_new_tokens=6, batch_size=3, progress=False)
+    r2 = regenerate(target, prompts, out, max_new_tokens=4, batch_size=3, progress=False)
     assert (r2["records"], r2["new_records"]) == (7, 2)  # c0..c4 skipped, torn line dropped
     recs = load_records(out)
     assert sorted(r["id"] for r in recs) == [f"c{i}" for i in range(7)]
     for rec in recs:
         ids = dict(prompts)[rec["id"]]
         assert rec["prompt_len"] == len(ids) and rec["ids"][:len(ids)] == ids
-        alone = generate(target, None, ids, max_new_tokens=6).tokens  # decoded alone, not in a batch
+        alone = generate(target, None, ids, max_new_tokens=4).tokens  # decoded alone, not in a batch
         assert rec["ids"][len(ids):] == alone
-        assert rec["finished"] == (len(alone) < 6)
+        assert rec["finished"] == (len(alone) < 4)
 
 
 def test_max_records_and_bad_arguments(target, tmp_path):
     out = tmp_path / "r.jsonl"
-    r = regenerate(target, _prompts(5), out, max_new_tokens=2, batch_size=2, max_records=3, progress=False)
-    assert r["records"] == 3 and len(load_records(out)) == 3
+    r = regenerate(target, _prompts(5), out, max_new_tokens=4, batch_size=3, max_records=4, progress=False)
+    assert r["records"] == 4 and len(load_records(out)) == 4
     with pytest.raises(ValueError, match="batch_size"):
         regenerate(target, _prompts(2), out, batch_size=0, progress=False)
 

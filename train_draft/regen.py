@@ -85,7 +85,8 @@ def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, ba
     """Append the target's greedy replies to `prompts` ((id, token ids) pairs) to `out_path`, skipping ids there.
 
     Batches are formed from prompts of similar length (sorted within windows of 8 batches) so the batched
-    prefill pads little. Stops at the first batch boundary after `time_limit_s`, or once the file holds
+    prefill pads little; every batch has `batch_size` rows (a short last one is padded), so decoding compiles
+    once per prompt bucket. Stops at the first batch boundary after `time_limit_s`, or once the file holds
     `max_records` records. Returns a summary.
     """
     from ddd_jax import generate
@@ -113,7 +114,9 @@ def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, ba
         for batch in batches:
             if time_limit_s is not None and time.time() - t0 > time_limit_s:
                 break
-            res = generate(target, None, [ids for _, ids in batch], max_new_tokens=max_new_tokens)
+            # a short last batch is padded with copies of its last prompt (results dropped): one batch shape
+            prompts_b = [ids for _, ids in batch] + [batch[-1][1]] * (batch_size - len(batch))
+            res = generate(target, None, prompts_b, max_new_tokens=max_new_tokens)
             lines = []
             for (conv_id, ids), toks in zip(batch, res.tokens):
                 finished = bool(toks) and toks[-1] in stops
