@@ -54,6 +54,10 @@ def test_example_masks_only_the_reply_and_bad_files(tmp_path):
     assert example_from_record({"id": "b", "prompt_len": 3, "ids": [5, 6, 7, 8]}, max_len=3) is None  # no reply left
     with pytest.raises(FileNotFoundError, match="regenerate"):
         load_records(tmp_path / "missing.jsonl")
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text('{"id": "a", "prompt_len": 1, "ids": [1, 2]}\n{"id": "b", "pro')
+    assert [r["id"] for r in load_records(torn)] == ["a"]  # the torn tail is skipped, the file left alone
+    assert torn.read_text().endswith('"pro')
     bad = tmp_path / "bad.jsonl"
     bad.write_text('not json\n{"id": "a", "prompt_len": 1, "ids": [1, 2]}\n')
     with pytest.raises(ValueError, match="line 1"):

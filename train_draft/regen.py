@@ -25,8 +25,9 @@ import numpy as np
 from ddd_jax import io as dio
 
 
-def _read_records(path: Path) -> list[dict]:
-    """Complete records of a regeneration file; a torn last line (interrupted write) is removed from the file."""
+def _read_records(path: Path, repair: bool = False) -> list[dict]:
+    """Complete records of a regeneration file; a torn last line (interrupted write) is skipped, and removed from
+    the file with `repair` (before appending to it)."""
     if not path.exists():
         return []
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
@@ -40,7 +41,8 @@ def _read_records(path: Path) -> list[dict]:
         except ValueError:
             if k != len(lines) - 1:
                 raise ValueError(f"{path}: line {k + 1} is not a JSON record (only the last line may be torn)")
-            dio.atomic_write_text(path, "".join(good))
+            if repair:
+                dio.atomic_write_text(path, "".join(good))
     return recs
 
 
@@ -94,7 +96,7 @@ def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, ba
         raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = {r["id"] for r in _read_records(out_path)}
+    done = {r["id"] for r in _read_records(out_path, repair=True)}
     todo = [(i, ids) for i, ids in prompts if i not in done]
     if max_records is not None:
         todo = todo[:max(0, max_records - len(done))]
