@@ -88,3 +88,26 @@ def test_cli_extract_regenerated_checks_the_split_and_masks_replies(target, tmp_
     assert fs.n_seqs == 2 and fs.manifest["source"]["kind"] == "regenerated"
     masks = {i: fs.mask[a:b].tolist() for i, a, b in zip(fs.seq_ids, fs.offsets[:-1], fs.offsets[1:])}
     assert masks == {train[0]: [0, 0, 0, 1, 1, 1, 1], train[1]: [0, 0, 1, 1, 1, 1]}
+    # several feature directories: concatenated in order, each checked against its own split
+    from ddd_jax.train_draft.vocab import token_counts
+    out_h = tmp_path / "h.jsonl"
+    regenerate(target, [(held, [9, 10])], out_h, max_new_tokens=4, batch_size=1, progress=False)
+    assert main(["train-draft", "extract", "--target", "tiny", "--regenerated", str(out_h), "--split", "holdout",
+                 "--out", str(tmp_path / "fh"), "--max-len", "16", "--buckets", "16"]) == 0
+    both = load_features([tmp_path / "f", tmp_path / "fh"], target)
+    assert both.n_seqs == 3 and both.seq_ids == fs.seq_ids + [held]
+    assert [p["seqs"] for p in both.parts] == [[0, 2], [2, 3]] and both.manifest["source"]["kind"] == "several"
+    np.testing.assert_array_equal(both.ids[:fs.n_tokens], fs.ids)
+    twice = token_counts([tmp_path / "f", tmp_path / "f"], 64)
+    np.testing.assert_array_equal(twice, 2 * token_counts(tmp_path / "f", 64))
+    assert load_features([tmp_path / "f", tmp_path / "fh"], target, max_shards=1).n_seqs == 2
+    fit = ["train-draft", "fit", "--target", "tiny", "--out", str(tmp_path / "run"), "--steps", "1"]
+    capsys.readouterr()
+    assert main(fit + ["--features", str(tmp_path / "f"), str(tmp_path / "fh")]) == 2
+    err = capsys.readouterr().err
+    assert "1 training sequences" in err and str(tmp_path / "fh") in err
+    assert main(fit + ["--features", str(tmp_path / "f"), "--eval-features", str(tmp_path / "f")]) == 2
+    assert "not in the ShareGPT holdout" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+    with pytest.raises(FileNotFoundError, match="manifest.json"):
+        load_features([tmp_path / "f", tmp_path / "missing"], target)

@@ -97,6 +97,26 @@ def cmd_fit_eagle3(args, target, train) -> int:
     return 0
 
 
+def _check_holdout(train, ev, holdout_percent: float) -> None:
+    """No ShareGPT-derived training sequence (ShareGPT or regenerated) may belong to the held-out conversations,
+    and ShareGPT-derived evaluation features must all do; checked per feature directory, with its own split."""
+    from .data import is_holdout
+    for fs, held in ((train, False), (ev, True)):
+        for part in (fs.parts if fs is not None else []):
+            src = part["source"] or {}
+            if src.get("kind") not in ("sharegpt", "regenerated"):
+                continue
+            hp = src.get("holdout_percent", holdout_percent)
+            a, b = part["seqs"]
+            wrong = sum(is_holdout(i, hp) != held for i in fs.seq_ids[a:b])
+            if wrong and not held:
+                raise ValueError(f"{wrong} training sequences in {part['path']} belong to the ShareGPT holdout "
+                                 f"(holdout_percent={hp})")
+            if wrong:
+                raise ValueError(f"--eval-features {part['path']} holds {wrong} conversations that are not in the "
+                                 f"ShareGPT holdout (holdout_percent={hp})")
+
+
 def cmd_fit(args) -> int:
     from .extract import load_features
     from .train import FitConfig, fit
@@ -110,15 +130,7 @@ def cmd_fit(args) -> int:
                     warmup=args.warmup, end_lr_frac=args.end_lr_frac, weight_decay=args.weight_decay,
                     clip_norm=args.clip_norm, w_cls=args.w_cls, noise=args.noise, dtype=args.dtype, seed=args.seed,
                     init=args.init, ce_positions=args.ce_positions)
-    src = train.manifest.get("source") or {}
-    if src.get("kind") in ("sharegpt", "regenerated"):
-        from .data import is_holdout
-        hp = src.get("holdout_percent", args.holdout_percent)
-        leaked = sum(is_holdout(i, hp) for i in train.seq_ids)
-        if leaked:
-            raise ValueError(f"{leaked} training sequences belong to the ShareGPT holdout (holdout_percent={hp})")
-        if ev is not None and not all(is_holdout(i, hp) for i in ev.seq_ids):
-            raise ValueError("--eval-features holds conversations that are not in the ShareGPT holdout")
+    _check_holdout(train, ev, args.holdout_percent)
     print(f"fit: {train.n_seqs} sequences, {train.n_tokens} tokens "
           f"({int(train.mask.sum())} loss tokens); held-out: {ev.n_seqs if ev else 0} sequences", flush=True)
     r = fit(target, train, args.out, cfg, eval_set=ev, resume=args.resume, ckpt_every=args.ckpt_every,
@@ -202,8 +214,10 @@ def add_parser(subparsers) -> None:
 
     f = sub.add_parser("fit", help="train the head on extracted features (EAGLE objective)")
     f.add_argument("--target", required=True)
-    f.add_argument("--features", required=True)
-    f.add_argument("--eval-features", default=None, help="held-out features for loss / top-1 evaluation")
+    f.add_argument("--features", required=True, nargs="+", metavar="DIR",
+                   help="feature directories (from `extract`); several are concatenated in order")
+    f.add_argument("--eval-features", default=None, nargs="+", metavar="DIR",
+                   help="held-out features for loss / top-1 evaluation")
     f.add_argument("--out", required=True, help="run directory: checkpoints/, metrics.jsonl, fit.json")
     f.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     f.add_argument("--max-shards", type=int, default=0)
@@ -261,7 +275,8 @@ def add_parser(subparsers) -> None:
     v = sub.add_parser("draft-vocab", help="give a head a reduced draft vocabulary (most frequent training tokens)")
     v.add_argument("--target", required=True)
     v.add_argument("--head", required=True, help="head directory (our format); rewritten atomically unless --out")
-    v.add_argument("--features", required=True, help="the feature directory the head was trained on")
+    v.add_argument("--features", required=True, nargs="+", metavar="DIR",
+                   help="the feature directories the head was trained on")
     v.add_argument("--size", type=int, default=8192, help="draft vocabulary size (default %(default)s)")
     v.add_argument("--out", default=None)
     v.set_defaults(func=cmd_vocab)

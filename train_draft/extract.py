@@ -18,7 +18,7 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -168,7 +168,8 @@ class FeatureSet:
     mask: np.ndarray  # [N] uint8
     offsets: np.ndarray  # [S+1] int64
     seq_ids: list
-    manifest: dict
+    manifest: dict  # one directory: its manifest; several: {"format", "target", "source": {"kind": "several", ...}}
+    parts: list = field(default_factory=list)  # [{"path", "source", "seqs": [first, end)}] per directory loaded
 
     @property
     def n_seqs(self) -> int:
@@ -179,9 +180,18 @@ class FeatureSet:
         return int(self.offsets[-1])
 
 
-def load_features(path, target=None, max_shards: int | None = None) -> FeatureSet:
-    """Load every shard listed in `path`/manifest.json (optionally the first max_shards) into memory."""
-    path = Path(path)
+def feature_dirs(path) -> list[Path]:
+    """`path` as a list of feature directories: one path, or a list / tuple of them."""
+    paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    if not paths:
+        raise ValueError("no feature directory given")
+    return [Path(p) for p in paths]
+
+
+def read_manifest(path: Path, target=None) -> dict:
+    if not (path / "manifest.json").is_file():
+        raise FileNotFoundError(f"{path} is not a feature directory (no manifest.json; make one with "
+                                "`ddd-jax train-draft extract`)")
     manifest = dio.read_json(path / "manifest.json")
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{path} is not a {FORMAT} directory")
@@ -189,18 +199,45 @@ def load_features(path, target=None, max_shards: int | None = None) -> FeatureSe
                                or manifest["vocab_size"] != target.config.vocab_size):
         raise ValueError(f"features in {path} were extracted from {manifest['target']!r} (hidden_size="
                          f"{manifest['hidden_size']}, vocab_size={manifest['vocab_size']}), not from this target")
-    shards = manifest["shards"][:max_shards] if max_shards else manifest["shards"]
-    ids, feats, masks, offs, sids = [], [], [], [np.zeros(1, np.int64)], []
-    base = 0
-    for e in shards:
-        with np.load(path / e["file"]) as z:
-            ids.append(z["ids"])
-            feats.append(z["features"])
-            masks.append(z["mask"])
-            offs.append(z["offsets"][1:] + base)
-            sids.extend(z["seq_ids"].tolist())
-            base += int(z["offsets"][-1])
+    return manifest
+
+
+def load_features(path, target=None, max_shards: int | None = None) -> FeatureSet:
+    """Load every shard listed in the manifest of `path` (optionally the first max_shards) into memory.
+
+    `path` may be a list of feature directories (e.g. ShareGPT replies and self-distilled replies, extracted
+    apart): their sequences are concatenated in that order (max_shards counts over all of them), and they must
+    come from one target (same hidden size and vocabulary). `parts` says which sequences came from where."""
+    dirs = feature_dirs(path)
+    manifests = [read_manifest(d, target) for d in dirs]
+    for d, m in zip(dirs[1:], manifests[1:]):
+        if (m["hidden_size"], m["vocab_size"]) != (manifests[0]["hidden_size"], manifests[0]["vocab_size"]):
+            raise ValueError(f"features in {d} (target {m['target']!r}) and {dirs[0]} (target "
+                             f"{manifests[0]['target']!r}) come from different targets")
+    ids, feats, masks, offs, sids, parts = [], [], [], [np.zeros(1, np.int64)], [], []
+    base, left = 0, max_shards or None
+    for d, manifest in zip(dirs, manifests):
+        shards = manifest["shards"] if left is None else manifest["shards"][:left]
+        first = len(sids)
+        for e in shards:
+            with np.load(d / e["file"]) as z:
+                ids.append(z["ids"])
+                feats.append(z["features"])
+                masks.append(z["mask"])
+                offs.append(z["offsets"][1:] + base)
+                sids.extend(z["seq_ids"].tolist())
+                base += int(z["offsets"][-1])
+        parts.append({"path": str(d), "source": manifest.get("source"), "seqs": [first, len(sids)]})
+        if left is not None:
+            left -= len(shards)
     if not ids:
-        raise ValueError(f"no feature shards in {path}")
+        raise ValueError(f"no feature shards in {', '.join(map(str, dirs))}")
+    if len(dirs) == 1:
+        manifest = manifests[0]
+    else:
+        m0 = manifests[0]
+        manifest = {"format": FORMAT, "version": VERSION, "target": m0["target"], "hidden_size": m0["hidden_size"],
+                    "vocab_size": m0["vocab_size"],
+                    "source": {"kind": "several", "parts": [{"path": p["path"], "source": p["source"]} for p in parts]}}
     return FeatureSet(np.concatenate(ids), np.concatenate(feats), np.concatenate(masks), np.concatenate(offs), sids,
-                      manifest)
+                      manifest, parts)

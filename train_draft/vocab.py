@@ -8,18 +8,21 @@ import numpy as np
 
 from ddd_jax import io as dio
 
+from .extract import feature_dirs, read_manifest
+
 
 def token_counts(feature_dir, vocab_size: int) -> np.ndarray:
-    """Counts of the tokens the head must predict: loss-masked positions of every shard in `feature_dir`."""
-    path = Path(feature_dir)
-    manifest = dio.read_json(path / "manifest.json")
+    """Counts of the tokens the head must predict: loss-masked positions of every shard in `feature_dir` (one
+    feature directory or a list of them)."""
+    dirs = feature_dirs(feature_dir)
     counts = np.zeros(vocab_size, np.int64)
-    for e in manifest["shards"]:
-        with np.load(path / e["file"]) as z:
-            ids, mask = z["ids"], z["mask"].astype(bool)
-            counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    for path in dirs:
+        for e in read_manifest(path)["shards"]:
+            with np.load(path / e["file"]) as z:
+                ids, mask = z["ids"], z["mask"].astype(bool)
+                counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
     if counts.sum() == 0:
-        raise ValueError(f"no loss-masked tokens in {path}")
+        raise ValueError(f"no loss-masked tokens in {', '.join(map(str, dirs))}")
     return counts
 
 
@@ -47,7 +50,8 @@ def apply_draft_vocab(head_dir, target, feature_dir, size: int, out=None) -> dic
     draft = load_draft(str(head_dir), target)
     counts = token_counts(feature_dir, target.config.vocab_size)
     ids = frequent_tokens(counts, size, always=target.eos_token_ids)
-    summary = {"draft_vocab_size": int(size), "train_coverage": coverage(counts, ids), "features": str(feature_dir)}
+    summary = {"draft_vocab_size": int(size), "train_coverage": coverage(counts, ids),
+               "features": [str(p) for p in feature_dirs(feature_dir)]}
     extra = dict(meta.get("extra") or {})
     extra["draft_vocab"] = summary
     save_draft(with_draft_vocab(draft, ids), out or head_dir, dtype=np.float16, extra=extra)
