@@ -123,6 +123,7 @@ def cmd_fit(args) -> int:
     mesh = _mesh(args)  # first: jax.distributed must start before JAX touches a device
     target = _load_target(args.target)
     train = load_features(args.features, target, max_shards=args.max_shards or None)
+    _check_holdout(train, None, args.holdout_percent)
     if args.head_type == "eagle3":
         return cmd_fit_eagle3(args, target, train)
     ev = load_features(args.eval_features, target) if args.eval_features else None
@@ -130,7 +131,7 @@ def cmd_fit(args) -> int:
                     warmup=args.warmup, end_lr_frac=args.end_lr_frac, weight_decay=args.weight_decay,
                     clip_norm=args.clip_norm, w_cls=args.w_cls, noise=args.noise, dtype=args.dtype, seed=args.seed,
                     init=args.init, ce_positions=args.ce_positions)
-    _check_holdout(train, ev, args.holdout_percent)
+    _check_holdout(None, ev, args.holdout_percent)
     print(f"fit: {train.n_seqs} sequences, {train.n_tokens} tokens "
           f"({int(train.mask.sum())} loss tokens); held-out: {ev.n_seqs if ev else 0} sequences", flush=True)
     r = fit(target, train, args.out, cfg, eval_set=ev, resume=args.resume, ckpt_every=args.ckpt_every,
