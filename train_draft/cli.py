@@ -102,7 +102,10 @@ def _check_holdout(train, ev, holdout_percent: float) -> None:
     and ShareGPT-derived evaluation features must all do; checked per feature directory, with its own split."""
     from .data import is_holdout
     for fs, held in ((train, False), (ev, True)):
-        for part in (fs.parts if fs is not None else []):
+        if fs is None:
+            continue
+        whole = {"path": "the features", "source": fs.manifest.get("source"), "seqs": [0, fs.n_seqs]}
+        for part in fs.parts or [whole]:
             src = part["source"] or {}
             if src.get("kind") not in ("sharegpt", "regenerated"):
                 continue
@@ -112,7 +115,7 @@ def _check_holdout(train, ev, holdout_percent: float) -> None:
             if wrong and not held:
                 raise ValueError(f"{wrong} training sequences in {part['path']} belong to the ShareGPT holdout "
                                  f"(holdout_percent={hp})")
-            if wrong:
+            elif wrong:
                 raise ValueError(f"--eval-features {part['path']} holds {wrong} conversations that are not in the "
                                  f"ShareGPT holdout (holdout_percent={hp})")
 

@@ -189,6 +189,7 @@ def feature_dirs(path) -> list[Path]:
 
 
 def read_manifest(path: Path, target=None) -> dict:
+    """The manifest of feature directory `path`, checked to be ours (and from `target`'s sizes when given)."""
     if not (path / "manifest.json").is_file():
         raise FileNotFoundError(f"{path} is not a feature directory (no manifest.json; make one with "
                                 "`ddd-jax train-draft extract`)")
