@@ -23,18 +23,15 @@ demo: install
 
 # On CPU the tests spend most of their time compiling, so XLA executables are cached on disk in $(JAX_TEST_CACHE):
 # across runs, and within one run after tests/conftest.py drops the in-memory programs at the end of each test file.
-# XLA compiles a program on one thread, so test files run in parallel worker processes (pytest-xdist; a file stays
-# in one process, so its module fixtures are built once): one per core, at most 4. TEST_WORKERS=0 runs in-process.
 # test-fast skips the tests marked slow (the real SmolLM2, the long speculative cross-products).
 JAX_TEST_CACHE ?= $(HOME)/.cache/ddd_jax/xla-test-cache
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
-PYTEST = JAX_COMPILATION_CACHE_DIR="$(JAX_TEST_CACHE)" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=20
 test: install
-	$(PYTEST)
+	JAX_COMPILATION_CACHE_DIR="$(JAX_TEST_CACHE)" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+		$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20
 
 test-fast: install
-	$(PYTEST) -m "not slow"
+	JAX_COMPILATION_CACHE_DIR="$(JAX_TEST_CACHE)" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+		$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" --durations=20
 
 bench: install
 	$(BIN)/ddd-jax bench --out runs/bench
