@@ -45,7 +45,9 @@ def _table(header: list, rows: list) -> str:
 def bench_table(result: dict) -> str:
     """Markdown: one row per method (speed, acceptance, depth, syncs, time split, compile, identity)."""
     cfg, env = result["config"], result["env"]
-    head = (f"**ddd-jax bench** target `{cfg['target']}`, draft `{cfg['draft']}`; {cfg['records']} prompt turns, "
+    dd = cfg.get("draft_dtype")
+    dd = f" ({dd} weights)" if dd and dd != cfg.get("params_dtype") else ""
+    head = (f"**ddd-jax bench** target `{cfg['target']}`, draft `{cfg['draft']}`{dd}; {cfg['records']} prompt turns, "
             f"max_new_tokens={cfg['max_new_tokens']}, temperature={cfg['temperature']}, repeat={cfg['repeat']}; "
             f"{env['backend']} ({env['device']}, {env['cpu_count']} CPUs), jax {env['jax']}, "
             f"{'CPU kernels, ' if env.get('cpu_kernels') else ''}{env['date']}")

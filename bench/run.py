@@ -364,6 +364,8 @@ def run_benchmark(target, draft, prompts, methods=DEFAULT_METHODS, *, tree: Tree
             "seed": seed, "repeat": repeat, "turns": turns, "prompts": len(prompts), "records": len(records),
             "capacity": capacity, "profile_prompts": min(profile_prompts, len(records)), "warmup": warmup,
             "chat": chat, "tie_tol": tie_tol, "params_dtype": str(target.params["embed"].dtype),
+            "draft_dtype": None if draft is None else next(str(a.dtype) for a in jax.tree.leaves(draft.params)
+                                                           if jnp.issubdtype(a.dtype, jnp.floating)),
             **(notes or {}),
         },
         "methods": methods_out,

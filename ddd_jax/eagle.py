@@ -87,13 +87,19 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions,
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
     e = jnp.take(embed, tokens, axis=0).astype(features.dtype)
-    x = linear(jnp.concatenate([e, features], axis=-1), dparams["fc_w"].astype(features.dtype))
+    x = linear(jnp.concatenate([e, features], axis=-1), _weight(dparams["fc_w"], features.dtype))
     if "fc_b" in dparams:
         x = x + dparams["fc_b"].astype(features.dtype)
     if kv_mask is None:
         kv_mask = causal_mask(B, T)
     x, cache = decoder_stack(dparams["layers"], dcfg.layer_config(), x, positions, cache, kv_mask)
     return x, cache
+
+
+def _weight(w, dtype):
+    """A head weight for activations of `dtype`: float16 weights stay float16 under float32 activations (the CPU
+    kernel widens them as it reads them: half the bytes; `layers.linear` otherwise promotes), else cast."""
+    return w if (w.dtype == jnp.float16 and dtype == jnp.float32) else w.astype(dtype)
 
 
 def project_features(dparams, dcfg: DraftConfig, feats):
@@ -147,7 +153,7 @@ class Draft:
     target: object  # ddd_jax Target (has .config and .params)
     name: str | None = None  # what it was loaded as (a packaged name or a path): selects tuned settings
     # [V', D] the target's output-embedding rows of the draft vocabulary (derived from d2t once; never saved)
-    lm_sub: jax.Array | None = field(init=False, default=None, repr=False)
+    lm_sub: jax.Array | None = field(init=False, default=None, repr=False)  # in the head's dtype (fc_w's)
 
     def __post_init__(self):
         self.config.check_target(self.target.config)
@@ -160,7 +166,8 @@ class Draft:
             _check_d2t(self.params["d2t"], self.config.vocab_size)
         if "d2t" in self.params and self.config.head_type == "eagle1":
             w = output_embedding(self.target.params, self.target.config)
-            self.lm_sub = jnp.take(w, self.params["d2t"], axis=0)
+            # in the head's own dtype (a float16 head reads float16 vocabulary rows too)
+            self.lm_sub = jnp.take(w, self.params["d2t"], axis=0).astype(self.params["fc_w"].dtype)
             if mesh is not None:
                 self.lm_sub = sharding.put(self.lm_sub, sharding.named(mesh, DRAFT_AXES["lm_sub"]))
 
@@ -173,6 +180,12 @@ class Draft:
         """This head as a flax nnx module (`modules.EagleHeadModule`) over the same arrays."""
         from .modules import EagleHeadModule
         return EagleHeadModule.from_draft(self)
+
+    def astype(self, dtype) -> "Draft":
+        """The same head with its floating-point weights stored in `dtype` (e.g. float16: on CPU the kernels read
+        them at half the bytes and compute in float32; drafting stays lossless -- the target decides every token)."""
+        cast = lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
+        return dataclasses.replace(self, params=jax.tree.map(cast, self.params))
 
     def decode_params(self) -> dict:
         """Params as the decode loops use them: the head's params, plus `lm_sub` for a reduced draft vocabulary."""

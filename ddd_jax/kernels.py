@@ -3,8 +3,10 @@
 `pip install` builds `ddd_jax/_cpu_kernels*.so` from `ddd_jax/csrc/cpu_kernels.cc` (g++ and jaxlib's FFI headers;
 see setup.py). On the CPU backend, float32 work of at most `MAX_ROWS` rows -- decoding and verification -- runs
 there: small-M matrix products that read a stacked weight's layer in place (no per-layer copy; weights streamed
-once for all rows), and attention over the slots a row may attend only. Everything else, and every machine where
-the library is missing, cannot be loaded or the CPU lacks AVX2/FMA, takes XLA (one stderr line when the library
+once for all rows), and attention over the slots a row may attend only. Products also take float16 weights under
+float32 activations (weight-only storage, e.g. a draft head's: half the bytes, widened exactly as they are read,
+so the result is the float32 product of the widened weights). Everything else, and every machine where the
+library is missing, cannot be loaded or the CPU lacks AVX2/FMA/F16C, takes XLA (one stderr line when the library
 is missing or broken). `DDD_JAX_NO_KERNELS=1` disables them.
 
 Numerics: float32 arithmetic; every output element is reduced in one fixed order that depends on the reduced
@@ -22,7 +24,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-TARGETS = {"ddd_linear": "DddLinear", "ddd_attention": "DddAttention"}
+TARGETS = {"ddd_linear": "DddLinear", "ddd_linear_f16": "DddLinearF16", "ddd_attention": "DddAttention"}
+WEIGHT_DTYPES = (jnp.float32, jnp.float16)  # float16: weight-only storage, widened exactly to float32 on load
 MAX_ROWS = 128  # beyond this (prefill, training) XLA's GEMM is the better product
 _state: dict = {}
 
@@ -83,15 +86,16 @@ def set_max_threads(n: int) -> None:
 
 
 def _call(x2, w3, layer, trans: bool):
-    """x2 [M, K] float32, w3 [L, K, N] (or [L, N, K] if trans), layer int32 [] -> [M, N] float32."""
+    """x2 [M, K] float32, w3 [L, K, N] (or [L, N, K] if trans) float32 or float16, layer int32 [] -> [M, N]
+    float32."""
     N = w3.shape[1] if trans else w3.shape[2]
-    call = jax.ffi.ffi_call("ddd_linear", jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32),
-                            vmap_method="sequential")
+    name = "ddd_linear_f16" if w3.dtype == jnp.float16 else "ddd_linear"
+    call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32), vmap_method="sequential")
     return call(x2, w3, layer, trans=trans)
 
 
 def _xla(x2, w3, layer, trans: bool):
-    w = jax.lax.dynamic_index_in_dim(w3, layer, 0, keepdims=False)
+    w = jax.lax.dynamic_index_in_dim(w3, layer, 0, keepdims=False).astype(jnp.float32)
     return jnp.dot(x2, w.T if trans else w, preferred_element_type=jnp.float32)
 
 
@@ -106,7 +110,7 @@ def _product_fwd(x2, w3, layer, trans):
 
 def _product_bwd(trans, res, g):  # XLA products (training never needs the kernel)
     x2, w3, layer = res
-    w = jax.lax.dynamic_index_in_dim(w3, layer, 0, keepdims=False)
+    w = jax.lax.dynamic_index_in_dim(w3, layer, 0, keepdims=False).astype(jnp.float32)
     gx = jnp.dot(g, w if trans else w.T, preferred_element_type=jnp.float32)
     gw = (g.T @ x2) if trans else (x2.T @ g)
     gw3 = jnp.zeros_like(w3).at[layer].set(gw.astype(w3.dtype))
@@ -129,11 +133,11 @@ def product(x, w, layer=None, trans: bool = False):
 
 
 def usable(x, w) -> bool:
-    """Whether `product` applies: float32 operands, at most MAX_ROWS rows, kernel available."""
+    """Whether `product` applies: float32 x, float32 or float16 weights, at most MAX_ROWS rows, kernel available."""
     rows = 1
     for d in x.shape[:-1]:
         rows *= d
-    return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and 0 < rows <= MAX_ROWS and available())
+    return (x.dtype == jnp.float32 and w.dtype in WEIGHT_DTYPES and 0 < rows <= MAX_ROWS and available())
 
 
 # ----------------------------------------------------------------------------------------------- attention

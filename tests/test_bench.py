@@ -243,10 +243,12 @@ def test_cli_bench_smollm2_two_turns(tmp_path, smollm2_by_name):
     rc = main(["bench", "--limit", "1", "--turns", "2", "--max-new-tokens", "8", "--draft", "random",
                "--methods", "vanilla,ddd-device", "--tree-top-k", "2", "--total-tokens", "4", "--depth", "2",
                "--ddd-checks", "1", "--ddd-max-depth", "3", "--profile-prompts", "1", "--settings", "none",
-               "--no-progress", "--out", str(out)])
+               "--draft-dtype", "float16", "--no-progress", "--out", str(out)])
     assert rc == 0
     r = json.loads((out / "bench.json").read_text())
     assert r["config"]["records"] == 2 and r["config"]["draft"].startswith("random-init")
+    assert r["config"]["draft_dtype"] == "float16" and r["config"]["params_dtype"] == "float32"
+    assert "(float16 weights)" in (out / "bench.md").read_text()
     assert r["records"][1]["turn"] == 2 and "text" in r["records"][1]["runs"]["vanilla"]
     assert r["identity"]["methods"]["ddd-device"]["compared"] == 2
     assert (out / "bench.md").is_file() and (out / "speedup_tau.png").is_file()

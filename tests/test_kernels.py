@@ -50,6 +50,28 @@ def test_linear_matches_dot_and_rows_are_m_independent(trans, K, N):
 
 @needs_kernel
 @pytest.mark.parametrize("trans", [False, True])
+@pytest.mark.parametrize("K,N", [(7, 5), (64, 24), (576, 192), (33, 200)])
+def test_float16_weights_are_the_float32_product_of_the_widened_weights(trans, K, N):
+    """float16 weights (weight-only storage) through the kernel: bit for bit the float32 kernel's product of the
+    same weights widened to float32, for every M and both layouts, and rows still M-independent; the XLA path
+    (kernels off) gives the same values to rounding."""
+    rng = np.random.default_rng(K + 7 * N)
+    w16 = jnp.asarray(rng.standard_normal((3, N, K) if trans else (3, K, N)), jnp.float16)
+    w32 = w16.astype(jnp.float32)
+    x = jnp.asarray(rng.standard_normal((17, K)), jnp.float32)
+    assert kernels.usable(x, w16) and not kernels.usable(x.astype(jnp.float16), w16)
+    for M in (1, 2, 3, 4, 5, 8, 17):
+        got = np.asarray(_product(x[:M], w16, 2, trans))
+        assert got.dtype == np.float32
+        assert np.array_equal(got, np.asarray(_product(x[:M], w32, 2, trans))), f"M={M}"
+        assert np.array_equal(got[M - 1], np.asarray(_product(x[M - 1:M], w16, 2, trans))[0])
+    with kernels.enabled(False):
+        xla = np.asarray(jax.jit(lambda x, w: layers.linear(x, w, 2, transposed=trans))(x, w16))
+    np.testing.assert_allclose(got, xla, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+
+
+@needs_kernel
+@pytest.mark.parametrize("trans", [False, True])
 def test_kernel_product_past_one_row_group(trans):
     """The kernel walks rows in groups of 128 (its accumulator tile); linear() sends at most MAX_ROWS to it."""
     rng = np.random.default_rng(3)

@@ -105,6 +105,26 @@ def test_reduced_draft_vocabulary_is_lossless(setup, method, sync):
     assert len(drafted) == 48
 
 
+def test_float16_head_is_lossless_and_drafts_like_float32(setup):
+    """A head stored in float16 (weights only: float32 activations, the kernels widen the weights as they read them)
+    is still token-identical to vanilla and accepts about as much as the float32 head; its draft-vocabulary rows
+    are float16 too."""
+    from ddd_jax.eagle import with_draft_vocab
+    target, draft, ps, ref = setup
+    counts = np.bincount(np.concatenate([np.asarray(t, int) for t in ref.tokens]), minlength=96)
+    small = with_draft_vocab(draft, np.argsort(-counts, kind="stable")[:64])
+    half = small.astype(jnp.float16)
+    assert half.params["fc_w"].dtype == jnp.float16 and half.lm_sub.dtype == jnp.float16
+    assert half.params["d2t"].dtype == jnp.int32 and small.lm_sub.dtype == jnp.float32
+    tree = TreeConfig(top_k=4, total_tokens=12, depth=3)
+    taus = {}
+    for name, d in (("f32", small), ("f16", half)):
+        res = generate(target, d, ps, max_new_tokens=32, method="ddd", tree=tree, ddd=SMALL_DDD)
+        check_identical(target, ps, ref.tokens, res.tokens, f"{name} head")
+        taus[name] = np.mean([s["mean_accepted"] for s in res.stats["per_sequence"]])
+    assert taus["f16"] > 1.5 and abs(taus["f16"] - taus["f32"]) < 0.1, taus
+
+
 def n_checks(depth, checks):
     return sum(1 for s in checks if s <= depth)
 

@@ -6,6 +6,8 @@
 //   trans = true:  w [L, N, K]  (x @ w[layer].T, output-embedding rows: lm_head, draft vocabulary)
 // The layer is read inside the kernel, so no per-layer slice of a stacked weight is ever copied, and the weight
 // is streamed from memory once for all M rows.
+// ddd_linear_f16: the same with float16 weights (weight-only storage, widened exactly to float32 on load; float32
+//   x, arithmetic and output), for weights where half the bytes matter more than their last bits (draft heads).
 // ddd_attention: q [B, T, N, H] against layer `layer` of k, v [L, B, S, Kh, H] under mask [B, T, S].
 //
 // Numerics: float32 products and sums, each output element reduced in one fixed order that depends only on the
@@ -37,10 +39,20 @@
 
 namespace ffi = xla::ffi;
 
-#define DDD_AVX2 __attribute__((target("avx2,fma")))
+#define DDD_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define DDD_UNROLL _Pragma("GCC unroll 16")
 
 namespace {
+
+// Weights are float32 or float16 (`uint16_t` bits; weight-only storage, e.g. a draft head): a float16 weight is
+// widened exactly to float32 as it is loaded, so every product is the float32 product of the widened weights, in
+// the same summation order.
+DDD_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+DDD_AVX2 inline __m256 load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+DDD_AVX2 inline float load1(const float* p) { return *p; }
+DDD_AVX2 inline float load1(const uint16_t* p) { return _cvtsh_ss(*p); }
 
 constexpr int64_t kKBlock = 8;    // K rows of the weight swept per panel pass (8 interleaved streams)
 constexpr int64_t kTile = 4096;   // floats of the accumulator tile (16 KiB: half of L1)
@@ -49,22 +61,23 @@ constexpr int64_t kTile = 4096;   // floats of the accumulator tile (16 KiB: hal
 // MT rows x NV 8-wide column vectors of out, k in [k0, k1); acc starts from zero (first) or from out.
 // pf > 0: also prefetch the panel's row k + pf for each row k (rows < kmax), i.e. the next K block, so the
 // weight stream keeps coming from memory while this block computes.
-template <int MT, int NV>
-DDD_AVX2 inline void nn_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* out, int64_t ldo,
+template <int MT, int NV, class W>
+DDD_AVX2 inline void nn_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, float* out, int64_t ldo,
                              int64_t k0, int64_t k1, bool first, int64_t pf = 0, int64_t kmax = 0) {
   __m256 acc[MT][NV];
   DDD_UNROLL for (int r = 0; r < MT; ++r)
     DDD_UNROLL for (int v = 0; v < NV; ++v)
       acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + r * ldo + 8 * v);
-  const float* wk = w + k0 * ldw;
+  constexpr int kBytes = NV * 8 * sizeof(W);  // of one panel row
+  const W* wk = w + k0 * ldw;
   for (int64_t k = k0; k < k1; ++k, wk += ldw) {
     if (pf && k + pf < kmax) {
       const char* p = reinterpret_cast<const char*>(wk + pf * ldw);
-      DDD_UNROLL for (int b = 0; b < NV * 32; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-      _mm_prefetch(p + NV * 32 - 4, _MM_HINT_T0);
+      DDD_UNROLL for (int b = 0; b < kBytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+      _mm_prefetch(p + kBytes - 4, _MM_HINT_T0);
     }
     __m256 wv[NV];
-    DDD_UNROLL for (int v = 0; v < NV; ++v) wv[v] = _mm256_loadu_ps(wk + 8 * v);
+    DDD_UNROLL for (int v = 0; v < NV; ++v) wv[v] = load8(wk + 8 * v);
     DDD_UNROLL for (int r = 0; r < MT; ++r) {
       const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);
       DDD_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(b, wv[v], acc[r][v]);
@@ -75,33 +88,34 @@ DDD_AVX2 inline void nn_tile(const float* x, int64_t ldx, const float* w, int64_
 }
 
 // Scalar columns (N not a multiple of 8): the same fma chain, one element at a time.
-DDD_AVX2 inline void nn_scalar(const float* x, int64_t ldx, const float* w, int64_t ldw, float* out, int64_t ldo,
+template <class W>
+DDD_AVX2 inline void nn_scalar(const float* x, int64_t ldx, const W* w, int64_t ldw, float* out, int64_t ldo,
                                int64_t rows, int64_t cols, int64_t k0, int64_t k1, bool first) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) {
       float acc = first ? 0.0f : out[r * ldo + c];
-      for (int64_t k = k0; k < k1; ++k) acc = __builtin_fmaf(x[r * ldx + k], w[k * ldw + c], acc);
+      for (int64_t k = k0; k < k1; ++k) acc = __builtin_fmaf(x[r * ldx + k], load1(w + k * ldw + c), acc);
       out[r * ldo + c] = acc;
     }
 }
 
-template <int NV>
-DDD_AVX2 inline void nn_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, float* out, int64_t ldo,
+template <int NV, class W>
+DDD_AVX2 inline void nn_rows(const float* x, int64_t ldx, const W* w, int64_t ldw, float* out, int64_t ldo,
                              int64_t M, int64_t k0, int64_t k1, bool first, int64_t kmax) {
   // NV=8 (one or two rows): 8 independent fma chains per row; NV=3: 4 x 3 accumulators + 3 weights + 1 broadcast
   constexpr int MT = NV >= 8 ? 1 : 4;
   int64_t m = 0;
   for (; m + MT <= M; m += MT)  // the first row tile prefetches the next K block of this panel
-    nn_tile<MT, NV>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, k0, k1, first, m == 0 ? k1 - k0 : 0, kmax);
+    nn_tile<MT, NV, W>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, k0, k1, first, m == 0 ? k1 - k0 : 0, kmax);
   const int64_t pf = m == 0 ? k1 - k0 : 0;
   const float* xm = x + m * ldx;
   float* om = out + m * ldo;
   switch (M - m) {
-    case 5: nn_tile<5, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
-    case 4: nn_tile<4, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
-    case 3: nn_tile<3, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
-    case 2: nn_tile<2, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
-    case 1: nn_tile<1, NV>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+    case 5: nn_tile<5, NV, W>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+    case 4: nn_tile<4, NV, W>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+    case 3: nn_tile<3, NV, W>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+    case 2: nn_tile<2, NV, W>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+    case 1: nn_tile<1, NV, W>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
     default: break;
   }
 }
@@ -111,7 +125,8 @@ DDD_AVX2 inline void nn_rows(const float* x, int64_t ldx, const float* w, int64_
 // K is walked in blocks of KB rows and each block is swept panel by panel, so the weight is read as KB
 // interleaved sequential streams (one per row) -- what the hardware prefetchers follow -- and the accumulators
 // are reloaded from L1 once per KB rows.
-DDD_AVX2 void nn_chunk_rows(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t N,
+template <class W>
+DDD_AVX2 void nn_chunk_rows(const float* x, const W* w, float* out, int64_t M, int64_t K, int64_t N,
                             int64_t n0, int64_t n1) {  // M <= 128
   const int64_t KB = kKBlock;
   const int64_t panel = M <= 2 ? 64 : 24;
@@ -121,7 +136,7 @@ DDD_AVX2 void nn_chunk_rows(const float* x, const float* w, float* out, int64_t 
   alignas(64) float tile[kTile];  // M x CB <= kTile for every M <= 128
   for (int64_t c0 = n0; c0 < n1; c0 += CB) {
     const int64_t c1 = std::min(n1, c0 + CB), cw = c1 - c0;
-    const float* wc = w + c0;
+    const W* wc = w + c0;
     for (int64_t k0 = 0; k0 < K; k0 += KB) {
       const int64_t k1 = std::min(K, k0 + KB);
       const bool first = k0 == 0;
@@ -136,7 +151,8 @@ DDD_AVX2 void nn_chunk_rows(const float* x, const float* w, float* out, int64_t 
   }
 }
 
-DDD_AVX2 void nn_chunk(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
+template <class W>
+DDD_AVX2 void nn_chunk(const float* x, const W* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
                        int64_t n1) {
   for (int64_t m0 = 0; m0 < M; m0 += 128)
     nn_chunk_rows(x + m0 * K, w, out + m0 * N, std::min<int64_t>(128, M - m0), K, N, n0, n1);
@@ -151,8 +167,8 @@ DDD_AVX2 inline float hsum8(__m256 a) {
   return _mm_cvtss_f32(s);
 }
 
-template <int MT, int NT>
-DDD_AVX2 inline void nt_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* out, int64_t ldo,
+template <int MT, int NT, class W>
+DDD_AVX2 inline void nt_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, float* out, int64_t ldo,
                              int64_t K) {
   __m256 acc[MT][NT];
   DDD_UNROLL for (int r = 0; r < MT; ++r)
@@ -160,7 +176,7 @@ DDD_AVX2 inline void nt_tile(const float* x, int64_t ldx, const float* w, int64_
   const int64_t K8 = K & ~int64_t(7);
   for (int64_t k = 0; k < K8; k += 8) {
     __m256 wv[NT];
-    DDD_UNROLL for (int j = 0; j < NT; ++j) wv[j] = _mm256_loadu_ps(w + j * ldw + k);
+    DDD_UNROLL for (int j = 0; j < NT; ++j) wv[j] = load8(w + j * ldw + k);
     DDD_UNROLL for (int r = 0; r < MT; ++r) {
       const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
       DDD_UNROLL for (int j = 0; j < NT; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
@@ -169,21 +185,22 @@ DDD_AVX2 inline void nt_tile(const float* x, int64_t ldx, const float* w, int64_
   DDD_UNROLL for (int r = 0; r < MT; ++r)
     DDD_UNROLL for (int j = 0; j < NT; ++j) {
       float s = hsum8(acc[r][j]);
-      for (int64_t k = K8; k < K; ++k) s = __builtin_fmaf(x[r * ldx + k], w[j * ldw + k], s);
+      for (int64_t k = K8; k < K; ++k) s = __builtin_fmaf(x[r * ldx + k], load1(w + j * ldw + k), s);
       out[r * ldo + j] = s;
     }
 }
 
-template <int NT>
-DDD_AVX2 inline void nt_rows(const float* x, int64_t K, const float* w, float* out, int64_t N, int64_t M) {
+template <int NT, class W>
+DDD_AVX2 inline void nt_rows(const float* x, int64_t K, const W* w, float* out, int64_t N, int64_t M) {
   constexpr int MT = 3;  // 3 x 4 accumulators
   int64_t m = 0;
-  for (; m + MT <= M; m += MT) nt_tile<MT, NT>(x + m * K, K, w, K, out + m * N, N, K);
-  if (M - m == 2) nt_tile<2, NT>(x + m * K, K, w, K, out + m * N, N, K);
-  if (M - m == 1) nt_tile<1, NT>(x + m * K, K, w, K, out + m * N, N, K);
+  for (; m + MT <= M; m += MT) nt_tile<MT, NT, W>(x + m * K, K, w, K, out + m * N, N, K);
+  if (M - m == 2) nt_tile<2, NT, W>(x + m * K, K, w, K, out + m * N, N, K);
+  if (M - m == 1) nt_tile<1, NT, W>(x + m * K, K, w, K, out + m * N, N, K);
 }
 
-DDD_AVX2 void nt_chunk(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
+template <class W>
+DDD_AVX2 void nt_chunk(const float* x, const W* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
                        int64_t n1) {
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) nt_rows<4>(x, K, w + n * K, out + n, N, M);
@@ -328,7 +345,8 @@ void parallel_chunks(int64_t threads, int64_t n_chunks, Fn fn) {
   }
 }
 
-ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+template <ffi::DataType WT>
+ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                   ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, bool trans) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
@@ -348,7 +366,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     return ffi::Error::Success();
   }
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data() + l * K * N;
+  const auto* wp = w.typed_data() + l * K * N;
   int64_t threads = pool_threads(pool);
   if (M * K * N < (int64_t(1) << 16)) threads = 1;  // not worth waking a thread (~10 us)
   // a few chunks per thread (load balance on a busy machine); columns a multiple of 24 (trans: 4)
@@ -642,11 +660,20 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinear, Linear,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinear, Linear<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [..., K]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // w [L, K, N] or [L, N, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [..., N]
+                                  .Attr<bool>("trans"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearF16, Linear<ffi::F16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [..., K]
+                                  .Arg<ffi::Buffer<ffi::F16>>()   // w [L, K, N] or [L, N, K], float16
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [..., N]
                                   .Attr<bool>("trans"));
@@ -662,10 +689,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DddAttention, Attention,
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [B, T, N*H]
 
 extern "C" {
-// 1 when this CPU runs the kernels (AVX2 + FMA).
+// 1 when this CPU runs the kernels (AVX2 + FMA + F16C).
 __attribute__((visibility("default"))) int ddd_cpu_supported() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 // Cap the threads a product uses (0: the XLA pool's size). For benchmarks.
 __attribute__((visibility("default"))) void ddd_set_max_threads(int64_t n) { g_max_threads = n; }
