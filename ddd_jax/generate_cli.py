@@ -53,6 +53,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text with vanilla, EAGLE-2 or DDD decoding")
     p.add_argument("--target", default=DEFAULT_TARGET, help="target name or path (default %(default)s)")
     p.add_argument("--draft", default=None, help="draft head name or path (default: the packaged head for the target)")
+    p.add_argument("--draft-dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="the head's weight dtype (default: the tuned settings' with --settings auto, else as stored)")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
     p.add_argument("--method", choices=["vanilla", "eagle2", "ddd"], default="vanilla")
@@ -84,6 +86,12 @@ def run(args) -> int:
         if name is None and args.method != "vanilla":
             raise ValueError(f"--method {args.method} needs --draft (no packaged head for target {args.target!r})")
         draft = load_draft(name, target) if name else None
+        dd = args.draft_dtype
+        if dd is None and getattr(args, "settings", "none") == "auto":
+            from .settings import draft_dtype
+            dd = draft_dtype(args.target, name)
+        if draft is not None and dd:
+            draft = draft.astype(dd)
     ids = target.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else target.encode(args.prompt)
     kw = dict(max_new_tokens=args.max_new_tokens, tree=tree, ddd=ddd, temperature=args.temperature,
               top_p=args.top_p, seed=args.seed)

@@ -5,6 +5,7 @@ import copy
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -179,6 +180,33 @@ def test_settings_file(tmp_path, monkeypatch):
     bad["tree"]["total_tokens"] = 60  # does not fit the DDD pool at step 2 with top_k=4
     with pytest.raises(ValueError):
         save_settings(bad, backend="cpu")
+    with pytest.raises(ValueError, match="draft_dtype"):
+        save_settings({**good, "draft_dtype": "float8"}, backend="cpu")
+
+
+def test_tuned_draft_dtype_applies_to_its_pair_only(tmp_path, monkeypatch):
+    """A settings file's draft_dtype is what the CLIs load the head in (--settings auto; --draft-dtype wins), and
+    only for the target/head pair it was tuned for."""
+    from ddd_jax.bench.cli import load_models
+    from ddd_jax.cli import build_parser
+    from ddd_jax.settings import draft_dtype
+    monkeypatch.setenv("DDD_JAX_SETTINGS_DIR", str(tmp_path))
+    save_settings({"tree": {"top_k": 4, "total_tokens": 8, "depth": 3},
+                   "ddd": {"check_steps": [2, 4], "threshold": -0.6, "max_depth": 6}, "draft_dtype": "float16",
+                   "meta": {"target": "smollm2-135m-instruct", "draft": "some-head"}}, backend=jax.default_backend())
+    assert draft_dtype("smollm2-135m-instruct", "some-head") == "float16"
+    assert draft_dtype("smollm2-135m-instruct", "other-head") is None
+    assert draft_dtype("other-target", "some-head") is None
+    parser = build_parser()
+    args = parser.parse_args(["bench", "--draft", "random"])
+    tiny_target = ddd_jax.Target("tiny", CFG, llama.init_params(CFG, jax.random.PRNGKey(0)))
+    monkeypatch.setattr("ddd_jax.load_target", lambda name, dtype=None: tiny_target)
+    monkeypatch.setattr("ddd_jax.settings.draft_dtype", lambda t, d, backend=None: "float16")
+    assert load_models(args)[1].params["fc_w"].dtype == jnp.float16
+    args = parser.parse_args(["bench", "--draft", "random", "--draft-dtype", "float32"])
+    assert load_models(args)[1].params["fc_w"].dtype == jnp.float32
+    args = parser.parse_args(["bench", "--draft", "random", "--settings", "none"])
+    assert load_models(args)[1].params["fc_w"].dtype == jnp.float32
 
 
 def test_cli_settings_precedence(tmp_path, monkeypatch):

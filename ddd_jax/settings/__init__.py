@@ -4,6 +4,7 @@ File layout (one JSON object)::
 
     {"tree": {"top_k": 4, "total_tokens": 8, "depth": 3},
      "ddd":  {"check_steps": [2, 4], "threshold": -0.6, "max_depth": 6},
+     "draft_dtype": "float16",   (optional: the head's weight dtype the CLIs load it in, see `draft_dtype`)
      "meta": {"backend": "cpu", "device": "...", "target": "...", "draft": "...", "date": "...",
               "objective": "speedup vs vanilla", "eagle2_speedup": 1.3, "ddd_speedup": 1.4, ...}}
 
@@ -20,6 +21,7 @@ from pathlib import Path
 
 SETTINGS_DIR = Path(__file__).parent
 TREE_KEYS = ("top_k", "total_tokens", "depth")
+DRAFT_DTYPES = ("float32", "float16", "bfloat16")
 DDD_KEYS = ("check_steps", "threshold", "max_depth")
 
 
@@ -43,6 +45,8 @@ def validate(settings: dict) -> dict:
         got = set(settings[part])
         if got != set(keys):
             raise ValueError(f"settings[{part!r}] must have exactly the keys {list(keys)}, got {sorted(got)}")
+    if settings.get("draft_dtype") not in (None, *DRAFT_DTYPES):
+        raise ValueError(f"settings['draft_dtype'] must be one of {list(DRAFT_DTYPES)}, got {settings['draft_dtype']!r}")
     to_configs(settings)
     return settings
 
@@ -103,6 +107,14 @@ def tuned_for(target_name: str | None, draft_name: str | None, backend: str | No
             return None, f"{where} was tuned for {what} {want!r}, not {got!r}"
     pair = " + ".join(str(x) for x in (meta.get("target"), meta.get("draft")) if x) or "any target"
     return s, f"tuned for {pair} (settings file {where})"
+
+
+def draft_dtype(target_name: str | None, draft_name: str | None, backend: str | None = None) -> str | None:
+    """The weight dtype this backend's tuned settings load this head in (e.g. "float16" on CPU, where the kernels
+    read a float16 head at half the bytes), or None: as stored. Applied by the CLIs (`--settings auto`); in the
+    library it is explicit -- `load_draft(..., dtype=...)` or `Draft.astype`."""
+    s, _ = tuned_for(target_name, draft_name, backend)
+    return None if s is None else s.get("draft_dtype")
 
 
 def base_configs(target_name: str | None, draft_name: str | None, use_tuned: bool = True, backend=None):
