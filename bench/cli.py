@@ -124,11 +124,9 @@ def load_models(args, need_draft: bool = True):
     target = ddd_jax.load_target(args.target, dtype=args.dtype)
     if not need_draft:
         return target, None, None
-    dd = getattr(args, "draft_dtype", None)
-    if dd is None and getattr(args, "settings", "none") == "auto":  # the dtype the tuned settings were measured with
-        from ddd_jax.settings import draft_dtype
-        dd = draft_dtype(args.target, args.draft)
-    cast = (lambda d, name: (d.astype(dd), name)) if dd else (lambda d, name: (d, name))  # noqa: E731
+    from ddd_jax.settings import cli_draft
+    cast = lambda d, name: (cli_draft(d, getattr(args, "draft_dtype", None),  # noqa: E731
+                                      getattr(args, "settings", "none") == "auto", args.target, args.draft), name)
     if args.draft == RANDOM_DRAFT:
         return (target, *cast(ddd_jax.init_draft(target, 0), "random-init (untrained; init_draft(target, 0))"))
     try:

@@ -228,11 +228,6 @@ def required_capacity(target, draft, specs, prompt_lengths, max_new_tokens: int,
 
 
 # ----------------------------------------------------------------------------------------------- environment
-def float_dtype(params) -> str:
-    """The dtype of a head's floating-point weights (what `--draft-dtype` / `Draft.astype` set)."""
-    return next(str(a.dtype) for a in jax.tree.leaves(params) if jnp.issubdtype(a.dtype, jnp.floating))
-
-
 def environment() -> dict:
     import jaxlib
     dev = jax.devices()[0]
@@ -369,7 +364,7 @@ def run_benchmark(target, draft, prompts, methods=DEFAULT_METHODS, *, tree: Tree
             "seed": seed, "repeat": repeat, "turns": turns, "prompts": len(prompts), "records": len(records),
             "capacity": capacity, "profile_prompts": min(profile_prompts, len(records)), "warmup": warmup,
             "chat": chat, "tie_tol": tie_tol, "params_dtype": str(target.params["embed"].dtype),
-            "draft_dtype": None if draft is None else float_dtype(draft.params),
+            "draft_dtype": None if draft is None else draft.weight_dtype,
             **(notes or {}),
         },
         "methods": methods_out,

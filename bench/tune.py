@@ -25,7 +25,7 @@ import jax
 from ddd_jax.config import DDDConfig, TreeConfig, check_tree_for_ddd
 from ddd_jax.settings import save_settings
 
-from .run import MethodSpec, environment, float_dtype, method_label, normalize_prompts, parse_method, required_capacity, run_benchmark, \
+from .run import MethodSpec, environment, method_label, normalize_prompts, parse_method, required_capacity, run_benchmark, \
     _length_bound
 
 
@@ -208,7 +208,7 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
         "tree": dict(cur), "ddd": {"check_steps": list(dd.ddd.check_steps), "threshold": dd.ddd.threshold,
                                    "max_depth": dd.ddd.max_depth},
         # the head's weight dtype these speeds were measured with (the CLIs load it so again)
-        **({"draft_dtype": float_dtype(draft.params)} if draft is not None else {}),
+        **({"draft_dtype": draft.weight_dtype} if draft is not None else {}),
         "meta": {"backend": env["backend"], "device": env["device"], "date": env["date"], "target": target.name,
                  "draft": draft_name, "objective": "decode speedup over vanilla (same run)",
                  "prompts": len(prompts), "max_new_tokens": max_new_tokens,

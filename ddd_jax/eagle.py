@@ -187,6 +187,11 @@ class Draft:
         cast = lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
         return dataclasses.replace(self, params=jax.tree.map(cast, self.params))
 
+    @property
+    def weight_dtype(self) -> str:
+        """The dtype its floating-point weights are stored in ("float32", "float16", ...)."""
+        return next(str(a.dtype) for a in jax.tree.leaves(self.params) if jnp.issubdtype(a.dtype, jnp.floating))
+
     def decode_params(self) -> dict:
         """Params as the decode loops use them: the head's params, plus `lm_sub` for a reduced draft vocabulary."""
         return self.params if self.lm_sub is None else {**self.params, "lm_sub": self.lm_sub}

@@ -397,8 +397,7 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
         s = jax.tree.map(sharding.to_host, s)
     used = None if source is None else {"tree": dataclasses.asdict(tree), "source": source,
                                         **({"ddd": dataclasses.asdict(ddd)} if method == "ddd" else {}),
-                                        "draft_dtype": next(str(a.dtype) for a in jax.tree.leaves(draft.params)
-                                                            if jnp.issubdtype(a.dtype, jnp.floating))}
+                                        "draft_dtype": draft.weight_dtype}
     return _result(target, plan, s, batched, counter, clock.times, t1 - t0, t2 - t1, used, n_rows)
 
 

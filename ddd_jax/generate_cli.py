@@ -85,13 +85,9 @@ def run(args) -> int:
         name = args.draft or DEFAULT_DRAFTS.get(args.target)
         if name is None and args.method != "vanilla":
             raise ValueError(f"--method {args.method} needs --draft (no packaged head for target {args.target!r})")
-        draft = load_draft(name, target) if name else None
-        dd = args.draft_dtype
-        if dd is None and getattr(args, "settings", "none") == "auto":
-            from .settings import draft_dtype
-            dd = draft_dtype(args.target, name)
-        if draft is not None and dd:
-            draft = draft.astype(dd)
+        from .settings import cli_draft
+        draft = cli_draft(load_draft(name, target) if name else None, args.draft_dtype,
+                          getattr(args, "settings", "none") == "auto", args.target, name)
     ids = target.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else target.encode(args.prompt)
     kw = dict(max_new_tokens=args.max_new_tokens, tree=tree, ddd=ddd, temperature=args.temperature,
               top_p=args.top_p, seed=args.seed)

@@ -117,6 +117,12 @@ def draft_dtype(target_name: str | None, draft_name: str | None, backend: str | 
     return None if s is None else s.get("draft_dtype")
 
 
+def cli_draft(draft, explicit: str | None, use_tuned: bool, target_name: str | None, draft_name: str | None):
+    """A CLI's head in the dtype it asked for (`--draft-dtype`), else with `--settings auto` the tuned one."""
+    dtype = explicit or (draft_dtype(target_name, draft_name) if use_tuned else None)
+    return draft.astype(dtype) if (draft is not None and dtype) else draft
+
+
 def base_configs(target_name: str | None, draft_name: str | None, use_tuned: bool = True, backend=None):
     """(TreeConfig, DDDConfig, source) before any explicit setting: tuned for this pair, else the paper's."""
     from ..config import DDDConfig, TreeConfig
