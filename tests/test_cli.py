@@ -23,8 +23,10 @@ def test_generate_json_and_ddd_equals_vanilla(capsys, tmp_path, smollm2_by_name)
     assert set(van) >= {"tokens", "text", "stats"} and len(van["tokens"]) <= 12
     assert "Paris" in van["text"]
     ddd = run_json(capsys, *common, "--method", "ddd", "--sync", "device", "--draft", str(head),
-                   "--top-k", "2", "--total-tokens", "4", "--depth", "2", "--ddd-checks", "1", "--ddd-max-depth", "3")
+                   "--top-k", "2", "--total-tokens", "4", "--depth", "2", "--ddd-checks", "1", "--ddd-max-depth", "3",
+                   "--draft-dtype", "float16")
     assert ddd["tokens"] == van["tokens"] and ddd["text"] == van["text"]
+    assert ddd["stats"]["settings"]["draft_dtype"] == "float16"
     assert ddd["stats"]["host_syncs"] == 0 and len(ddd["stats"]["depth_per_call"]) == ddd["stats"]["target_calls"]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from ddd_jax import DDDConfig, TreeConfig, generate
@@ -39,6 +40,9 @@ def test_tuned_settings_for_this_pair_are_used(named):
     ex = generate(target, draft, p, max_new_tokens=12, method="eagle2", tree=TreeConfig(top_k=3, total_tokens=6,
                                                                                         depth=2), ddd=DDDConfig())
     assert ex.stats["settings"]["source"] == "explicit" and ex.stats["settings"]["tree"]["top_k"] == 3
+    assert st["draft_dtype"] == "float32"
+    assert generate(target, draft.astype(jnp.float16), p, max_new_tokens=4,
+                    method="ddd").stats["settings"]["draft_dtype"] == "float16"
 
 
 @pytest.mark.parametrize("other", ["target", "draft"])
