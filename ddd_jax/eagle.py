@@ -153,7 +153,7 @@ class Draft:
     target: object  # ddd_jax Target (has .config and .params)
     name: str | None = None  # what it was loaded as (a packaged name or a path): selects tuned settings
     # [V', D] the target's output-embedding rows of the draft vocabulary (derived from d2t once; never saved)
-    lm_sub: jax.Array | None = field(init=False, default=None, repr=False)  # in the head's dtype (fc_w's)
+    lm_sub: jax.Array | None = field(init=False, default=None, repr=False)  # in the head's `weight_dtype`
 
     def __post_init__(self):
         self.config.check_target(self.target.config)
@@ -167,7 +167,7 @@ class Draft:
         if "d2t" in self.params and self.config.head_type == "eagle1":
             w = output_embedding(self.target.params, self.target.config)
             # in the head's own dtype (a float16 head reads float16 vocabulary rows too)
-            self.lm_sub = jnp.take(w, self.params["d2t"], axis=0).astype(self.params["fc_w"].dtype)
+            self.lm_sub = jnp.take(w, self.params["d2t"], axis=0).astype(self.weight_dtype)
             if mesh is not None:
                 self.lm_sub = sharding.put(self.lm_sub, sharding.named(mesh, DRAFT_AXES["lm_sub"]))
 
