@@ -1,0 +1,66 @@
+"""Speculative variants that `ddd-jax bench` cannot put in one run -- the same head in different weight dtypes --
+interleaved per prompt with vanilla in one process, so their speed-ups share one vanilla and one stretch of the host.
+
+    python bench/head_variants.py N START VARIANT [VARIANT ...]
+    VARIANT = name:dtype:method:top_k:total_tokens:depth:checks:threshold:max_depth
+    e.g. python bench/head_variants.py 20 0 ddd32:float32:ddd:4:4:2:1/3/5:-1:6 ddd16:float16:ddd:4:4:2:1/3/5:-1:6
+
+MT-bench first turns [START, START+N) with the chat template, 64 new tokens, greedy; SmolLM2-135M-Instruct and the
+shipped head; every variant compiled for every prompt first, then per prompt all variants in alternating order.
+Prints per variant: tok/s (decode time only), speed-up vs vanilla, τ, outputs identical to vanilla's.
+"""
+import sys
+import time
+
+import jax.numpy as jnp
+
+import ddd_jax as dj
+from ddd_jax.bench.mtbench import load_questions
+
+
+def main(argv) -> int:
+    n, start = int(argv[0]), int(argv[1])
+    target = dj.load_target("smollm2-135m-instruct")
+    head = dj.load_draft("smollm2-135m-instruct-eagle", target)
+    runs = {"vanilla": dict(draft=None, method="vanilla")}
+    for v in argv[2:]:
+        name, dtype, method, k, N, d, checks, x, depth = v.split(":")
+        runs[name] = dict(draft=head.astype(jnp.dtype(dtype)), method=method,
+                          tree=dj.TreeConfig(top_k=int(k), total_tokens=int(N), depth=int(d)),
+                          ddd=dj.DDDConfig(check_steps=tuple(int(c) for c in checks.split("/")), threshold=float(x),
+                                           max_depth=int(depth)))
+    qs = load_questions(None)[start:start + n]
+    ids = [target.encode_chat([{"role": "user", "content": q["turns"][0]}]) for q in qs]
+
+    def run(kw, p):
+        return dj.generate(target, kw["draft"], p, max_new_tokens=64, method=kw["method"], tree=kw.get("tree"),
+                           ddd=kw.get("ddd"))
+
+    t0 = time.time()
+    for kw in runs.values():  # compile every prompt bucket
+        for p in ids:
+            run(kw, p)
+    print(f"warm-up {time.time() - t0:.0f} s", flush=True)
+    tok = dict.fromkeys(runs, 0)
+    sec = dict.fromkeys(runs, 0.0)
+    calls = dict.fromkeys(runs, 0)
+    same = dict.fromkeys(runs, 0)
+    for i, p in enumerate(ids):
+        out = {}
+        for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+            r = run(runs[name], p)
+            out[name] = r.tokens
+            tok[name] += r.stats["new_tokens"] - 1
+            sec[name] += r.stats["decode_s"]
+            calls[name] += r.stats["target_calls"]
+        for name in runs:
+            same[name] += out[name] == out["vanilla"]
+    base = tok["vanilla"] / sec["vanilla"]
+    for k in runs:
+        print(f"{k:10s} {tok[k] / sec[k]:6.1f} tok/s  speedup {tok[k] / sec[k] / base:.3f}  "
+              f"tau {tok[k] / max(calls[k], 1):.2f}  identical {same[k]}/{len(ids)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
