@@ -125,18 +125,20 @@ def load_models(args, need_draft: bool = True):
     if not need_draft:
         return target, None, None
     from ddd_jax.settings import cli_draft
-    cast = lambda d, name: (cli_draft(d, getattr(args, "draft_dtype", None),  # noqa: E731
-                                      getattr(args, "settings", "none") == "auto", args.target, args.draft), name)
     if args.draft == RANDOM_DRAFT:
-        return (target, *cast(ddd_jax.init_draft(target, 0), "random-init (untrained; init_draft(target, 0))"))
-    try:
-        return (target, *cast(ddd_jax.load_draft(args.draft, target), args.draft))
-    except (FileNotFoundError, ModuleNotFoundError) as e:
-        if args.draft != DEFAULT_DRAFT:
-            raise
-        print(f"WARNING: default draft head {DEFAULT_DRAFT!r} is not available ({e}); using an UNTRAINED "
-              "init_draft(target, 0): speeds are plumbing only, acceptance is meaningless", file=sys.stderr)
-        return (target, *cast(ddd_jax.init_draft(target, 0), f"random-init (untrained; {DEFAULT_DRAFT} unavailable)"))
+        draft, name = ddd_jax.init_draft(target, 0), "random-init (untrained; init_draft(target, 0))"
+    else:
+        try:
+            draft, name = ddd_jax.load_draft(args.draft, target), args.draft
+        except (FileNotFoundError, ModuleNotFoundError) as e:
+            if args.draft != DEFAULT_DRAFT:
+                raise
+            print(f"WARNING: default draft head {DEFAULT_DRAFT!r} is not available ({e}); using an UNTRAINED "
+                  "init_draft(target, 0): speeds are plumbing only, acceptance is meaningless", file=sys.stderr)
+            draft, name = ddd_jax.init_draft(target, 0), f"random-init (untrained; {DEFAULT_DRAFT} unavailable)"
+    draft = cli_draft(draft, getattr(args, "draft_dtype", None), getattr(args, "settings", "none") == "auto",
+                      args.target, args.draft)
+    return target, draft, name
 
 
 def load_prompts(args) -> list:

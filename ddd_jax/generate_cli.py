@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 
+from .settings import DRAFT_DTYPES
+
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFTS = {"smollm2-135m-instruct": "smollm2-135m-instruct-eagle"}
 
@@ -53,7 +55,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text with vanilla, EAGLE-2 or DDD decoding")
     p.add_argument("--target", default=DEFAULT_TARGET, help="target name or path (default %(default)s)")
     p.add_argument("--draft", default=None, help="draft head name or path (default: the packaged head for the target)")
-    p.add_argument("--draft-dtype", choices=["float32", "float16", "bfloat16"], default=None,
+    p.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=None,
                    help="the head's weight dtype (default: the tuned settings' with --settings auto, else as stored)")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
