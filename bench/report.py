@@ -47,7 +47,9 @@ def bench_table(result: dict) -> str:
     cfg, env = result["config"], result["env"]
     dd = cfg.get("draft_dtype")
     dd = f" ({dd} weights)" if dd and dd != cfg.get("params_dtype") else ""
-    head = (f"**ddd-jax bench** target `{cfg['target']}`, draft `{cfg['draft']}`{dd}; {cfg['records']} prompt turns, "
+    tw = cfg.get("target_weights", "")
+    tw = f" ({tw})" if tw.startswith("gguf") else ""
+    head = (f"**ddd-jax bench** target `{cfg['target']}`{tw}, draft `{cfg['draft']}`{dd}; {cfg['records']} prompt turns, "
             f"max_new_tokens={cfg['max_new_tokens']}, temperature={cfg['temperature']}, repeat={cfg['repeat']}; "
             f"{env['backend']} ({env['device']}, {env['cpu_count']} CPUs), jax {env['jax']}, "
             f"{'CPU kernels, ' if env.get('cpu_kernels') else ''}{env['date']}")

@@ -32,6 +32,7 @@ import numpy as np
 
 import ddd_jax
 from ddd_jax import kernels
+from ddd_jax.quant import describe as describe_weights
 from ddd_jax.config import DDDConfig, TreeConfig, check_tree_for_ddd
 from ddd_jax.generate import bucket_length, cache_capacity, make_plan
 
@@ -364,6 +365,7 @@ def run_benchmark(target, draft, prompts, methods=DEFAULT_METHODS, *, tree: Tree
             "seed": seed, "repeat": repeat, "turns": turns, "prompts": len(prompts), "records": len(records),
             "capacity": capacity, "profile_prompts": min(profile_prompts, len(records)), "warmup": warmup,
             "chat": chat, "tie_tol": tie_tol, "params_dtype": str(target.params["embed"].dtype),
+            "target_weights": describe_weights(target.params),
             "draft_dtype": None if draft is None else draft.weight_dtype,
             **(notes or {}),
         },

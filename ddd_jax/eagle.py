@@ -31,6 +31,7 @@ from .checkpoints.keytable import check_shapes
 from . import eagle3
 from .config import DraftConfig, ModelConfig
 from .layers import causal_mask, linear
+from .layers import embed as embed_rows
 from .llama import WEIGHT_AXES, axes_like, decoder_stack, layer_shapes, lm_head, output_embedding
 
 
@@ -86,7 +87,7 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions,
         return eagle3.head_forward(dparams, dcfg, embed, tokens, features, positions, cache, kv_mask)
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
-    e = jnp.take(embed, tokens, axis=0).astype(features.dtype)
+    e = embed_rows(embed, tokens).astype(features.dtype)
     x = linear(jnp.concatenate([e, features], axis=-1), _weight(dparams["fc_w"], features.dtype))
     if "fc_b" in dparams:
         x = x + dparams["fc_b"].astype(features.dtype)
@@ -167,7 +168,7 @@ class Draft:
         if "d2t" in self.params and self.config.head_type == "eagle1":
             w = output_embedding(self.target.params, self.target.config)
             # in the head's own dtype (a float16 head reads float16 vocabulary rows too)
-            self.lm_sub = jnp.take(w, self.params["d2t"], axis=0).astype(self.weight_dtype)
+            self.lm_sub = embed_rows(w, self.params["d2t"]).astype(self.weight_dtype)
             if mesh is not None:
                 self.lm_sub = sharding.put(self.lm_sub, sharding.named(mesh, DRAFT_AXES["lm_sub"]))
 

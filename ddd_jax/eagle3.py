@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from .config import DraftConfig, ModelConfig
 from .layers import causal_mask, rms_norm
+from .layers import embed as embed_rows
 from .llama import decoder_stack, layer_shapes
 
 
@@ -73,7 +74,7 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, h, positions, cache=
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
     table = dparams.get("embed", embed)
-    e = jnp.take(table, tokens, axis=0).astype(h.dtype)
+    e = embed_rows(table, tokens).astype(h.dtype)
     eps = dcfg.rms_norm_eps
 
     def qkv_input(x, p):  # LlamaDecoderLayeremb: cat((input_layernorm(emb), hidden_norm(h)), -1)

@@ -5,7 +5,8 @@ see setup.py). On the CPU backend, float32 work of at most `MAX_ROWS` rows -- de
 there: small-M matrix products that read a stacked weight's layer in place (no per-layer copy; weights streamed
 once for all rows), and attention over the slots a row may attend only. Products also take float16 weights under
 float32 activations (weight-only storage, e.g. a draft head's: half the bytes, widened exactly as they are read,
-so the result is the float32 product of the widened weights). Everything else, and every machine where the
+so the result is the float32 product of the widened weights), and GGUF Q4_1 / Q8_0 blocks (`ddd_jax.quant`:
+dequantized exactly into L1, four rows at a time, then the float32 transposed product). Everything else, and every machine where the
 library is missing, cannot be loaded or the CPU lacks AVX2/FMA/F16C, takes XLA (one stderr line when the library
 is missing or broken). `DDD_JAX_NO_KERNELS=1` disables them.
 
@@ -23,8 +24,10 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-TARGETS = {"ddd_linear": "DddLinear", "ddd_linear_f16": "DddLinearF16", "ddd_attention": "DddAttention"}
+TARGETS = {"ddd_linear": "DddLinear", "ddd_linear_f16": "DddLinearF16", "ddd_linear_blocks": "DddLinearBlocks",
+           "ddd_attention": "DddAttention"}
 WEIGHT_DTYPES = (jnp.float32, jnp.float16)  # float16: weight-only storage, widened exactly to float32 on load
 MAX_ROWS = 128  # beyond this (prefill, training) XLA's GEMM is the better product
 _state: dict = {}
@@ -138,6 +141,60 @@ def usable(x, w) -> bool:
     for d in x.shape[:-1]:
         rows *= d
     return (x.dtype == jnp.float32 and w.dtype in WEIGHT_DTYPES and 0 < rows <= MAX_ROWS and available())
+
+
+# ----------------------------------------------------------------------------------------------- GGUF blocks
+def _blocks_call(x2, b3, layer, kind):
+    from .quant import KINDS
+    call = jax.ffi.ffi_call("ddd_linear_blocks", jax.ShapeDtypeStruct((x2.shape[0], b3.shape[1]), jnp.float32),
+                            vmap_method="sequential")
+    return call(x2, b3, layer, kind=np.int64(KINDS[kind][0]))
+
+
+def _blocks_xla(x2, b3, layer, kind):
+    from .quant import dequantize_blocks
+    w = dequantize_blocks(jax.lax.dynamic_index_in_dim(b3, layer, 0, keepdims=False), kind)  # [N, K]
+    return jnp.einsum("mk,nk->mn", x2, w, preferred_element_type=jnp.float32)
+
+
+def _blocks_impl(x2, b3, layer, kind):
+    return jax.lax.platform_dependent(x2, b3, layer, cpu=lambda a, b, c: _blocks_call(a, b, c, kind),
+                                      default=lambda a, b, c: _blocks_xla(a, b, c, kind))
+
+
+def _blocks_fwd(x2, b3, layer, kind):
+    return _blocks_impl(x2, b3, layer, kind), (b3, layer)
+
+
+def _blocks_bwd(kind, res, g):  # d/dx only: the blocks are constants
+    from .quant import dequantize_blocks
+    b3, layer = res
+    w = dequantize_blocks(jax.lax.dynamic_index_in_dim(b3, layer, 0, keepdims=False), kind)
+    return jnp.dot(g, w, preferred_element_type=jnp.float32), None, None
+
+
+_blocks = jax.custom_vjp(_blocks_impl, nondiff_argnums=(3,))
+_blocks.defvjp(_blocks_fwd, _blocks_bwd)
+
+
+def product_blocks(x, blocks, kind: str, layer=None):
+    """x [..., K] float32 @ W.T for W the GGUF blocks `blocks` [N, K/32*bytes] (or stacked [L, N, .] with `layer`,
+    an int32 scalar, may be traced) of `kind` ("q4_1" | "q8_0"). Returns [..., N] float32. The caller checks
+    `usable_blocks`."""
+    b3 = blocks if blocks.ndim == 3 else blocks[None]
+    layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+    K = x.shape[-1]
+    impl = _blocks if available() else _blocks_xla
+    out = impl(x.reshape(-1, K).astype(jnp.float32), b3, layer, kind)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def usable_blocks(x) -> bool:
+    """Whether `product_blocks` runs the kernel: float32 x of at most MAX_ROWS rows, kernel available."""
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    return x.dtype == jnp.float32 and 0 < rows <= MAX_ROWS and available()
 
 
 # ----------------------------------------------------------------------------------------------- attention

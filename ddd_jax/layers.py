@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from . import kernels
 from .config import ModelConfig
+from .quant import BlockWeight, take_rows
 
 NEG_INF = -1e30  # large finite negative: fully-masked rows stay NaN-free
 
@@ -22,11 +23,22 @@ def linear(x, w, layer=None, *, transposed: bool = False, f32: bool = False):
     x @ w.T for w [N, K] (output-embedding rows: lm_head, the draft vocabulary; float32 result). f32: a float32
     result (accumulated in float32) for the non-transposed product too (an untied lm_head stored [D, V]).
 
+    w may also be a `quant.BlockWeight` (GGUF Q4_1 / Q8_0 blocks, weight-only): on CPU the block kernel, which
+    dequantizes exactly and is bitwise the transposed float32 kernel's product of the dequantized weight.
+
     layer: w is stacked [L, K, N] / [L, N, K] and `layer` (an int, may be traced) picks one; the CPU kernel reads
     it in place, so a layer scan never copies a weight. On CPU, float32 products of at most `kernels.MAX_ROWS`
     rows (decoding, verification) run the small-M kernel of `ddd_jax.kernels`, whose rows are bit-identical
     whatever M; anything else is XLA's dot.
     """
+    if isinstance(w, BlockWeight):  # GGUF blocks: rows are outputs, so the product is always x @ rows.T
+        if transposed == w.transposed:
+            raise ValueError(f"a {'transposed' if w.transposed else 'row-layout'} BlockWeight used as "
+                             f"{'rows' if transposed else 'x @ w'}: its layout does not match the product")
+        if kernels.usable_blocks(x):
+            return kernels.product_blocks(x, w.blocks, w.kind, layer)
+        rows = (w if layer is None else w.layer(layer)).rows()
+        return jnp.einsum("...d,vd->...v", x.astype(jnp.float32), rows, preferred_element_type=jnp.float32)
     if kernels.usable(x, w):
         return kernels.product(x, w, layer, trans=transposed)
     if layer is not None:
@@ -36,6 +48,14 @@ def linear(x, w, layer=None, *, transposed: bool = False, f32: bool = False):
     if f32:
         return jnp.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32)
     return x @ w
+
+
+def embed(w, ids):
+    """Rows `ids` [...] of an embedding w [V, D] (an array, or a row-layout `quant.BlockWeight`, dequantized
+    row by row): [..., D]."""
+    if isinstance(w, BlockWeight):
+        return take_rows(w, ids)
+    return jnp.take(w, ids, axis=0)
 
 
 def rms_norm(x, w, eps: float):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from . import layers as L
 from .cache import KVCache, init_cache
 from .config import ModelConfig
+from .quant import BlockWeight
 
 
 class Output(NamedTuple):
@@ -190,7 +191,10 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
 
 def output_embedding(params, cfg: ModelConfig):
     """The output projection as [V, D] rows (the embedding when tied): the one place that knows about tying."""
-    return params["embed"] if cfg.tie_word_embeddings else params["lm_head"].T
+    if cfg.tie_word_embeddings:
+        return params["embed"]
+    w = params["lm_head"]
+    return BlockWeight(w.blocks, w.kind, transposed=False) if isinstance(w, BlockWeight) else w.T
 
 
 def lm_head(params, cfg: ModelConfig, hidden):
@@ -217,7 +221,7 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None =
     B, T = tokens.shape
     if attn_mask is None:
         attn_mask = L.causal_mask(B, T)
-    x = jnp.take(params["embed"], tokens, axis=0)
+    x = L.embed(params["embed"], tokens)
     if cache is not None:
         kv_mask = L.tree_kv_mask(cache.length, cache.capacity, attn_mask)
     else:

@@ -62,6 +62,7 @@ from .checkpoints.torch_ref import TorchEagleHead
 from .config import DDDConfig, TreeConfig
 from .generate import GenerateResult, make_plan
 from .llama import output_embedding
+from .quant import dequantize_tree
 
 METHODS = ("vanilla", "eagle2", "ddd")
 SYNCS = ("host", "device")  # DDD's stop decision in torch (JAX also has "callback")
@@ -99,7 +100,7 @@ def torch_target(target, device="cpu") -> "transformers.LlamaForCausalLM":
     dtype = _torch_dtype(target.params["embed"].dtype)
     cfg = transformers.LlamaConfig(**target.config.to_hf_config())
     model = transformers.LlamaForCausalLM(cfg)
-    named = export(target.params, HF_LLAMA_RULES, f"target {target.name}")
+    named = export(dequantize_tree(target.params), HF_LLAMA_RULES, f"target {target.name}")
     sd = {k: _tensor(v, dtype, "cpu") for k, v in named.items()}
     missing, unexpected = model.load_state_dict(sd, strict=False)
     allowed = {"lm_head.weight"} if target.config.tie_word_embeddings else set()

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
+
+from .. import io as dio
 
 from .. import llama
 from ..config import ModelConfig
@@ -132,7 +135,11 @@ def gguf_config(reader, path="GGUF"):
         model_type=model_type, qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3")
 
 
-def gguf_params(reader, cfg, dtype=None, path="GGUF", as_jax: bool = True, mesh=None) -> dict:
+def gguf_params(reader, cfg, dtype=None, path="GGUF", as_jax: bool = True, mesh=None,
+                gguf_blocks: bool = False) -> dict:
+    """The target's params from a GGUF reader: every tensor dequantized to `dtype` (float32 by default), or with
+    gguf_blocks=True every matrix stored as Q4_1 / Q8_0 kept as those blocks (`quant.BlockWeight`, float32
+    arithmetic, the same values bit for bit); other tensors (norms, other types) are dequantized to float32."""
     from gguf.quants import dequantize
     sources = [SourceTensor(t.name, tuple(int(s) for s in reversed(list(t.shape))),
                             lambda t=t: dequantize(t.data, t.tensor_type)) for t in reader.tensors]
@@ -141,8 +148,47 @@ def gguf_params(reader, cfg, dtype=None, path="GGUF", as_jax: bool = True, mesh=
     permuted = GGUF_ARCHS[gguf_arch(reader, path)][1]
     transforms = {"unpermute_q": (lambda w: unpermute(w, cfg.num_attention_heads)) if permuted else (lambda w: w),
                   "unpermute_k": (lambda w: unpermute(w, cfg.num_key_value_heads)) if permuted else (lambda w: w)}
-    return convert(slots, expected, resolve_dtype(dtype) or np.dtype(np.float32), transforms, as_jax=as_jax,
-                   place=_placer(cfg, mesh))
+    blocks = {}
+    if gguf_blocks:
+        if mesh is not None:
+            raise ValueError("gguf_blocks=True: GGUF blocks are not sharded over a mesh yet (load float weights)")
+        if resolve_dtype(dtype) not in (None, np.dtype(np.float32)):
+            raise ValueError(f"gguf_blocks=True keeps float32 arithmetic; dtype={dtype!r} does not apply")
+        blocks = _block_weights(reader, slots, expected, transforms, as_jax)
+        slots = [s for s in slots if s.rule.key not in blocks]
+        expected = {k: v for k, v in expected.items() if k not in blocks}
+    params = convert(slots, expected, resolve_dtype(dtype) or np.dtype(np.float32), transforms, as_jax=as_jax,
+                     place=_placer(cfg, mesh))
+    if not blocks:
+        return params
+    flat = dio.flatten(params)
+    flat.update(blocks)
+    return dio.unflatten(flat)
+
+
+def _block_weights(reader, slots, expected: dict, transforms: dict, as_jax: bool) -> dict:
+    """{our key: BlockWeight} for every key whose tensors are all of one kept block type (`quant.GGUF_KINDS`)."""
+    from ..quant import GGUF_KINDS, BlockWeight
+    tensors = {t.name: t for t in reader.tensors}
+    by_key: dict[str, list] = {}
+    for slot in slots:
+        by_key.setdefault(slot.rule.key, []).append(slot)
+    out = {}
+    for key, group in by_key.items():
+        kinds = {GGUF_KINDS.get(tensors[s.src.name].tensor_type.name) for s in group}
+        if len(kinds) != 1 or None in kinds or len(expected[key]) < 2:
+            continue  # norms, biases, mixed or other types: dequantized
+        kind = kinds.pop()
+        rows = []
+        for s in sorted(group, key=lambda s: -1 if s.layer is None else s.layer):
+            raw = np.asarray(tensors[s.src.name].data)  # [R, K/32 * bytes] uint8: rows are output features
+            rows.append(transforms[s.rule.fn](raw) if s.rule.fn else raw)
+        stacked = rows[0] if group[0].layer is None else np.stack(rows)
+        w = BlockWeight(jnp.asarray(stacked) if as_jax else stacked, kind, transposed=group[0].rule.transpose)
+        if tuple(w.shape) != tuple(expected[key]):
+            raise ValueError(f"GGUF blocks for {key}: logical shape {w.shape}, expected {tuple(expected[key])}")
+        out[key] = w
+    return out
 
 
 def gguf_tokenizer(reader, path="GGUF"):
@@ -198,11 +244,13 @@ _PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": 
                "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 
 
-def load_gguf_target(path, dtype=None, name: str | None = None, as_jax: bool = True, mesh=None) -> Target:
-    """A Target from a llama / qwen2 / qwen3 architecture .gguf file (float32 unless dtype is given)."""
+def load_gguf_target(path, dtype=None, name: str | None = None, as_jax: bool = True, mesh=None,
+                     gguf_blocks: bool = False) -> Target:
+    """A Target from a llama / qwen2 / qwen3 architecture .gguf file (float32 unless dtype is given; gguf_blocks:
+    matrices stored as Q4_1 / Q8_0 stay those blocks, see `gguf_params`)."""
     path = Path(path)
     reader = read_gguf(path)
     cfg = gguf_config(reader, path)
-    params = gguf_params(reader, cfg, dtype, path, as_jax=as_jax, mesh=mesh)
+    params = gguf_params(reader, cfg, dtype, path, as_jax=as_jax, mesh=mesh, gguf_blocks=gguf_blocks)
     tok, template, special = gguf_tokenizer(reader, path)
     return Target(name or path.stem, cfg, params, tok, template, special, mesh=mesh)

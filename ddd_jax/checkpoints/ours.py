@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import io as dio
-from .. import llama
+from .. import llama, quant
 from ..config import DraftConfig, ModelConfig
 from ..eagle import Draft
 from ..target import Target
@@ -47,7 +47,7 @@ def save_target(target: Target, path, dtype=None, extra: dict | None = None) -> 
         cfg.update({"format": TARGET_FORMAT, "format_version": TARGET_FORMAT_VERSION, "name": target.name})
         if extra:
             cfg.update(extra)
-        flat = dio.flatten(target.params)
+        flat = {k: quant.as_float(v) for k, v in dio.flatten(target.params).items()}  # GGUF blocks: saved as floats
         cfg["dtype"] = str(dt if dt is not None else np.dtype(flat["embed"].dtype))
         write_safetensors(flat, tmp / "model.safetensors", dtype=dt)  # one tensor in memory at a time
         if target.tokenizer is not None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from .hf import checkpoint_sources
 from ..llama import output_embedding
+from ..quant import as_float, dequantize_tree
 
 
 class _RMSNorm(nn.Module):
@@ -212,7 +213,7 @@ def head_check(src, draft, tokens, features) -> dict:
     (as EAGLE does at run time), so only the head's own weights are compared.
     """
     head = load_official_head(src)
-    tp = draft.target.params
+    tp = dequantize_tree(draft.target.params)
     with torch.no_grad():
         head.embed_tokens.weight.copy_(torch.from_numpy(np.array(tp["embed"], np.float32)))
         ref = head(torch.from_numpy(np.array(features, np.float32)), torch.from_numpy(np.array(tokens)).long())
@@ -337,7 +338,7 @@ def eagle3_head_check(src, draft, tokens, features) -> dict:
     D = head.config["hidden_size"]
     with torch.no_grad():
         if head.embed_tokens.weight.shape[1] == draft.target.config.hidden_size and "embed" not in draft.params:
-            head.embed_tokens.weight.copy_(torch.from_numpy(np.array(draft.target.params["embed"], np.float32)))
+            head.embed_tokens.weight.copy_(torch.from_numpy(np.array(as_float(draft.target.params["embed"]), np.float32)))
         ref, ref_sub = head(torch.from_numpy(np.array(features, np.float32)), torch.from_numpy(np.array(tokens)).long())
     ids = head.target_ids().numpy()
     feats, logits = draft.forward(tokens, features)

@@ -8,6 +8,9 @@
 // is streamed from memory once for all M rows.
 // ddd_linear_f16: the same with float16 weights (weight-only storage, widened exactly to float32 on load; float32
 //   x, arithmetic and output), for weights where half the bytes matter more than their last bits (draft heads).
+// ddd_linear_blocks: x @ W.T with W [L, N, K] kept as a GGUF file's Q4_1 / Q8_0 blocks (weight-only; dequantized
+//   exactly, four rows at a time, into an L1 buffer that the float32 trans kernel reads: bitwise that kernel's
+//   product of the dequantized weight). A 4-bit target reads ~1/6 of its float32 bytes per forward.
 // ddd_attention: q [B, T, N, H] against layer `layer` of k, v [L, B, S, Kh, H] under mask [B, T, S].
 //
 // Numerics: float32 products and sums, each output element reduced in one fixed order that depends only on the
@@ -29,6 +32,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -207,6 +211,71 @@ DDD_AVX2 void nt_chunk(const float* x, const W* w, float* out, int64_t M, int64_
   for (; n < n1; ++n) nt_rows<1>(x, K, w + n * K, out + n, N, M);
 }
 
+// ------------------------------------------------------------------------------ x @ W.T, W [N, K] as GGUF blocks
+// Weight-only block quantization kept from a GGUF file (llama.cpp's layouts), one row of K/32 blocks per output:
+//   Q4_1 (20 bytes): float16 d, float16 m, 16 bytes of nibbles; element j < 16 is the low nibble of byte j, element
+//                    16 + j its high nibble; w = d * q + m
+//   Q8_0 (34 bytes): float16 d, 32 int8; w = d * q
+// In float32 d * q is exact (an 11-bit by 4- or 8-bit product), so fma(d, q, m) and d * q round exactly as
+// gguf's dequantizer, (d * qs) + m and qs * d in float32, does: the weights are the dequantized float32 weights,
+// bit for bit. Four rows are dequantized into an L1 buffer and multiplied by the float32 transposed kernel
+// (nt_rows), so the product is bitwise that kernel's product of the dequantized [N, K] weight -- for every M.
+constexpr int64_t kQK = 32;
+constexpr int64_t kQ4_1 = 0, kQ8_0 = 1;  // the `kind` attribute (ddd_jax.quant.KINDS)
+constexpr int64_t kind_bytes(int64_t kind) { return kind == kQ4_1 ? 20 : 34; }
+
+DDD_AVX2 inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+DDD_AVX2 inline void dequant_q4_1(const uint8_t* b, int64_t nb, float* dst) {
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  for (int64_t i = 0; i < nb; ++i, b += 20, dst += kQK) {
+    const __m256 d = _mm256_set1_ps(f16_at(b)), m = _mm256_set1_ps(f16_at(b + 2));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+    const __m128i lo = _mm_and_si128(q, nib), hi = _mm_and_si128(_mm_srli_epi16(q, 4), nib);
+    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    DDD_UNROLL for (int j = 0; j < 4; ++j)
+      _mm256_storeu_ps(dst + 8 * j, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[j])), m));
+  }
+}
+
+DDD_AVX2 inline void dequant_q8_0(const uint8_t* b, int64_t nb, float* dst) {
+  for (int64_t i = 0; i < nb; ++i, b += 34, dst += kQK) {
+    const __m256 d = _mm256_set1_ps(f16_at(b));
+    DDD_UNROLL for (int j = 0; j < 4; ++j) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j));
+      _mm256_storeu_ps(dst + 8 * j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+    }
+  }
+}
+
+template <int64_t KIND>
+DDD_AVX2 void nt_chunk_blocks(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int64_t N,
+                              int64_t n0, int64_t n1) {
+  const int64_t nb = K / kQK, rb = nb * kind_bytes(KIND);
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < 4 * K) buf.resize(4 * K);
+  float* bp = buf.data();
+  auto dequant = [&](int64_t n, float* dst) DDD_AVX2 {
+    if (KIND == kQ4_1)
+      dequant_q4_1(w + n * rb, nb, dst);
+    else
+      dequant_q8_0(w + n * rb, nb, dst);
+  };
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    for (int64_t j = 0; j < 4; ++j) dequant(n + j, bp + j * K);
+    nt_rows<4, float>(x, K, bp, out + n, N, M);
+  }
+  for (; n < n1; ++n) {
+    dequant(n, bp);
+    nt_rows<1, float>(x, K, bp, out + n, N, M);
+  }
+}
+
 // ------------------------------------------------------------------------------------------- threads
 // Chunks [0, n_chunks) handed out through an atomic counter. The caller works too and then waits only for chunks
 // that were started, so a helper that never gets the CPU cannot block the call (it finds no chunk left).
@@ -381,6 +450,45 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
       nt_chunk(xp, wp, o, M, K, N, n0, n1);
     else
       nn_chunk(xp, wp, o, M, K, N, n0, n1);
+  });
+  return ffi::Error::Success();
+}
+
+// x [..., K] float32, w [L, N, K/32 * bytes] uint8 (GGUF blocks, see nt_chunk_blocks), layer [] -> out [..., N]
+ffi::Error LinearBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t kind) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (kind != kQ4_1 && kind != kQ8_0) return ffi::Error::InvalidArgument("ddd_linear_blocks: unknown kind");
+  if (wd.size() != 3 || xd.size() < 1) return ffi::Error::InvalidArgument("ddd_linear_blocks: w must be [L, N, B]");
+  const int64_t K = xd.back();
+  const int64_t M = K ? x.element_count() / K : 0;
+  const int64_t L = wd[0], N = wd[1];
+  if (K % kQK != 0 || wd[2] != K / kQK * kind_bytes(kind))
+    return ffi::Error::InvalidArgument("ddd_linear_blocks: K does not match the weight's blocks");
+  if (out->element_count() != M * N) return ffi::Error::InvalidArgument("ddd_linear_blocks: bad output size");
+  int64_t l = layer.element_count() ? layer.typed_data()[0] : 0;
+  l = std::clamp<int64_t>(l, 0, std::max<int64_t>(L - 1, 0));
+  float* o = out->typed_data();
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill(o, o + M * N, 0.0f);
+    return ffi::Error::Success();
+  }
+  const float* xp = x.typed_data();
+  const uint8_t* wp = w.typed_data() + l * N * wd[2];
+  int64_t threads = pool_threads(pool);
+  if (M * K * N < (int64_t(1) << 16)) threads = 1;
+  int64_t n_chunks = std::max<int64_t>(1, std::min<int64_t>(threads * 4, (N + 3) / 4));
+  int64_t chunk = (N + n_chunks - 1) / n_chunks;
+  chunk = (chunk + 3) / 4 * 4;
+  n_chunks = (N + chunk - 1) / chunk;
+  parallel_chunks(threads, n_chunks, [=](int64_t c) {
+    const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
+    if (kind == kQ4_1)
+      nt_chunk_blocks<kQ4_1>(xp, wp, o, M, K, N, n0, n1);
+    else
+      nt_chunk_blocks<kQ8_0>(xp, wp, o, M, K, N, n0, n1);
   });
   return ffi::Error::Success();
 }
@@ -677,6 +785,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearF16, Linear<ffi::F16>,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [..., N]
                                   .Attr<bool>("trans"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearBlocks, LinearBlocks,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [..., K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // w [L, N, K/32 * block bytes], GGUF blocks
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [..., N]
+                                  .Attr<int64_t>("kind"));        // 0: Q4_1, 1: Q8_0
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DddAttention, Attention,
                               ffi::Ffi::Bind()
