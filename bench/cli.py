@@ -124,7 +124,8 @@ def add_parser(subparsers) -> None:
 def load_models(args, need_draft: bool = True):
     """(target, draft | None, draft description). A missing default head falls back to a random one, loudly."""
     import ddd_jax
-    target = ddd_jax.load_target(args.target, dtype=args.dtype, gguf_blocks=getattr(args, "gguf_blocks", False))
+    blocks = {"gguf_blocks": True} if getattr(args, "gguf_blocks", False) else {}
+    target = ddd_jax.load_target(args.target, dtype=args.dtype, **blocks)
     if not need_draft:
         return target, None, None
     from ddd_jax.settings import cli_draft

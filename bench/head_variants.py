@@ -1,13 +1,17 @@
-"""Speculative variants that `ddd-jax bench` cannot put in one run -- the same head in different weight dtypes --
-interleaved per prompt with vanilla in one process, so their speed-ups share one vanilla and one stretch of the host.
+"""Speculative variants that `ddd-jax bench` cannot put in one run -- the same head in different weight dtypes, the
+target's float32 weights beside its GGUF blocks -- interleaved per prompt with vanilla in one process, so their
+speed-ups share one stretch of the host.
 
-    python bench/head_variants.py N START VARIANT [VARIANT ...]
+    python bench/head_variants.py N START [--weights float,blocks] VARIANT [VARIANT ...]
     VARIANT = name:dtype:method:top_k:total_tokens:depth:checks:threshold:max_depth
     e.g. python bench/head_variants.py 20 0 ddd32:float32:ddd:4:4:2:1/3/5:-1:6 ddd16:float16:ddd:4:4:2:1/3/5:-1:6
 
 MT-bench first turns [START, START+N) with the chat template, 64 new tokens, greedy; SmolLM2-135M-Instruct and the
 shipped head; every variant compiled for every prompt first, then per prompt all variants in alternating order.
-Prints per variant: tok/s (decode time only), speed-up vs vanilla, τ, outputs identical to vanilla's.
+--weights: the target loads to run them on (default float: float32 weights; blocks: `gguf_blocks=True`); every
+variant and vanilla runs on each, named `<name>/<weights>` when there is more than one.
+Prints per variant: tok/s (decode time only), speed-up vs the vanilla of the same weights (and vs float vanilla),
+τ, outputs identical to that vanilla's.
 """
 import sys
 import time
@@ -19,22 +23,37 @@ from ddd_jax.bench.mtbench import load_questions
 
 
 def main(argv) -> int:
+    weights = ["float"]
+    if "--weights" in argv:
+        i = argv.index("--weights")
+        weights = argv[i + 1].split(",")
+        argv = argv[:i] + argv[i + 2:]
+        if not weights or set(weights) - {"float", "blocks"}:
+            raise SystemExit(f"--weights takes float and/or blocks, got {weights}")
     n, start = int(argv[0]), int(argv[1])
-    target = dj.load_target("smollm2-135m-instruct")
-    head = dj.load_draft("smollm2-135m-instruct-eagle", target)
-    runs = {"vanilla": dict(draft=None, method="vanilla")}
-    for v in argv[2:]:
-        name, dtype, method, k, N, d, checks, x, depth = v.split(":")
-        runs[name] = dict(draft=head.astype(jnp.dtype(dtype)), method=method,
-                          tree=dj.TreeConfig(top_k=int(k), total_tokens=int(N), depth=int(d)),
-                          ddd=dj.DDDConfig(check_steps=tuple(int(c) for c in checks.split("/")), threshold=float(x),
-                                           max_depth=int(depth)))
+    targets = {w: dj.load_target("smollm2-135m-instruct", gguf_blocks=w == "blocks") for w in weights}
+    specs = [("vanilla", None)] + [(v.split(":")[0], v.split(":")[1:]) for v in argv[2:]]
+    runs = {}
+    for w, target in targets.items():
+        head = dj.load_draft("smollm2-135m-instruct-eagle", target)
+        for name, spec in specs:
+            key = name if len(targets) == 1 else f"{name}/{w}"
+            if spec is None:
+                runs[key] = dict(target=target, draft=None, method="vanilla", base=key)
+                continue
+            dtype, method, k, N, d, checks, x, depth = spec
+            runs[key] = dict(target=target, draft=head.astype(jnp.dtype(dtype)), method=method,
+                             base="vanilla" if len(targets) == 1 else f"vanilla/{w}",
+                             tree=dj.TreeConfig(top_k=int(k), total_tokens=int(N), depth=int(d)),
+                             ddd=dj.DDDConfig(check_steps=tuple(int(c) for c in checks.split("/")),
+                                              threshold=float(x), max_depth=int(depth)))
     qs = load_questions(None)[start:start + n]
-    ids = [target.encode_chat([{"role": "user", "content": q["turns"][0]}]) for q in qs]
+    first = next(iter(targets.values()))
+    ids = [first.encode_chat([{"role": "user", "content": q["turns"][0]}]) for q in qs]
 
     def run(kw, p):
-        return dj.generate(target, kw["draft"], p, max_new_tokens=64, method=kw["method"], tree=kw.get("tree"),
-                           ddd=kw.get("ddd"))
+        return dj.generate(kw["target"], kw["draft"], p, max_new_tokens=64, method=kw["method"],
+                           tree=kw.get("tree"), ddd=kw.get("ddd"))
 
     t0 = time.time()
     for kw in runs.values():  # compile every prompt bucket
@@ -54,10 +73,12 @@ def main(argv) -> int:
             sec[name] += r.stats["decode_s"]
             calls[name] += r.stats["target_calls"]
         for name in runs:
-            same[name] += out[name] == out["vanilla"]
-    base = tok["vanilla"] / sec["vanilla"]
-    for k in runs:
-        print(f"{k:10s} {tok[k] / sec[k]:6.1f} tok/s  speedup {tok[k] / sec[k] / base:.3f}  "
+            same[name] += out[name] == out[runs[name]["base"]]
+    ref = tok[next(iter(runs))] / sec[next(iter(runs))]  # the first weights' vanilla
+    for k, kw in runs.items():
+        speed = tok[k] / sec[k]
+        base = tok[kw["base"]] / sec[kw["base"]]
+        print(f"{k:16s} {speed:6.1f} tok/s  speedup {speed / base:.3f}  vs {next(iter(runs))} {speed / ref:.3f}  "
               f"tau {tok[k] / max(calls[k], 1):.2f}  identical {same[k]}/{len(ids)}", flush=True)
     return 0
 
