@@ -3,8 +3,9 @@ starts): token identity with the single-device run for vanilla, EAGLE-2 and DDD 
 (1, 4), (2, 2), (4, 1) with 3 prompts of different lengths (padded to the "data" axis); weights, head and caches
 really sharded; loading onto a mesh; clear errors for bad meshes and sizes.
 
-By default mesh (2, 2) runs every method and sync mode and (1, 4) / (4, 1) run vanilla and DDD on device (the
-compiles dominate on a CPU); DDD_JAX_SHARD_FULL=1 runs every method and sync mode on every mesh.
+The fast lane runs vanilla and DDD on device on mesh (2, 2) plus the placement, loading and error checks; the slow
+lane (`test_same_tokens_on_every_mesh`) runs every method and sync mode on (2, 2) and vanilla and DDD on device on
+(1, 4) / (4, 1) (the compiles dominate on a CPU); DDD_JAX_SHARD_FULL=1 runs every method and sync mode on every mesh.
 """
 from __future__ import annotations
 
@@ -18,15 +19,24 @@ import numpy as np
 import pytest
 
 MODES = [["vanilla", "device"], ["eagle2", "device"], ["ddd", "host"], ["ddd", "callback"], ["ddd", "device"]]
+FAST_MODES = [["vanilla", "device"], ["ddd", "device"]]
 MESHES = [[1, 4], [2, 2], [4, 1]]
 
 
 @pytest.fixture(scope="module")
 def found():
+    """The fast lane: vanilla and DDD on device, single device and mesh (2, 2), plus the checks."""
+    return _worker({"modes": FAST_MODES, "meshes": [[2, 2]], "checks": True, "mesh_modes": {}})
+
+
+@pytest.fixture(scope="module")
+def found_all():
     full = os.environ.get("DDD_JAX_SHARD_FULL") == "1"
-    spec = {"modes": MODES, "meshes": MESHES, "checks": True,
-            "mesh_modes": {} if full else {"1x4": [["vanilla", "device"], ["ddd", "device"]],
-                                           "4x1": [["vanilla", "device"], ["ddd", "device"]]}}
+    return _worker({"modes": MODES, "meshes": MESHES, "checks": False,
+                    "mesh_modes": {} if full else {"1x4": FAST_MODES, "4x1": FAST_MODES}})
+
+
+def _worker(spec):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     worker = Path(__file__).with_name("sharding_worker.py")
     p = subprocess.run([sys.executable, str(worker), json.dumps(spec)], capture_output=True, text=True, env=env,
@@ -39,14 +49,23 @@ def found():
 def test_four_devices_and_speculation_accepts(found):
     assert found["devices"] == 4
     # the fitted head gets drafts accepted, so verification and commit paths are exercised
-    assert all(found["max_accepted"][f"{m}-{s}"] >= 2 for m, s in MODES if m != "vanilla")
-    # lossless on one device (the reference the meshes are compared with)
+    assert all(found["max_accepted"][f"{m}-{s}"] >= 2 for m, s in FAST_MODES if m != "vanilla")
+    # lossless on one device (the reference the mesh is compared with)
     ref = found["ref"]
+    assert all(ref[f"{m}-{s}"] == ref["vanilla-device"] for m, s in FAST_MODES)
+
+
+def test_same_tokens_on_a_2x2_mesh(found):
+    assert found["same"] == {"2x2/vanilla-device": True, "2x2/ddd-device": True}
+
+
+@pytest.mark.slow
+def test_same_tokens_on_every_mesh(found_all):
+    assert found_all["devices"] == 4
+    assert all(found_all["max_accepted"][f"{m}-{s}"] >= 2 for m, s in MODES if m != "vanilla")
+    ref = found_all["ref"]
     assert all(ref[f"{m}-{s}"] == ref["vanilla-device"] for m, s in MODES)
-
-
-def test_same_tokens_on_every_mesh(found):
-    same = found["same"]
+    same = found_all["same"]
     assert {k.split("/")[0] for k in same} == {"1x4", "2x2", "4x1"}
     assert all(f"2x2/{m}-{s}" in same for m, s in MODES)
     bad = [k for k, v in same.items() if not v]
