@@ -26,7 +26,7 @@ def n_checks(depth: int, checks) -> int:
     return sum(1 for s in checks if s <= depth)
 
 
-@pytest.mark.parametrize("sync", ["host", "callback"])
+@pytest.mark.parametrize("sync", [pytest.param("host", marks=pytest.mark.slow), "callback"])  # host: slow lane (time)
 def test_concurrent_decodes_keep_their_own_policy_and_counts(sync):
     target, draft = tiny_target(), fitted_draft()
     p = prompts(1, seed=3, lo=6, hi=7)[0]
