@@ -258,7 +258,7 @@ def run_bench(args) -> int:
 
 def run_peers(args) -> int:
     from . import report
-    from .peers import PEERS, build_runners, peers_table, required_capacity, run_peers as _run
+    from .peers import BLOCK_PEERS, PEERS, build_runners, peers_table, required_capacity, run_peers as _run
     from .run import environment
     named = [p.strip() for p in args.peers.split(",") if p.strip()] if args.peers else []
     unknown = [p for p in named if p not in PEERS]
@@ -275,15 +275,23 @@ def run_peers(args) -> int:
     if gguf is not None and not Path(gguf).is_file():
         raise SystemExit(f"ddd-jax peers: GGUF file {gguf} does not exist")
     prompts = load_prompts(args)
-    target, draft, draft_name = load_models(args, need_draft="ddd-jax-ddd" in peers)
+    spec_peers = {"ddd-jax-ddd", "ddd-jax-blocks-ddd"} & set(peers)
+    target, draft, draft_name = load_models(args, need_draft=bool(spec_peers))
+    blocks_target = None
+    if set(BLOCK_PEERS) & set(peers):
+        import ddd_jax
+        try:
+            blocks_target = ddd_jax.load_target(args.target, gguf_blocks=True)
+        except ValueError as e:  # not a GGUF-backed target: build_runners names what is missing
+            if set(BLOCK_PEERS) & set(named):
+                raise SystemExit(f"ddd-jax peers: {e}")
     ids = [target.encode_chat([{"role": "user", "content": q["turns"][0]}]) for q in prompts]
-    need = required_capacity(target, draft if "ddd-jax-ddd" in peers else None, [len(i) for i in ids],
-                             args.max_new_tokens)
+    need = required_capacity(target, draft if spec_peers else None, [len(i) for i in ids], args.max_new_tokens)
     if args.capacity is not None and args.capacity < need:
         raise SystemExit(f"ddd-jax peers: --capacity {args.capacity} is too small: the longest prompt "
                          f"({max(len(i) for i in ids)} tokens) + {args.max_new_tokens} new tokens need {need}")
     runners, skipped = build_runners(target, draft, peers, args.capacity or need, gguf_path=gguf,
-                                     prompt_lookup=args.prompt_lookup, required=named)
+                                     prompt_lookup=args.prompt_lookup, required=named, blocks_target=blocks_target)
     for p, why in skipped.items():
         print(f"skipping {p}: {why}", file=sys.stderr)
     out = _out_dir(args, "peers")

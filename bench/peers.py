@@ -5,6 +5,8 @@ plain decoders a user could run instead. On the same prompts, interleaved per pr
 
 * ``ddd-jax``           -- ``generate(method="vanilla")`` (this library's plain decoding);
 * ``ddd-jax-ddd``       -- ``generate(method="ddd", sync="device")`` with the backend's tuned settings and the head;
+* ``ddd-jax-blocks``, ``ddd-jax-blocks-ddd`` -- the same two on the target loaded with ``gguf_blocks=True`` (its
+                           Q4_1 / Q8_0 matrices kept as blocks: the same float32 values, ~1/6 of the bytes);
 * ``transformers``      -- ``LlamaForCausalLM.generate(do_sample=False)`` in eager PyTorch, float32, on the very
                            weights ddd-jax holds (``torch_decoding.torch_target``);
 * ``transformers-pld``  -- the same with assisted decoding by prompt lookup (``prompt_lookup_num_tokens``);
@@ -27,7 +29,9 @@ import time
 
 import numpy as np
 
-PEERS = ("ddd-jax", "ddd-jax-ddd", "transformers", "transformers-pld", "llama.cpp")
+PEERS = ("ddd-jax", "ddd-jax-ddd", "ddd-jax-blocks", "ddd-jax-blocks-ddd", "transformers", "transformers-pld",
+         "llama.cpp")
+BLOCK_PEERS = ("ddd-jax-blocks", "ddd-jax-blocks-ddd")
 REFERENCE = "ddd-jax"
 
 
@@ -132,17 +136,30 @@ def required_capacity(target, draft, prompt_lengths, max_new_tokens: int, tree=N
 
 
 def build_runners(target, draft, peers, capacity: int, gguf_path=None, prompt_lookup: int = 10,
-                  required=(), tree=None, ddd=None) -> tuple[dict, dict]:
-    """({peer: runner}, {peer: why skipped}). A peer in `required` that cannot be built raises."""
+                  required=(), tree=None, ddd=None, blocks_target=None) -> tuple[dict, dict]:
+    """({peer: runner}, {peer: why skipped}). A peer in `required` that cannot be built raises. blocks_target: the
+    target loaded with gguf_blocks=True (the ddd-jax-blocks peers; the head is bound to it)."""
     runners, skipped = {}, {}
     for p in peers:
         try:
+            if p in ("ddd-jax-ddd", "ddd-jax-blocks-ddd") and draft is None:
+                raise ValueError(f"{p} needs a draft head")
+            if p in BLOCK_PEERS and blocks_target is None:
+                why = f"{p} needs the target loaded with gguf_blocks=True (a GGUF-backed target)"
+                if p in required:
+                    raise ValueError(why)
+                skipped[p] = why
+                continue
             if p == "ddd-jax":
                 runners[p] = jax_runner(target, None, "vanilla", capacity)
             elif p == "ddd-jax-ddd":
-                if draft is None:
-                    raise ValueError("ddd-jax-ddd needs a draft head")
                 runners[p] = jax_runner(target, draft, "ddd", capacity, tree, ddd)
+            elif p == "ddd-jax-blocks":
+                runners[p] = jax_runner(blocks_target, None, "vanilla", capacity)
+            elif p == "ddd-jax-blocks-ddd":
+                import dataclasses
+                runners[p] = jax_runner(blocks_target, dataclasses.replace(draft, target=blocks_target), "ddd",
+                                        capacity, tree, ddd)
             elif p == "transformers":
                 runners[p] = torch_runner(target)
             elif p == "transformers-pld":

@@ -48,6 +48,31 @@ def test_missing_or_unknown_peers(monkeypatch):
         build_runners(target, None, ["vllm"], capacity=64)
     with pytest.raises(ValueError, match="needs a draft head"):
         build_runners(target, None, ["ddd-jax-ddd"], capacity=64)
+    # the GGUF-blocks peers need a blocks target: skipped unless asked for by name
+    runners, skipped = build_runners(target, None, ["ddd-jax", "ddd-jax-blocks"], capacity=64)
+    assert list(runners) == ["ddd-jax"] and "gguf_blocks=True" in skipped["ddd-jax-blocks"]
+    with pytest.raises(ValueError, match="gguf_blocks=True"):
+        build_runners(target, None, ["ddd-jax-blocks"], capacity=64, required=("ddd-jax-blocks",))
+
+
+def test_blocks_peers_decode_the_blocks_target():
+    pytest.importorskip("gguf")
+    from quant_helpers import SMALL, blocks_target
+    from ddd_jax import Target, llama, quant
+    import jax
+    tb = blocks_target(Target("small", SMALL, llama.init_params(SMALL, jax.random.PRNGKey(0), std=0.25)))
+    tf = Target("small-float", SMALL, quant.dequantize_tree(tb.params))
+    draft = ddd_jax.init_draft(tf, 0)
+    tree, ddd = TreeConfig(top_k=2, total_tokens=4, depth=2), DDDConfig(check_steps=(1,), threshold=-2.5, max_depth=3)
+    names = ["ddd-jax", "ddd-jax-blocks", "ddd-jax-blocks-ddd"]
+    ps = prompts(2, seed=6)
+    runners, skipped = build_runners(tf, draft, names, capacity=256, tree=tree, ddd=ddd, blocks_target=tb)
+    assert not skipped and list(runners) == names
+    res = run_peers(runners, ps, 10, progress=False)
+    blocks_vanilla = res["tokens"]["ddd-jax-blocks"]
+    assert res["tokens"]["ddd-jax-blocks-ddd"] == blocks_vanilla  # lossless against vanilla over the same blocks
+    assert blocks_vanilla == [list(generate_tokens) for generate_tokens in
+                              ddd_jax.generate(tb, None, ps, max_new_tokens=10).tokens]
 
 
 def test_cli_refuses_unknown_peer_and_missing_gguf(tmp_path):
