@@ -64,6 +64,7 @@ def main(argv) -> int:
     sec = dict.fromkeys(runs, 0.0)
     calls = dict.fromkeys(runs, 0)
     same = dict.fromkeys(runs, 0)
+    same_vanilla = dict.fromkeys(runs, 0)
     for i, p in enumerate(ids):
         out = {}
         for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
@@ -74,12 +75,20 @@ def main(argv) -> int:
             calls[name] += r.stats["target_calls"]
         for name in runs:
             same[name] += out[name] == out[runs[name]["base"]]
+            same_vanilla[name] += out[name] == out[next(iter(runs))]
     ref = tok[next(iter(runs))] / sec[next(iter(runs))]  # the first weights' vanilla
+    if len(targets) > 1:  # do the weights' vanilla runs agree with the first weights' (summation orders differ)?
+        first_v = runs[next(iter(runs))]["base"]
+        for k, kw in runs.items():
+            if kw["draft"] is None and k != first_v:
+                same[f"{k} == {first_v}"] = same_vanilla[k]
     for k, kw in runs.items():
         speed = tok[k] / sec[k]
         base = tok[kw["base"]] / sec[kw["base"]]
         print(f"{k:16s} {speed:6.1f} tok/s  speedup {speed / base:.3f}  vs {next(iter(runs))} {speed / ref:.3f}  "
               f"tau {tok[k] / max(calls[k], 1):.2f}  identical {same[k]}/{len(ids)}", flush=True)
+    for k in [k for k in same if "==" in k]:
+        print(f"{k}: {same[k]}/{len(ids)} outputs identical", flush=True)
     return 0
 
 
