@@ -414,6 +414,34 @@ void parallel_chunks(int64_t threads, int64_t n_chunks, Fn fn) {
   }
 }
 
+// dynamic_slice semantics for the layer index of a stacked weight [L, ...]
+int64_t layer_index(ffi::Buffer<ffi::S32>& layer, int64_t L) {
+  const int64_t l = layer.element_count() ? layer.typed_data()[0] : 0;
+  return std::clamp<int64_t>(l, 0, std::max<int64_t>(L - 1, 0));
+}
+
+// out[M, N] by column chunks [n0, n1) (fn(n0, n1)): a few chunks per thread (load balance on a busy machine), each a
+// multiple of `align` columns; one thread for small products (not worth waking one: ~10 us). Empty outputs return
+// at once, K = 0 gives zeros.
+template <class Fn>
+void for_column_chunks(ffi::ThreadPool& pool, int64_t M, int64_t K, int64_t N, int64_t align, float* out, Fn fn) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    std::fill(out, out + M * N, 0.0f);
+    return;
+  }
+  int64_t threads = pool_threads(pool);
+  if (M * K * N < (int64_t(1) << 16)) threads = 1;
+  int64_t n_chunks = std::max<int64_t>(1, std::min<int64_t>(threads * 4, (N + align - 1) / align));
+  int64_t chunk = (N + n_chunks - 1) / n_chunks;
+  chunk = (chunk + align - 1) / align * align;
+  n_chunks = (N + chunk - 1) / chunk;
+  parallel_chunks(threads, n_chunks, [=](int64_t c) {
+    const int64_t n0 = c * chunk;
+    fn(n0, std::min(N, n0 + chunk));
+  });
+}
+
 template <ffi::DataType WT>
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                   ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, bool trans) {
@@ -426,26 +454,11 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
   const int64_t N = trans ? wd[1] : wd[2];
   if ((trans ? wd[2] : wd[1]) != K) return ffi::Error::InvalidArgument("ddd_linear: K mismatch");
   if (out->element_count() != M * N) return ffi::Error::InvalidArgument("ddd_linear: bad output size");
-  int64_t l = layer.element_count() ? layer.typed_data()[0] : 0;
-  l = std::clamp<int64_t>(l, 0, std::max<int64_t>(L - 1, 0));  // dynamic_slice semantics
   float* o = out->typed_data();
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  if (K == 0) {
-    std::fill(o, o + M * N, 0.0f);
-    return ffi::Error::Success();
-  }
   const float* xp = x.typed_data();
-  const auto* wp = w.typed_data() + l * K * N;
-  int64_t threads = pool_threads(pool);
-  if (M * K * N < (int64_t(1) << 16)) threads = 1;  // not worth waking a thread (~10 us)
-  // a few chunks per thread (load balance on a busy machine); columns a multiple of 24 (trans: 4)
-  const int64_t align = trans ? 4 : 24;
-  int64_t n_chunks = std::max<int64_t>(1, std::min<int64_t>(threads * 4, (N + align - 1) / align));
-  int64_t chunk = (N + n_chunks - 1) / n_chunks;
-  chunk = (chunk + align - 1) / align * align;
-  n_chunks = (N + chunk - 1) / chunk;
-  parallel_chunks(threads, n_chunks, [=](int64_t c) {
-    const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
+  const auto* wp = w.typed_data() + layer_index(layer, L) * K * N;
+  // columns a multiple of 24 (trans: 4)
+  for_column_chunks(pool, M, K, N, trans ? 4 : 24, o, [=](int64_t n0, int64_t n1) {
     if (trans)
       nt_chunk(xp, wp, o, M, K, N, n0, n1);
     else
@@ -467,24 +480,10 @@ ffi::Error LinearBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   if (K % kQK != 0 || wd[2] != K / kQK * kind_bytes(kind))
     return ffi::Error::InvalidArgument("ddd_linear_blocks: K does not match the weight's blocks");
   if (out->element_count() != M * N) return ffi::Error::InvalidArgument("ddd_linear_blocks: bad output size");
-  int64_t l = layer.element_count() ? layer.typed_data()[0] : 0;
-  l = std::clamp<int64_t>(l, 0, std::max<int64_t>(L - 1, 0));
   float* o = out->typed_data();
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  if (K == 0) {
-    std::fill(o, o + M * N, 0.0f);
-    return ffi::Error::Success();
-  }
   const float* xp = x.typed_data();
-  const uint8_t* wp = w.typed_data() + l * N * wd[2];
-  int64_t threads = pool_threads(pool);
-  if (M * K * N < (int64_t(1) << 16)) threads = 1;
-  int64_t n_chunks = std::max<int64_t>(1, std::min<int64_t>(threads * 4, (N + 3) / 4));
-  int64_t chunk = (N + n_chunks - 1) / n_chunks;
-  chunk = (chunk + 3) / 4 * 4;
-  n_chunks = (N + chunk - 1) / chunk;
-  parallel_chunks(threads, n_chunks, [=](int64_t c) {
-    const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
+  const uint8_t* wp = w.typed_data() + layer_index(layer, L) * N * wd[2];
+  for_column_chunks(pool, M, K, N, 4, o, [=](int64_t n0, int64_t n1) {
     if (kind == kQ4_1)
       nt_chunk_blocks<kQ4_1>(xp, wp, o, M, K, N, n0, n1);
     else
@@ -737,8 +736,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   const int64_t L = kd[0], S = kd[2], Kh = kd[3];
   if (kd[1] != B || kd[4] != H || Kh == 0 || N % Kh != 0 || mask.element_count() != B * T * S)
     return ffi::Error::InvalidArgument("ddd_attention: shape mismatch");
-  int64_t l = layer.element_count() ? layer.typed_data()[0] : 0;
-  l = std::clamp<int64_t>(l, 0, std::max<int64_t>(L - 1, 0));
+  const int64_t l = layer_index(layer, L);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)));
   const float* qp = q.typed_data();
   const float* kp = k.typed_data() + l * B * S * Kh * H;
