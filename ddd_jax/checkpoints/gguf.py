@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import io as dio
-
 from .. import llama
 from ..config import ModelConfig
 from ..target import Target
