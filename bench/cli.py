@@ -29,7 +29,7 @@ def _common(p: argparse.ArgumentParser, limit_default, max_new_default) -> None:
                         "= target only")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: as stored)")
     p.add_argument("--gguf-blocks", action="store_true",
-                   help="(GGUF targets) keep the Q4_1 / Q8_0 matrices as blocks: the same float32 values and "
+                   help="(GGUF targets) keep the Q4_1 / Q8_0 / Q4_0 matrices as blocks: the same float32 values and "
                         "arithmetic, ~1/6 of the bytes per forward (vanilla and speculative alike)")
     p.add_argument("--draft-dtype", choices=DTYPES, default=None,
                    help="the draft head's weight dtype (default: the tuned settings' with --settings auto, else "

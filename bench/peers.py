@@ -6,7 +6,7 @@ plain decoders a user could run instead. On the same prompts, interleaved per pr
 * ``ddd-jax``           -- ``generate(method="vanilla")`` (this library's plain decoding);
 * ``ddd-jax-ddd``       -- ``generate(method="ddd", sync="device")`` with the backend's tuned settings and the head;
 * ``ddd-jax-blocks``, ``ddd-jax-blocks-ddd`` -- the same two on the target loaded with ``gguf_blocks=True`` (its
-                           Q4_1 / Q8_0 matrices kept as blocks: the same float32 values, ~1/6 of the bytes);
+                           Q4_1 / Q8_0 / Q4_0 matrices kept as blocks: the same float32 values, ~1/6 of the bytes);
 * ``transformers``      -- ``LlamaForCausalLM.generate(do_sample=False)`` in eager PyTorch, float32, on the very
                            weights ddd-jax holds (``torch_decoding.torch_target``);
 * ``transformers-pld``  -- the same with assisted decoding by prompt lookup (``prompt_lookup_num_tokens``);

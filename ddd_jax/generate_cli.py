@@ -69,7 +69,7 @@ def add_parser(sub) -> None:
                    help="also run vanilla decoding and report whether the tokens are identical and the speed ratio")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--gguf-blocks", action="store_true",
-                   help="(GGUF targets) keep the Q4_1 / Q8_0 matrices as blocks: the same float32 values and "
+                   help="(GGUF targets) keep the Q4_1 / Q8_0 / Q4_0 matrices as blocks: the same float32 values and "
                         "arithmetic, ~1/6 of the bytes per forward")
     p.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and stats")
     add_tree_args(p)

@@ -5,7 +5,7 @@ see setup.py). On the CPU backend, float32 work of at most `MAX_ROWS` rows -- de
 there: small-M matrix products that read a stacked weight's layer in place (no per-layer copy; weights streamed
 once for all rows), and attention over the slots a row may attend only. Products also take float16 weights under
 float32 activations (weight-only storage, e.g. a draft head's: half the bytes, widened exactly as they are read,
-so the result is the float32 product of the widened weights), and GGUF Q4_1 / Q8_0 blocks (`ddd_jax.quant`:
+so the result is the float32 product of the widened weights), and GGUF Q4_1 / Q8_0 / Q4_0 blocks (`ddd_jax.quant`:
 dequantized exactly into L1, four rows at a time, then the float32 transposed product). Everything else, and
 every machine where the library is missing, cannot be loaded or the CPU lacks AVX2/FMA/F16C, takes XLA (one
 stderr line when the library is missing or broken). `DDD_JAX_NO_KERNELS=1` disables them.
@@ -179,7 +179,7 @@ _blocks.defvjp(_blocks_fwd, _blocks_bwd)
 
 def product_blocks(x, blocks, kind: str, layer=None):
     """x [..., K] float32 @ W.T for W the GGUF blocks `blocks` [N, K/32*bytes] (or stacked [L, N, .] with `layer`,
-    an int32 scalar, may be traced) of `kind` ("q4_1" | "q8_0"). Returns [..., N] float32. The caller checks
+    an int32 scalar, may be traced) of `kind` ("q4_1" | "q8_0" | "q4_0"). Returns [..., N] float32. The caller checks
     `usable_blocks`."""
     b3 = blocks if blocks.ndim == 3 else blocks[None]
     layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)

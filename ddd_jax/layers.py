@@ -23,7 +23,7 @@ def linear(x, w, layer=None, *, transposed: bool = False, f32: bool = False):
     x @ w.T for w [N, K] (output-embedding rows: lm_head, the draft vocabulary; float32 result). f32: a float32
     result (accumulated in float32) for the non-transposed product too (an untied lm_head stored [D, V]).
 
-    w may also be a `quant.BlockWeight` (GGUF Q4_1 / Q8_0 blocks, weight-only): on CPU the block kernel, which
+    w may also be a `quant.BlockWeight` (GGUF Q4_1 / Q8_0 / Q4_0 blocks, weight-only): on CPU the block kernel, which
     dequantizes exactly and is bitwise the transposed float32 kernel's product of the dequantized weight.
 
     layer: w is stacked [L, K, N] / [L, N, K] and `layer` (an int, may be traced) picks one; the CPU kernel reads

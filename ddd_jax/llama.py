@@ -12,8 +12,9 @@ Parameters are a plain nested dict of arrays (layers stacked on a leading L axis
     final_norm   [D]
     lm_head      [D, V]          (absent when tie_word_embeddings: logits use embed.T)
 
-A matrix may instead be a `quant.BlockWeight` (a GGUF's Q4_1 / Q8_0 blocks, `load_target(..., gguf_blocks=True)`):
-its `.shape` is the logical shape above, and `layers.linear` / `layers.embed` take it wherever they take an array.
+A matrix may instead be a `quant.BlockWeight` (a GGUF's Q4_1 / Q8_0 / Q4_0 blocks,
+`load_target(..., gguf_blocks=True)`): its `.shape` is the logical shape above, and `layers.linear` /
+`layers.embed` take it wherever they take an array.
 
 `hidden` in the output is the last decoder layer's output *after* the final norm, i.e. what HF's
 `LlamaModel` returns as `last_hidden_state` and what EAGLE-1/2 heads consume as the target feature

@@ -6,6 +6,7 @@ each row K/32 blocks of 32 weights.
     q4_1 (20 bytes a block): float16 d, float16 m, 16 bytes of nibbles -- w = d * q + m (q in 0..15; element
                              j < 16 is the low nibble of byte j, element 16 + j its high nibble)
     q8_0 (34 bytes a block): float16 d, 32 int8 -- w = d * q
+    q4_0 (18 bytes a block): float16 d, 16 bytes of nibbles as q4_1's -- w = d * (q - 8)
 
 `dequantize` computes what `gguf.quants.dequantize` computes, bit for bit (in float32 d * q is exact, so the one
 rounding is the same), and so does the CPU kernel (`kernels.product_blocks`), which dequantizes four rows at a time
@@ -27,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 BLOCK = 32
-KINDS = {"q4_1": (0, 20), "q8_0": (1, 34)}  # name -> (the kernel's `kind` attribute, bytes a block)
-GGUF_KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}  # gguf.GGMLQuantizationType names kept as blocks
+KINDS = {"q4_1": (0, 20), "q8_0": (1, 34), "q4_0": (2, 18)}  # name -> (the kernel's `kind` attribute, bytes a block)
+GGUF_KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0", "Q4_0": "q4_0"}  # gguf.GGMLQuantizationType names kept as blocks
 
 
 @jax.tree_util.register_pytree_node_class
@@ -37,7 +38,7 @@ class BlockWeight:
     """A weight stored as GGUF blocks.
 
     blocks: [..., R, K // 32 * bytes] uint8 -- R output rows (a leading layer axis when stacked), K inputs each.
-    kind: "q4_1" | "q8_0" (static).
+    kind: "q4_1" | "q8_0" | "q4_0" (static).
     transposed: (static) the weight's logical layout is [..., K, R] (x @ w, our decoder layout: wq [L, D, N*H]);
         False: [..., R, K] (output-embedding rows: the tied embedding [V, D]).
     """
@@ -114,6 +115,10 @@ def dequantize_blocks(blocks, kind: str):
         qs = b[..., 4:20]
         q = jnp.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(jnp.float32)
         w = d * q + m
+    elif kind == "q4_0":
+        qs = b[..., 2:18]
+        q = jnp.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(jnp.int32) - 8
+        w = d * q.astype(jnp.float32)
     else:
         q = jax.lax.bitcast_convert_type(b[..., 2:34], jnp.int8).astype(jnp.float32)
         w = q * d

@@ -8,7 +8,8 @@ from gguf.quants import quantize
 
 from ddd_jax import ModelConfig, Target, quant
 
-QTYPE = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+QTYPE = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0,
+         "q4_0": gguf.GGMLQuantizationType.Q4_0}
 # spec_helpers.TINY with widths that are whole blocks of 32 (a tied embedding, as SmolLM2's)
 SMALL = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=8, max_position_embeddings=1024, eos_token_id=(95,),

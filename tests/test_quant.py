@@ -17,7 +17,7 @@ from ddd_jax.config import TreeConfig
 from ddd_jax.eagle import Draft
 
 gguf = pytest.importorskip("gguf")
-from gguf.quants import dequantize  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
 from quant_helpers import QTYPE, SMALL, blocks_of, blocks_target  # noqa: E402
 
 
@@ -25,7 +25,7 @@ def random_rows(shape, seed=0):
     return np.random.RandomState(seed).randn(*shape).astype(np.float32) * 0.3
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_0"])
 def test_dequantize_is_ggufs_bit_for_bit(kind):
     b = blocks_of(random_rows((3, 40, 96)), kind)
     ref = np.asarray(dequantize(b, QTYPE[kind]), np.float32)
@@ -38,7 +38,7 @@ def test_dequantize_is_ggufs_bit_for_bit(kind):
 
 
 @pytest.mark.skipif(not kernels.available(), reason="CPU kernel library not available")
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_0"])
 def test_block_kernel_is_the_float_kernel_of_the_dequantized_weight(kind):
     L_, N, K = 3, 70, 160  # N not a multiple of 4: the tail rows too
     b = blocks_of(random_rows((L_, N, K), seed=1), kind)
@@ -158,3 +158,82 @@ def test_smollm2_blocks_are_the_float_weights_and_decode_alike(smollm2):
     assert a == b  # summation orders differ (the float layers use the x @ w kernel); greedy tokens agree here
     with pytest.raises(ValueError, match="dtype"):
         load_gguf_target(GGUF, dtype="float16", gguf_blocks=True)
+
+
+def _write_quantized_gguf(path, cfg, params, types: dict):
+    """A llama-architecture GGUF of `params` (our layout) with each matrix stored in `types[gguf name part]`
+    (Q/K rows permuted as llama.cpp's converter does)."""
+    c = cfg
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_vocab_size(c.vocab_size)
+
+    def permute(x, n):  # llama.cpp convert_hf_to_gguf: LlamaModel.permute
+        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    def add(name, rows, part):
+        t = types.get(part, "F32")
+        if t == "F32":
+            w.add_tensor(name, np.ascontiguousarray(rows, np.float32))
+        elif t == "F16":
+            w.add_tensor(name, np.ascontiguousarray(rows, np.float16))
+        else:
+            qt = gguf.GGMLQuantizationType[t]
+            w.add_tensor(name, quantize(np.ascontiguousarray(rows, np.float32), qt), raw_dtype=qt)
+
+    lp = params["layers"]
+    add("token_embd.weight", np.asarray(params["embed"]), "token_embd")
+    add("output_norm.weight", np.asarray(params["final_norm"]), "norm")
+    for i in range(c.num_hidden_layers):
+        for ours, part in (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output"),
+                           ("w_gate", "ffn_gate"), ("w_up", "ffn_up"), ("w_down", "ffn_down")):
+            rows = np.asarray(lp[ours][i]).T  # [out, in], as GGUF stores it
+            if part == "attn_q":
+                rows = permute(rows, c.num_attention_heads)
+            if part == "attn_k":
+                rows = permute(rows, c.num_key_value_heads)
+            add(f"blk.{i}.{part}.weight", rows, part)
+        add(f"blk.{i}.attn_norm.weight", np.asarray(lp["attn_norm"][i]), "norm")
+        add(f"blk.{i}.ffn_norm.weight", np.asarray(lp["mlp_norm"][i]), "norm")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_loader_keeps_blocks_and_names_what_it_dequantizes(tmp_path):
+    import warnings
+    from ddd_jax.checkpoints.loading import load_target
+    cfg = dataclasses.replace(SMALL, hidden_size=64, head_dim=16)
+    params = llama.init_params(cfg, jax.random.PRNGKey(2), std=0.25)
+    types = {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "F16", "attn_output": "Q8_0",
+             "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q8_0"}
+    f = _write_quantized_gguf(tmp_path / "q.gguf", cfg, params, types)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*tokenizer")  # a weights-only GGUF
+        tf = load_target(f)
+        with pytest.warns(UserWarning, match=r"dequantized to float32: layers\.wv \(F16\)"):
+            tb = load_target(f, gguf_blocks=True)
+    lp = tb.params["layers"]
+    assert {k: lp[k].kind for k in lp if quant.is_block(lp[k])} == {
+        "wq": "q4_0", "wk": "q4_1", "wo": "q8_0", "w_gate": "q4_1", "w_up": "q4_0", "w_down": "q8_0"}
+    assert tb.params["embed"].kind == "q8_0" and not quant.is_block(lp["wv"])
+    # the same values as the float load (Q/K rows unpermuted in their blocks), and the same logits
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))),
+                        quant.dequantize_tree(tb.params), tf.params)
+    assert all(jax.tree.leaves(same))
+    toks = np.random.RandomState(1).randint(0, 90, (1, 9)).astype(np.int32)
+    pos = np.arange(9)[None]
+    np.testing.assert_allclose(np.asarray(tb.forward(toks, pos).logits), np.asarray(tf.forward(toks, pos).logits),
+                               rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="dtype"):
+        load_target(f, dtype="bfloat16", gguf_blocks=True)

@@ -137,7 +137,7 @@ def gguf_config(reader, path="GGUF"):
 def gguf_params(reader, cfg, dtype=None, path="GGUF", as_jax: bool = True, mesh=None,
                 gguf_blocks: bool = False) -> dict:
     """The target's params from a GGUF reader: every tensor dequantized to `dtype` (float32 by default), or with
-    gguf_blocks=True every matrix stored as Q4_1 / Q8_0 kept as those blocks (`quant.BlockWeight`, float32
+    gguf_blocks=True every matrix stored as Q4_1 / Q8_0 / Q4_0 kept as those blocks (`quant.BlockWeight`, float32
     arithmetic, the same values bit for bit); other tensors (norms, other types) are dequantized to float32."""
     from gguf.quants import dequantize
     sources = [SourceTensor(t.name, tuple(int(s) for s in reversed(list(t.shape))),
@@ -172,11 +172,15 @@ def _block_weights(reader, slots, expected: dict, transforms: dict, as_jax: bool
     by_key: dict[str, list] = {}
     for slot in slots:
         by_key.setdefault(slot.rule.key, []).append(slot)
-    out = {}
+    out, floats = {}, {}
     for key, group in by_key.items():
-        kinds = {GGUF_KINDS.get(tensors[s.src.name].tensor_type.name) for s in group}
-        if len(kinds) != 1 or None in kinds or len(expected[key]) < 2:
-            continue  # norms, biases, mixed or other types: dequantized
+        if len(expected[key]) - (group[0].layer is not None) < 2:
+            continue  # norms, biases (vectors, stacked or not): float32
+        types = {tensors[s.src.name].tensor_type.name for s in group}
+        kinds = {GGUF_KINDS.get(t) for t in types}
+        if len(kinds) != 1 or None in kinds:  # other types, or one matrix stored in several: dequantized
+            floats[key] = sorted(types)
+            continue
         kind = kinds.pop()
         rows = []
         for s in sorted(group, key=lambda s: -1 if s.layer is None else s.layer):
@@ -187,6 +191,11 @@ def _block_weights(reader, slots, expected: dict, transforms: dict, as_jax: bool
         if tuple(w.shape) != tuple(expected[key]):
             raise ValueError(f"GGUF blocks for {key}: logical shape {w.shape}, expected {tuple(expected[key])}")
         out[key] = w
+    if floats:
+        import warnings
+        warnings.warn("gguf_blocks=True: these matrices are not kept as blocks (kept types: "
+                      f"{sorted(GGUF_KINDS)}, one type per matrix) and are dequantized to float32: "
+                      + ", ".join(f"{k} ({'/'.join(t)})" for k, t in sorted(floats.items())), stacklevel=4)
     return out
 
 
@@ -246,7 +255,7 @@ _PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": 
 def load_gguf_target(path, dtype=None, name: str | None = None, as_jax: bool = True, mesh=None,
                      gguf_blocks: bool = False) -> Target:
     """A Target from a llama / qwen2 / qwen3 architecture .gguf file (float32 unless dtype is given; gguf_blocks:
-    matrices stored as Q4_1 / Q8_0 stay those blocks, see `gguf_params`)."""
+    matrices stored as Q4_1 / Q8_0 / Q4_0 stay those blocks, see `gguf_params`)."""
     path = Path(path)
     reader = read_gguf(path)
     cfg = gguf_config(reader, path)

@@ -57,8 +57,9 @@ def load_target(path_or_name, dtype=None, mesh=None, gguf_blocks: bool = False) 
     dtype); None keeps the stored dtype (float32 for GGUF). mesh: a `jax.sharding.Mesh` with axes ("data", "model")
     (`ddd_jax.sharding.make_mesh`): weights are sharded by `ddd_jax.sharding.RULES` (heads, MLP hidden and
     vocabulary over "model", the rest replicated) tensor by tensor while loading; `target.mesh` keeps it.
-    gguf_blocks: (GGUF sources) keep the matrices stored as Q4_1 / Q8_0 as those blocks (`ddd_jax.quant`): the same
-    float32 values and arithmetic, ~1/6 of the bytes a forward reads; the CPU kernel dequantizes them exactly.
+    gguf_blocks: (GGUF sources) keep the matrices stored as Q4_1 / Q8_0 / Q4_0 as those blocks (`ddd_jax.quant`):
+    the same float32 values and arithmetic, ~1/6 of the bytes a forward reads; the CPU kernel dequantizes them
+    exactly. Matrices of other types (K-quants, float16) are dequantized to float32, with a warning naming them.
     """
     if mesh is not None:
         from ..sharding import check_mesh

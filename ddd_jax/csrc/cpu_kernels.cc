@@ -8,7 +8,7 @@
 // is streamed from memory once for all M rows.
 // ddd_linear_f16: the same with float16 weights (weight-only storage, widened exactly to float32 on load; float32
 //   x, arithmetic and output), for weights where half the bytes matter more than their last bits (draft heads).
-// ddd_linear_blocks: x @ W.T with W [L, N, K] kept as a GGUF file's Q4_1 / Q8_0 blocks (weight-only; dequantized
+// ddd_linear_blocks: x @ W.T with W [L, N, K] kept as a GGUF file's Q4_1 / Q8_0 / Q4_0 blocks (weight-only; dequantized
 //   exactly, four rows at a time, into an L1 buffer that the float32 trans kernel reads: bitwise that kernel's
 //   product of the dequantized weight). A 4-bit target reads ~1/6 of its float32 bytes per forward.
 // ddd_attention: q [B, T, N, H] against layer `layer` of k, v [L, B, S, Kh, H] under mask [B, T, S].
@@ -216,13 +216,14 @@ DDD_AVX2 void nt_chunk(const float* x, const W* w, float* out, int64_t M, int64_
 //   Q4_1 (20 bytes): float16 d, float16 m, 16 bytes of nibbles; element j < 16 is the low nibble of byte j, element
 //                    16 + j its high nibble; w = d * q + m
 //   Q8_0 (34 bytes): float16 d, 32 int8; w = d * q
+//   Q4_0 (18 bytes): float16 d, 16 bytes of nibbles as Q4_1's; w = d * (q - 8)
 // In float32 d * q is exact (an 11-bit by 4- or 8-bit product), so fma(d, q, m) and d * q round exactly as
-// gguf's dequantizer, (d * qs) + m and qs * d in float32, does: the weights are the dequantized float32 weights,
+// gguf's dequantizer, (d * qs) + m, qs * d and d * (qs - 8) in float32, does: the weights are the dequantized float32 weights,
 // bit for bit. Four rows are dequantized into an L1 buffer and multiplied by the float32 transposed kernel
 // (nt_rows), so the product is bitwise that kernel's product of the dequantized [N, K] weight -- for every M.
 constexpr int64_t kQK = 32;
-constexpr int64_t kQ4_1 = 0, kQ8_0 = 1;  // the `kind` attribute (ddd_jax.quant.KINDS)
-constexpr int64_t kind_bytes(int64_t kind) { return kind == kQ4_1 ? 20 : 34; }
+constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ4_0 = 2;  // the `kind` attribute (ddd_jax.quant.KINDS)
+constexpr int64_t kind_bytes(int64_t kind) { return kind == kQ4_1 ? 20 : kind == kQ8_0 ? 34 : 18; }
 
 DDD_AVX2 inline float f16_at(const uint8_t* p) {
   uint16_t h;
@@ -239,6 +240,21 @@ DDD_AVX2 inline void dequant_q4_1(const uint8_t* b, int64_t nb, float* dst) {
     const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
     DDD_UNROLL for (int j = 0; j < 4; ++j)
       _mm256_storeu_ps(dst + 8 * j, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[j])), m));
+  }
+}
+
+DDD_AVX2 inline void dequant_q4_0(const uint8_t* b, int64_t nb, float* dst) {
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  const __m256i eight = _mm256_set1_epi32(8);
+  for (int64_t i = 0; i < nb; ++i, b += 18, dst += kQK) {
+    const __m256 d = _mm256_set1_ps(f16_at(b));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+    const __m128i lo = _mm_and_si128(q, nib), hi = _mm_and_si128(_mm_srli_epi16(q, 4), nib);
+    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    DDD_UNROLL for (int j = 0; j < 4; ++j) {
+      const __m256i qi = _mm256_sub_epi32(_mm256_cvtepu8_epi32(part[j]), eight);
+      _mm256_storeu_ps(dst + 8 * j, _mm256_mul_ps(d, _mm256_cvtepi32_ps(qi)));
+    }
   }
 }
 
@@ -262,6 +278,8 @@ DDD_AVX2 void nt_chunk_blocks(const float* x, const uint8_t* w, float* out, int6
   auto dequant = [&](int64_t n, float* dst) DDD_AVX2 {
     if (KIND == kQ4_1)
       dequant_q4_1(w + n * rb, nb, dst);
+    else if (KIND == kQ4_0)
+      dequant_q4_0(w + n * rb, nb, dst);
     else
       dequant_q8_0(w + n * rb, nb, dst);
   };
@@ -472,7 +490,8 @@ ffi::Error LinearBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
                         ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t kind) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (kind != kQ4_1 && kind != kQ8_0) return ffi::Error::InvalidArgument("ddd_linear_blocks: unknown kind");
+  if (kind != kQ4_1 && kind != kQ8_0 && kind != kQ4_0)
+    return ffi::Error::InvalidArgument("ddd_linear_blocks: unknown kind");
   if (wd.size() != 3 || xd.size() < 1) return ffi::Error::InvalidArgument("ddd_linear_blocks: w must be [L, N, B]");
   const int64_t K = xd.back();
   const int64_t M = K ? x.element_count() / K : 0;
@@ -486,6 +505,8 @@ ffi::Error LinearBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   for_column_chunks(pool, M, K, N, 4, o, [=](int64_t n0, int64_t n1) {
     if (kind == kQ4_1)
       nt_chunk_blocks<kQ4_1>(xp, wp, o, M, K, N, n0, n1);
+    else if (kind == kQ4_0)
+      nt_chunk_blocks<kQ4_0>(xp, wp, o, M, K, N, n0, n1);
     else
       nt_chunk_blocks<kQ8_0>(xp, wp, o, M, K, N, n0, n1);
   });
@@ -791,7 +812,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearBlocks, LinearBlocks,
                                   .Arg<ffi::Buffer<ffi::U8>>()    // w [L, N, K/32 * block bytes], GGUF blocks
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [..., N]
-                                  .Attr<int64_t>("kind"));        // 0: Q4_1, 1: Q8_0
+                                  .Attr<int64_t>("kind"));        // 0: Q4_1, 1: Q8_0, 2: Q4_0
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DddAttention, Attention,
                               ffi::Ffi::Bind()
