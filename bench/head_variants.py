@@ -42,7 +42,7 @@ def main(argv) -> int:
                 runs[key] = dict(target=target, draft=None, method="vanilla", base=key)
                 continue
             dtype, method, k, N, d, checks, x, depth = spec
-            runs[key] = dict(target=target, draft=head.astype(jnp.dtype(dtype)), method=method,
+            runs[key] = dict(target=target, draft=head.astype(dtype), method=method,
                              base="vanilla" if len(targets) == 1 else f"vanilla/{w}",
                              tree=dj.TreeConfig(top_k=int(k), total_tokens=int(N), depth=int(d)),
                              ddd=dj.DDDConfig(check_steps=tuple(int(c) for c in checks.split("/")),

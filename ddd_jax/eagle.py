@@ -28,7 +28,7 @@ import numpy as np
 from . import io as dio
 from .cache import KVCache, init_cache
 from .checkpoints.keytable import check_shapes
-from . import eagle3
+from . import eagle3, quant
 from .config import DraftConfig, ModelConfig
 from .layers import causal_mask, linear
 from .layers import embed as embed_rows
@@ -98,8 +98,10 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions,
 
 
 def _weight(w, dtype):
-    """A head weight for activations of `dtype`: float16 weights stay float16 under float32 activations (the CPU
-    kernel widens them as it reads them: half the bytes; `layers.linear` otherwise promotes), else cast."""
+    """A head weight for activations of `dtype`: float16 weights and GGUF blocks stay as stored under float32
+    activations (the CPU kernels widen them as they read them; `layers.linear` otherwise promotes), else cast."""
+    if quant.is_block(w):
+        return w
     return w if (w.dtype == jnp.float16 and dtype == jnp.float32) else w.astype(dtype)
 
 
@@ -160,15 +162,18 @@ class Draft:
         self.config.check_target(self.target.config)
         check_shapes(self.params, param_shapes(self.config), "draft head")
         mesh = self.mesh
+        if mesh is not None and quant.has_blocks(self.params):
+            raise ValueError("a draft head stored as GGUF blocks cannot be sharded over a mesh yet")
         if mesh is not None:  # on the target's mesh, by the same rules as the target's weights
             from . import sharding
             self.params = sharding.place_params(self.params, param_axes(self.config), mesh)
         if "d2t" in self.params:
             _check_d2t(self.params["d2t"], self.config.vocab_size)
         if "d2t" in self.params and self.config.head_type == "eagle1":
-            w = output_embedding(self.target.params, self.target.config)
-            # in the head's own dtype (a float16 head reads float16 vocabulary rows too)
-            self.lm_sub = embed_rows(w, self.params["d2t"]).astype(self.weight_dtype)
+            rows = embed_rows(output_embedding(self.target.params, self.target.config), self.params["d2t"])
+            # in the head's own weight format (a float16 head reads float16 vocabulary rows, a q8_0 head q8_0 ones)
+            wd = self.weight_dtype
+            self.lm_sub = quant.quantize(rows, wd) if wd in quant.KINDS else rows.astype(wd)
             if mesh is not None:
                 self.lm_sub = sharding.put(self.lm_sub, sharding.named(mesh, DRAFT_AXES["lm_sub"]))
 
@@ -184,14 +189,38 @@ class Draft:
 
     def astype(self, dtype) -> "Draft":
         """The same head with its floating-point weights stored in `dtype` (e.g. float16: on CPU the kernels read
-        them at half the bytes and compute in float32; drafting stays lossless -- the target decides every token)."""
+        them at half the bytes and compute in float32; drafting stays lossless -- the target decides every token).
+        dtype may also be a GGUF block kind of `quant.KINDS` ("q8_0", "q4_0", "q4_1"): the matrices (fc, the
+        layer's products, the draft-vocabulary rows) quantized by gguf's reference quantizer, the rest as stored --
+        fewer bytes a draft step, drafts a little different, outputs still exactly the target's."""
+        if isinstance(dtype, str) and dtype in quant.KINDS:
+            return self._quantized(dtype)
+        if quant.has_blocks(self.params):
+            raise ValueError(f"this head is stored as {self.weight_dtype} blocks; astype({dtype!r}) needs the float "
+                             "head (load it again)")
         cast = lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
         return dataclasses.replace(self, params=jax.tree.map(cast, self.params))
 
+    def _quantized(self, kind: str) -> "Draft":
+        if self.config.head_type == "eagle3":
+            raise ValueError("astype: EAGLE-3 heads cannot be stored as GGUF blocks yet")
+        if quant.has_blocks(self.params):
+            raise ValueError(f"this head is already stored as {self.weight_dtype} blocks")
+        params = dict(self.params)
+        params["fc_w"] = quant.quantize(params["fc_w"], kind, transposed=True)  # x @ fc_w
+        params["layers"] = {k: quant.quantize(v, kind, transposed=True) if v.ndim == 3 else v
+                            for k, v in params["layers"].items()}  # [1, K, N] products; norms as stored
+        return dataclasses.replace(self, params=params)
+
     @property
     def weight_dtype(self) -> str:
-        """The dtype its floating-point weights are stored in ("float32", "float16", ...)."""
-        return next(str(a.dtype) for a in jax.tree.leaves(self.params) if jnp.issubdtype(a.dtype, jnp.floating))
+        """The dtype its floating-point weights are stored in ("float32", "float16", ...), or the GGUF block kind of
+        its matrices ("q8_0", ...; see `astype`)."""
+        leaves = jax.tree.leaves(self.params, is_leaf=quant.is_block)
+        blocks = [a.kind for a in leaves if quant.is_block(a)]
+        if blocks:
+            return blocks[0]
+        return next(str(a.dtype) for a in leaves if jnp.issubdtype(a.dtype, jnp.floating))
 
     def decode_params(self) -> dict:
         """Params as the decode loops use them: the head's params, plus `lm_sub` for a reduced draft vocabulary."""

@@ -56,7 +56,8 @@ def add_parser(sub) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="target name or path (default %(default)s)")
     p.add_argument("--draft", default=None, help="draft head name or path (default: the packaged head for the target)")
     p.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=None,
-                   help="the head's weight dtype (default: the tuned settings' with --settings auto, else as stored)")
+                   help="the head's weight dtype or GGUF block kind (default: the tuned settings' with --settings auto, "
+                        "else as stored)")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
     p.add_argument("--method", choices=["vanilla", "eagle2", "ddd"], default="vanilla")

@@ -94,6 +94,10 @@ class EagleHeadModule(_ParamsModule):
     @classmethod
     def from_draft(cls, draft) -> "EagleHeadModule":
         """A view of a `ddd_jax.Draft`'s head weights (shares its arrays; the target stays with the draft)."""
+        from .quant import has_blocks
+        if has_blocks(draft.params):
+            raise ValueError("this head is stored as GGUF blocks (Draft.astype('q8_0'...)): nnx modules hold float "
+                             "arrays; use the float head to train or compose it as a module")
         return cls(draft.config, draft.params)
 
     def __call__(self, embed, tokens, features, positions, cache: KVCache | None = None, kv_mask=None):

@@ -125,6 +125,21 @@ def dequantize_blocks(blocks, kind: str):
     return w.reshape(*blocks.shape[:-1], nb * BLOCK)
 
 
+def quantize(w, kind: str, transposed: bool = False) -> BlockWeight:
+    """A float weight stored as `kind` blocks by gguf's reference quantizer (numpy, on the host; lossy, as a GGUF
+    file's own weights were). w is the logical weight: [..., K, R] with transposed (x @ w), else rows [..., R, K];
+    K a multiple of 32."""
+    import gguf
+    from gguf.quants import quantize as gguf_quantize
+    check_kind(kind)
+    a = np.asarray(w, np.float32)
+    rows = np.swapaxes(a, -1, -2) if transposed else a
+    if rows.ndim < 2 or rows.shape[-1] % BLOCK:
+        raise ValueError(f"quantize: the reduced axis of a weight of shape {a.shape} is not a multiple of {BLOCK}")
+    blocks = gguf_quantize(np.ascontiguousarray(rows), gguf.GGMLQuantizationType[kind.upper()])
+    return BlockWeight(jnp.asarray(blocks), kind, transposed)
+
+
 def take_rows(w: BlockWeight, idx):
     """Rows `idx` of an untransposed (row-layout, e.g. embedding) BlockWeight, dequantized: [..., K] float32."""
     if w.transposed or w.ndim != 2:

@@ -123,7 +123,7 @@ def torch_head(draft, model) -> TorchEagleHead:
          "bias": dcfg.fc_bias}
     emb = model.model.embed_tokens.weight
     head = TorchEagleHead(c)
-    params = {k: v for k, v in draft.params.items() if k != "d2t"}
+    params = {k: v for k, v in dequantize_tree(draft.params).items() if k != "d2t"}
     sd = {k: _tensor(v, emb.dtype, "cpu") for k, v in export(params, EAGLE1_RULES, "draft head").items()}
     sd["embed_tokens.weight"] = head.embed_tokens.weight.detach()  # replaced by the target's below
     head.load_state_dict(sd, strict=True)

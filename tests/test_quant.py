@@ -125,6 +125,32 @@ def test_speculative_over_blocks_equals_vanilla(small, method, sync):
     assert tau > 1.2, tau  # drafts do get accepted (the head was fitted to the float twin; ~1.3)
 
 
+@pytest.mark.parametrize("kind", ["q8_0", pytest.param("q4_0", marks=pytest.mark.slow)])
+def test_head_as_blocks_is_lossless_and_drafts_like_the_float_head(small, kind, tmp_path):
+    from spec_helpers import prompts
+    tf, _, draft = small
+    q = draft.astype(kind)
+    assert q.weight_dtype == kind and quant.is_block(q.params["fc_w"]) and quant.is_block(q.params["layers"]["wq"])
+    assert q.params["layers"]["mlp_norm"] is draft.params["layers"]["mlp_norm"]  # vectors stay as stored
+    ps = prompts(4, seed=9, vocab=90)
+    ref = generate(tf, None, ps, max_new_tokens=24)
+    tree = TreeConfig(top_k=3, total_tokens=8, depth=3)
+    taus = {}
+    for name, d in (("float", draft), (kind, q)):
+        got = generate(tf, d, ps, max_new_tokens=24, method="ddd", tree=tree)
+        assert got.tokens == ref.tokens, name
+        taus[name] = np.mean([s["mean_accepted"] for s in got.stats["per_sequence"]])
+    assert abs(taus[kind] - taus["float"]) < 0.15, taus
+    with pytest.raises(ValueError, match="needs the float head"):
+        q.astype("float16")
+    with pytest.raises(ValueError, match="already stored"):
+        q.astype("q4_1")
+    from ddd_jax.checkpoints.ours import load_draft_dir, save_draft
+    save_draft(q, tmp_path / "h")  # saved as its (dequantized) float values
+    back = load_draft_dir(tmp_path / "h", tf)
+    np.testing.assert_array_equal(np.asarray(back.params["fc_w"]), np.asarray(q.params["fc_w"].dequantize()))
+
+
 def test_what_blocks_do_not_support(small, tmp_path):
     from ddd_jax.modules import LlamaModule
     _, tb, _ = small

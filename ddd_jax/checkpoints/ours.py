@@ -101,7 +101,7 @@ def load_target_dir(path, dtype=None, name: str | None = None, mesh=None) -> Tar
 
 def save_draft(draft: Draft, path, dtype=None, extra: dict | None = None) -> None:
     """Write our head format (config.json + model.safetensors) atomically: a directory that either exists whole or not at all."""
-    params = dict(draft.params)
+    params = quant.dequantize_tree(dict(draft.params))  # a head stored as GGUF blocks: saved as its float values
     if dtype is not None:
         params = {k: jax.tree.map(lambda x: np.asarray(x).astype(np.int32 if k == "d2t" else dtype), v)
                   for k, v in params.items()}

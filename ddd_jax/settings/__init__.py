@@ -21,7 +21,7 @@ from pathlib import Path
 
 SETTINGS_DIR = Path(__file__).parent
 TREE_KEYS = ("top_k", "total_tokens", "depth")
-DRAFT_DTYPES = ("float32", "float16", "bfloat16")
+DRAFT_DTYPES = ("float32", "float16", "bfloat16", "q8_0", "q4_0", "q4_1")  # the last: GGUF blocks (Draft.astype)
 DDD_KEYS = ("check_steps", "threshold", "max_depth")
 
 
