@@ -8,10 +8,10 @@ each row K/32 blocks of 32 weights.
     q8_0 (34 bytes a block): float16 d, 32 int8 -- w = d * q
     q4_0 (18 bytes a block): float16 d, 16 bytes of nibbles as q4_1's -- w = d * (q - 8)
 
-`dequantize` computes what `gguf.quants.dequantize` computes, bit for bit (in float32 d * q is exact, so the one
-rounding is the same), and so does the CPU kernel (`kernels.product_blocks`), which dequantizes four rows at a time
-into L1 and multiplies them with the float32 transposed kernel: a product with a BlockWeight equals that kernel's
-product with the dequantized weight, and a row's result does not depend on the other rows (decoding and tree
+`dequantize_blocks` computes what `gguf.quants.dequantize` computes, bit for bit (in float32 d * q is exact, so
+the one rounding is the same), and so does the CPU kernel (`kernels.product_blocks`), which dequantizes four rows
+at a time into L1 and multiplies them with the float32 transposed kernel: a product with a BlockWeight equals that
+kernel's product with the dequantized weight, and a row's result does not depend on the other rows (decoding and tree
 verification stay token-identical). What changes is the bytes a forward streams: SmolLM2-135M's Q4_1 layers and
 Q8_0 embedding are ~96 MB against 540 MB of float32.
 

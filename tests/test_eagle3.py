@@ -202,6 +202,7 @@ def token_data(t: Target, n: int = 24, new: int = 36):
                       [str(i) for i in range(n)], {"source": {"kind": "test"}})
 
 
+@pytest.mark.slow  # time (test-fast budget); `make test` runs it
 def test_ttt_training_loss_falls_and_resume_is_exact(tmp_path):
     from ddd_jax.train_draft.eagle3_fit import Fit3Config, fit_eagle3
     t = tiny3()
@@ -228,7 +229,7 @@ def test_ttt_training_loss_falls_and_resume_is_exact(tmp_path):
         generate(t, None, ps, max_new_tokens=12).tokens
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (1.5, 0.9)])
+@pytest.mark.parametrize("temperature,top_p", [pytest.param(1.0, 1.0, marks=pytest.mark.slow), (1.5, 0.9)])
 def test_sampling_distribution_matches_target_eagle3(temperature, top_p):
     """tests/test_spec.py's chi-square check with an EAGLE-3 head whose draft vocabulary misses some tokens."""
     from scipy.stats import chi2

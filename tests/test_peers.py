@@ -55,6 +55,7 @@ def test_missing_or_unknown_peers(monkeypatch):
         build_runners(target, None, ["ddd-jax-blocks"], capacity=64, required=("ddd-jax-blocks",))
 
 
+@pytest.mark.slow  # time (test-fast budget): test_quant covers decoding over blocks in the fast lane
 def test_blocks_peers_decode_the_blocks_target():
     pytest.importorskip("gguf")
     from quant_helpers import SMALL, blocks_target

@@ -110,6 +110,7 @@ def test_bad_meshes_and_sizes_are_clear_errors(found):
     assert "num_key_value_heads=2" in e["heads"] and "'model' axis (4)" in e["heads"] and "[1, 2]" in e["heads"]
 
 
+@pytest.mark.slow  # time (test-fast budget); `make test` runs it
 def test_data_parallel_fit_matches_one_device():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     worker = Path(__file__).with_name("sharding_train_worker.py")
