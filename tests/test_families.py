@@ -250,24 +250,10 @@ HF_TO_GGUF = [("model.embed_tokens.weight", "token_embd.weight"), ("model.norm.w
 
 def write_gguf(model, path, arch):
     """A float32 GGUF of a tiny transformers model, named and (for llama) Q/K-permuted as llama.cpp's converter does."""
-    gguf = pytest.importorskip("gguf")
+    pytest.importorskip("gguf")
+    from gguf_helpers import finish, gguf_writer, permute
     c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(c.vocab_size)
-
-    def permute(x, n):  # llama.cpp convert_hf_to_gguf: LlamaModel.permute
-        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
-
+    w = gguf_writer(path, arch, c, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     for name, p in model.state_dict().items():
         x = p.detach().numpy().astype(np.float32)
         if arch == "llama" and ".q_proj." in name:
@@ -278,11 +264,7 @@ def write_gguf(model, path, arch):
         for a, b in HF_TO_GGUF:
             name = name.replace(a, b)
         w.add_tensor(name, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish(w, path)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -189,21 +189,9 @@ def test_smollm2_blocks_are_the_float_weights_and_decode_alike(smollm2):
 def _write_quantized_gguf(path, cfg, params, types: dict):
     """A llama-architecture GGUF of `params` (our layout) with each matrix stored in `types[gguf name part]`
     (Q/K rows permuted as llama.cpp's converter does)."""
+    from gguf_helpers import finish, gguf_writer, permute
     c = cfg
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_vocab_size(c.vocab_size)
-
-    def permute(x, n):  # llama.cpp convert_hf_to_gguf: LlamaModel.permute
-        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+    w = gguf_writer(path, "llama", c, c.head_dim, c.rope_theta)
 
     def add(name, rows, part):
         t = types.get(part, "F32")
@@ -229,11 +217,7 @@ def _write_quantized_gguf(path, cfg, params, types: dict):
             add(f"blk.{i}.{part}.weight", rows, part)
         add(f"blk.{i}.attn_norm.weight", np.asarray(lp["attn_norm"][i]), "norm")
         add(f"blk.{i}.ffn_norm.weight", np.asarray(lp["mlp_norm"][i]), "norm")
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish(w, path)
 
 
 def test_gguf_loader_keeps_blocks_and_names_what_it_dequantizes(tmp_path):
