@@ -135,12 +135,17 @@ def product(x, w, layer=None, trans: bool = False):
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def usable(x, w) -> bool:
-    """Whether `product` applies: float32 x, float32 or float16 weights, at most MAX_ROWS rows, kernel available."""
+def _small_f32(x) -> bool:
+    """float32 x [..., K] of 1..MAX_ROWS rows, and the kernel library available."""
     rows = 1
     for d in x.shape[:-1]:
         rows *= d
-    return (x.dtype == jnp.float32 and w.dtype in WEIGHT_DTYPES and 0 < rows <= MAX_ROWS and available())
+    return x.dtype == jnp.float32 and 0 < rows <= MAX_ROWS and available()
+
+
+def usable(x, w) -> bool:
+    """Whether `product` applies: float32 x, float32 or float16 weights, at most MAX_ROWS rows, kernel available."""
+    return w.dtype in WEIGHT_DTYPES and _small_f32(x)
 
 
 # ----------------------------------------------------------------------------------------------- GGUF blocks
@@ -151,10 +156,14 @@ def _blocks_call(x2, b3, layer, kind):
     return call(x2, b3, layer, kind=np.int64(KINDS[kind][0]))
 
 
-def _blocks_xla(x2, b3, layer, kind):
+def _layer_rows(b3, layer, kind):
+    """Layer `layer` of stacked blocks b3 [L, N, .] dequantized: [N, K] float32."""
     from .quant import dequantize_blocks
-    w = dequantize_blocks(jax.lax.dynamic_index_in_dim(b3, layer, 0, keepdims=False), kind)  # [N, K]
-    return jnp.einsum("mk,nk->mn", x2, w, preferred_element_type=jnp.float32)
+    return dequantize_blocks(jax.lax.dynamic_index_in_dim(b3, layer, 0, keepdims=False), kind)
+
+
+def _blocks_xla(x2, b3, layer, kind):
+    return jnp.einsum("mk,nk->mn", x2, _layer_rows(b3, layer, kind), preferred_element_type=jnp.float32)
 
 
 def _blocks_impl(x2, b3, layer, kind):
@@ -167,10 +176,8 @@ def _blocks_fwd(x2, b3, layer, kind):
 
 
 def _blocks_bwd(kind, res, g):  # d/dx only: the blocks are constants
-    from .quant import dequantize_blocks
     b3, layer = res
-    w = dequantize_blocks(jax.lax.dynamic_index_in_dim(b3, layer, 0, keepdims=False), kind)
-    return jnp.dot(g, w, preferred_element_type=jnp.float32), None, None
+    return jnp.dot(g, _layer_rows(b3, layer, kind), preferred_element_type=jnp.float32), None, None
 
 
 _blocks = jax.custom_vjp(_blocks_impl, nondiff_argnums=(3,))
@@ -178,23 +185,15 @@ _blocks.defvjp(_blocks_fwd, _blocks_bwd)
 
 
 def product_blocks(x, blocks, kind: str, layer=None):
-    """x [..., K] float32 @ W.T for W the GGUF blocks `blocks` [N, K/32*bytes] (or stacked [L, N, .] with `layer`,
-    an int32 scalar, may be traced) of `kind` ("q4_1" | "q8_0" | "q4_0"). Returns [..., N] float32. The caller checks
-    `usable_blocks`."""
+    """x [..., K] @ W.T for W the GGUF blocks `blocks` [N, K/32*bytes] (or stacked [L, N, .] with `layer`, an int32
+    scalar, may be traced) of `kind` ("q4_1" | "q8_0" | "q4_0"). Returns [..., N] float32. Float32 x of at most
+    MAX_ROWS rows runs the kernel (on CPU, when available); anything else dequantizes with XLA."""
     b3 = blocks if blocks.ndim == 3 else blocks[None]
     layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
     K = x.shape[-1]
-    impl = _blocks if available() else _blocks_xla
+    impl = _blocks if _small_f32(x) else _blocks_xla
     out = impl(x.reshape(-1, K).astype(jnp.float32), b3, layer, kind)
     return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-def usable_blocks(x) -> bool:
-    """Whether `product_blocks` runs the kernel: float32 x of at most MAX_ROWS rows, kernel available."""
-    rows = 1
-    for d in x.shape[:-1]:
-        rows *= d
-    return x.dtype == jnp.float32 and 0 < rows <= MAX_ROWS and available()
 
 
 # ----------------------------------------------------------------------------------------------- attention

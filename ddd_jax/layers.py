@@ -35,10 +35,7 @@ def linear(x, w, layer=None, *, transposed: bool = False, f32: bool = False):
         if transposed == w.transposed:
             raise ValueError(f"a {'transposed' if w.transposed else 'row-layout'} BlockWeight used as "
                              f"{'rows' if transposed else 'x @ w'}: its layout does not match the product")
-        if kernels.usable_blocks(x):
-            return kernels.product_blocks(x, w.blocks, w.kind, layer)
-        rows = (w if layer is None else w.layer(layer)).rows()
-        return jnp.einsum("...d,vd->...v", x.astype(jnp.float32), rows, preferred_element_type=jnp.float32)
+        return kernels.product_blocks(x, w.blocks, w.kind, layer)
     if kernels.usable(x, w):
         return kernels.product(x, w, layer, trans=transposed)
     if layer is not None:

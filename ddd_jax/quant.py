@@ -89,11 +89,6 @@ class BlockWeight:
         w = self.rows()
         return jnp.swapaxes(w, -1, -2) if self.transposed else w
 
-    def layer(self, i) -> "BlockWeight":
-        """Layer i of a stacked weight."""
-        return BlockWeight(jax.lax.dynamic_index_in_dim(self.blocks, i, 0, keepdims=False), self.kind,
-                           self.transposed)
-
 
 def check_kind(kind: str) -> None:
     if kind not in KINDS:
