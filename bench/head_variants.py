@@ -3,11 +3,12 @@ target's float32 weights beside its GGUF blocks -- interleaved per prompt with v
 speed-ups share one stretch of the host.
 
     python bench/head_variants.py N START [--weights float,blocks] VARIANT [VARIANT ...]
-    VARIANT = name:dtype:method:top_k:total_tokens:depth:checks:threshold:max_depth
+    VARIANT = name:dtype:method:top_k:total_tokens:depth:checks:threshold:max_depth[:head]
     e.g. python bench/head_variants.py 20 0 ddd32:float32:ddd:4:4:2:1/3/5:-1:6 ddd16:float16:ddd:4:4:2:1/3/5:-1:6
 
 MT-bench first turns [START, START+N) with the chat template, 64 new tokens, greedy; SmolLM2-135M-Instruct and the
-shipped head; every variant compiled for every prompt first, then per prompt all variants in alternating order.
+shipped head (or `head`: a head directory, to compare candidate heads in one run); every variant compiled for
+every prompt first, then per prompt all variants in alternating order.
 --weights: the target loads to run them on (default float: float32 weights; blocks: `gguf_blocks=True`); every
 variant and vanilla runs on each, named `<name>/<weights>` when there is more than one.
 Prints per variant: tok/s (decode time only), speed-up vs the vanilla of the same weights (and vs float vanilla),
@@ -35,14 +36,19 @@ def main(argv) -> int:
     specs = [("vanilla", None)] + [(v.split(":")[0], v.split(":")[1:]) for v in argv[2:]]
     runs = {}
     for w, target in targets.items():
-        head = dj.load_draft("smollm2-135m-instruct-eagle", target)
+        heads = {}
         for name, spec in specs:
             key = name if len(targets) == 1 else f"{name}/{w}"
             if spec is None:
                 runs[key] = dict(target=target, draft=None, method="vanilla", base=key)
                 continue
-            dtype, method, k, N, d, checks, x, depth = spec
-            runs[key] = dict(target=target, draft=head.astype(dtype), method=method,
+            if len(spec) not in (8, 9):
+                raise SystemExit(f"variant {name}: want 9 or 10 ':'-separated fields, got {len(spec) + 1}")
+            dtype, method, k, N, d, checks, x, depth = spec[:8]
+            head_name = spec[8] if len(spec) == 9 else "smollm2-135m-instruct-eagle"
+            if head_name not in heads:
+                heads[head_name] = dj.load_draft(head_name, target)
+            runs[key] = dict(target=target, draft=heads[head_name].astype(dtype), method=method,
                              base="vanilla" if len(targets) == 1 else f"vanilla/{w}",
                              tree=dj.TreeConfig(top_k=int(k), total_tokens=int(N), depth=int(d)),
                              ddd=dj.DDDConfig(check_steps=tuple(int(c) for c in checks.split("/")),

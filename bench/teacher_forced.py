@@ -1,0 +1,124 @@
+"""Teacher-forced accuracy of draft heads on the target's own greedy replies: how often the head's next token (its
+top-1 / top-4) is the target's greedy token, given the target's true features -- the first draft step of every
+speculative cycle. No timing, no tree: it separates a head's quality from the decoding settings.
+
+    python bench/teacher_forced.py [--tokens 64] [--holdout FILE.jsonl] [--cache DIR] HEAD [HEAD ...]
+
+Two sets of replies, the first --tokens tokens of each: the target's greedy replies to the 80 MT-bench first turns
+(chat template; evaluation only, never trained on) and the replies in --holdout (a `train-draft regenerate` file of
+held-out ShareGPT first turns, e.g. runs/sd/holdout.jsonl). The target's features are computed once per set and
+cached in --cache. HEAD: a packaged head name or a head directory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ddd_jax as dj
+from ddd_jax import eagle
+from ddd_jax.bench.mtbench import load_questions
+
+BUCKETS = (128, 256, 384, 512)
+
+
+def replies(target, holdout: str | None, tokens: int) -> dict:
+    """{set name: [(ids, prompt_len)]}: prompt + the first `tokens` reply tokens."""
+    sets = {"mtbench": []}
+    for q in load_questions(None):
+        p = target.encode_chat([{"role": "user", "content": q["turns"][0]}])
+        r = dj.generate(target, None, p, max_new_tokens=tokens, method="vanilla")
+        sets["mtbench"].append((list(map(int, p)) + list(map(int, r.tokens)), len(p)))
+    if holdout:
+        recs = [json.loads(line) for line in Path(holdout).read_text().splitlines() if line.strip()]
+        sets["holdout"] = [(r["ids"][:r["prompt_len"] + tokens], r["prompt_len"]) for r in recs]
+    return sets
+
+
+def features(target, names: list, cache: Path, make) -> dict:
+    """{set name: [(ids, features [T, D] float16, prompt_len)]}, from the cache or computed (`make()` gives the
+    replies) and cached."""
+    from ddd_jax.train_draft.extract import target_features
+    out, sets = {}, None
+    for name in names:
+        f = cache / f"{name}.npz"
+        if f.exists():
+            z = np.load(f, allow_pickle=True)
+            out[name] = list(zip(z["ids"], z["feats"], z["prompt_len"]))
+            continue
+        sets = sets if sets is not None else make()
+        seqs = sets[name]
+        rows = [(np.asarray(ids, np.int32), target_features(target, np.asarray(ids, np.int32), BUCKETS), pl)
+                for ids, pl in seqs]
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = cache / f".{name}.tmp.npz"
+        np.savez(tmp, ids=np.array([r[0] for r in rows], dtype=object), feats=np.array([r[1] for r in rows],
+                 dtype=object), prompt_len=np.array([r[2] for r in rows]))
+        tmp.replace(f)
+        out[name] = rows
+    return out
+
+
+def accuracy(target, head, seqs, tokens: int) -> dict:
+    embed = jnp.asarray(target.params["embed"], jnp.float32)
+    lm_w = embed.T if target.config.tie_word_embeddings else jnp.asarray(target.params["lm_head"], jnp.float32).T
+
+    @jax.jit
+    def step(tok, f_in, f_tgt):
+        n = tok.shape[1]
+        g, _ = eagle.head_forward(head.params, head.config, embed, tok, f_in, jnp.arange(n, dtype=jnp.int32)[None])
+        logits, want = g[0] @ lm_w, jnp.argmax(f_tgt[0] @ lm_w, -1)
+        top4 = jax.lax.top_k(logits, 4)[1]
+        return jnp.argmax(logits, -1) == want, jnp.any(top4 == want[:, None], -1)
+
+    hit1, hit4, cnt = np.zeros(tokens), np.zeros(tokens), np.zeros(tokens)
+    for ids, f, pl in seqs:
+        n = len(ids) - 1  # input t: feature t and token t+1 -> token t+2 (the target's argmax at feature t+1)
+        L = next(b for b in BUCKETS if n <= b)
+        tok = np.zeros((1, L), np.int32)
+        tok[0, :n] = ids[1:]
+        fin = np.zeros((1, L, f.shape[1]), np.float32)
+        fin[0, :n] = f[:-1]
+        ftg = np.zeros_like(fin)
+        ftg[0, :n] = f[1:]
+        h1, h4 = (np.asarray(a) for a in step(tok, fin, ftg))  # [L] each
+        for t in range(n - 1):  # the last input has no target token
+            j = t + 2 - pl  # reply position of the predicted token (0 = the first reply token, never drafted)
+            if 1 <= j < tokens:
+                hit1[j] += h1[t]
+                hit4[j] += h4[t]
+                cnt[j] += 1
+    part = lambda a, lo, hi: float(a[lo:hi].sum() / max(cnt[lo:hi].sum(), 1))
+    return {"top1": part(hit1, 0, tokens), "top4": part(hit4, 0, tokens), "tokens": int(cnt.sum()),
+            "top1_by_position": {"1-8": part(hit1, 1, 9), "9-32": part(hit1, 9, 33), f"33-{tokens - 1}":
+                                 part(hit1, 33, tokens)}}
+
+
+def main(argv) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("heads", nargs="+")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--holdout", default="runs/sd/holdout.jsonl")
+    ap.add_argument("--cache", default="runs/teacher_forced")
+    args = ap.parse_args(argv)
+    target = dj.load_target("smollm2-135m-instruct")
+    cache = Path(args.cache) / f"{target.name}-{args.tokens}"
+    names = ["mtbench"] + (["holdout"] if args.holdout else [])
+    sets = features(target, names, cache, lambda: replies(target, args.holdout, args.tokens))
+    for h in args.heads:
+        head = dj.load_draft(h, target, dtype=jnp.float32)
+        for name, seqs in sets.items():
+            r = accuracy(target, head, seqs, args.tokens)
+            pos = "  ".join(f"{k} {v:.3f}" for k, v in r["top1_by_position"].items())
+            print(f"{h:40s} {name:8s} top-1 {r['top1']:.3f}  top-4 {r['top4']:.3f}  (top-1 at reply positions {pos}; "
+                  f"{r['tokens']} tokens)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
