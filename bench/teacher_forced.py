@@ -6,8 +6,8 @@ speculative cycle. No timing, no tree: it separates a head's quality from the de
 
 Two sets of replies, the first --tokens tokens of each: the target's greedy replies to the 80 MT-bench first turns
 (chat template; evaluation only, never trained on) and the replies in --holdout (a `train-draft regenerate` file of
-held-out ShareGPT first turns, e.g. runs/sd/holdout.jsonl). The target's features are computed once per set and
-cached in --cache. HEAD: a packaged head name or a head directory.
+held-out ShareGPT first turns, e.g. runs/sd/holdout.jsonl; --holdout '' for none). The target's features are
+computed once per set and cached in --cache. HEAD: a packaged head name or a head directory.
 """
 from __future__ import annotations
 
@@ -65,8 +65,8 @@ def features(target, names: list, cache: Path, make) -> dict:
 
 
 def accuracy(target, head, seqs, tokens: int) -> dict:
-    embed = jnp.asarray(target.params["embed"], jnp.float32)
-    lm_w = embed.T if target.config.tie_word_embeddings else jnp.asarray(target.params["lm_head"], jnp.float32).T
+    from ddd_jax.train_draft.train import frozen_target_arrays
+    embed, lm_w = frozen_target_arrays(target)  # [V, D], [D, V] float32
 
     @jax.jit
     def step(tok, f_in, f_tgt):
@@ -107,7 +107,7 @@ def main(argv) -> int:
     ap.add_argument("--cache", default="runs/teacher_forced")
     args = ap.parse_args(argv)
     target = dj.load_target("smollm2-135m-instruct")
-    cache = Path(args.cache) / f"{target.name}-{args.tokens}"
+    cache = Path(args.cache) / f"{target.name}-{args.tokens}-{Path(args.holdout).stem if args.holdout else 'none'}"
     names = ["mtbench"] + (["holdout"] if args.holdout else [])
     sets = features(target, names, cache, lambda: replies(target, args.holdout, args.tokens))
     for h in args.heads:
