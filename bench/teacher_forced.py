@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import ddd_jax as dj
-from ddd_jax import eagle
 from ddd_jax.bench.mtbench import load_questions
 
 BUCKETS = (128, 256, 384, 512)
@@ -65,14 +64,19 @@ def features(target, names: list, cache: Path, make) -> dict:
 
 
 def accuracy(target, head, seqs, tokens: int) -> dict:
+    """Top-1 / top-4 hits of `head` (`Draft.forward`, an EAGLE-1/2 head) against the target's greedy tokens, over
+    the tokens it drafts from: its draft vocabulary (`d2t`) when it has one, as drafting does."""
     from ddd_jax.train_draft.train import frozen_target_arrays
-    embed, lm_w = frozen_target_arrays(target)  # [V, D], [D, V] float32
+    _, lm_w = frozen_target_arrays(target)  # [D, V] float32
+    allowed = None
+    if "d2t" in head.params:
+        allowed = jnp.zeros(target.config.vocab_size, bool).at[jnp.asarray(head.params["d2t"])].set(True)
 
     @jax.jit
-    def step(tok, f_in, f_tgt):
-        n = tok.shape[1]
-        g, _ = eagle.head_forward(head.params, head.config, embed, tok, f_in, jnp.arange(n, dtype=jnp.int32)[None])
-        logits, want = g[0] @ lm_w, jnp.argmax(f_tgt[0] @ lm_w, -1)
+    def judge(logits, f_tgt):  # [L, V], [L, D]
+        want = jnp.argmax(f_tgt @ lm_w, -1)
+        if allowed is not None:
+            logits = jnp.where(allowed, logits, -jnp.inf)
         top4 = jax.lax.top_k(logits, 4)[1]
         return jnp.argmax(logits, -1) == want, jnp.any(top4 == want[:, None], -1)
 
@@ -86,7 +90,8 @@ def accuracy(target, head, seqs, tokens: int) -> dict:
         fin[0, :n] = f[:-1]
         ftg = np.zeros_like(fin)
         ftg[0, :n] = f[1:]
-        h1, h4 = (np.asarray(a) for a in step(tok, fin, ftg))  # [L] each
+        _, logits = head.forward(tok, fin)
+        h1, h4 = (np.asarray(a) for a in judge(logits[0], ftg[0]))  # [L] each
         for t in range(n - 1):  # the last input has no target token
             j = t + 2 - pl  # reply position of the predicted token (0 = the first reply token, never drafted)
             if 1 <= j < tokens:
