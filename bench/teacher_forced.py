@@ -12,7 +12,6 @@ computed once per set and cached in --cache. HEAD: a packaged head name or a hea
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -26,40 +25,34 @@ from ddd_jax.bench.mtbench import load_questions
 BUCKETS = (128, 256, 384, 512)
 
 
-def replies(target, holdout: str | None, tokens: int) -> dict:
-    """{set name: [(ids, prompt_len)]}: prompt + the first `tokens` reply tokens."""
-    sets = {"mtbench": []}
+def replies(target, name: str, holdout: str | None, tokens: int) -> list:
+    """Set `name`'s sequences [(ids, prompt_len)]: prompt + the first `tokens` reply tokens."""
+    if name == "holdout":
+        from ddd_jax.train_draft.regen import load_records
+        return [(r["ids"][:r["prompt_len"] + tokens], r["prompt_len"]) for r in load_records(holdout)]
+    out = []
     for q in load_questions(None):
         p = target.encode_chat([{"role": "user", "content": q["turns"][0]}])
         r = dj.generate(target, None, p, max_new_tokens=tokens, method="vanilla")
-        sets["mtbench"].append((list(map(int, p)) + list(map(int, r.tokens)), len(p)))
-    if holdout:
-        recs = [json.loads(line) for line in Path(holdout).read_text().splitlines() if line.strip()]
-        sets["holdout"] = [(r["ids"][:r["prompt_len"] + tokens], r["prompt_len"]) for r in recs]
-    return sets
+        out.append((list(map(int, p)) + list(map(int, r.tokens)), len(p)))
+    return out
 
 
 def features(target, names: list, cache: Path, make) -> dict:
-    """{set name: [(ids, features [T, D] float16, prompt_len)]}, from the cache or computed (`make()` gives the
-    replies) and cached."""
-    from ddd_jax.train_draft.extract import target_features
-    out, sets = {}, None
+    """{set name: [(ids, features [T, D] float16, prompt_len)]}, from the cache or computed (`make(name)` gives the
+    set's sequences) and cached."""
+    from ddd_jax.train_draft.extract import _write_npz_atomic, target_features
+    out = {}
     for name in names:
         f = cache / f"{name}.npz"
-        if f.exists():
-            z = np.load(f, allow_pickle=True)
+        if not f.exists():
+            rows = [(np.asarray(ids, np.int32), pl) for ids, pl in make(name)]
+            cache.mkdir(parents=True, exist_ok=True)
+            _write_npz_atomic(f, ids=np.array([ids for ids, _ in rows], dtype=object),
+                              feats=np.array([target_features(target, ids, BUCKETS) for ids, _ in rows], dtype=object),
+                              prompt_len=np.array([pl for _, pl in rows]))
+        with np.load(f, allow_pickle=True) as z:
             out[name] = list(zip(z["ids"], z["feats"], z["prompt_len"]))
-            continue
-        sets = sets if sets is not None else make()
-        seqs = sets[name]
-        rows = [(np.asarray(ids, np.int32), target_features(target, np.asarray(ids, np.int32), BUCKETS), pl)
-                for ids, pl in seqs]
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = cache / f".{name}.tmp.npz"
-        np.savez(tmp, ids=np.array([r[0] for r in rows], dtype=object), feats=np.array([r[1] for r in rows],
-                 dtype=object), prompt_len=np.array([r[2] for r in rows]))
-        tmp.replace(f)
-        out[name] = rows
     return out
 
 
@@ -114,7 +107,7 @@ def main(argv) -> int:
     target = dj.load_target("smollm2-135m-instruct")
     cache = Path(args.cache) / f"{target.name}-{args.tokens}-{Path(args.holdout).stem if args.holdout else 'none'}"
     names = ["mtbench"] + (["holdout"] if args.holdout else [])
-    sets = features(target, names, cache, lambda: replies(target, args.holdout, args.tokens))
+    sets = features(target, names, cache, lambda name: replies(target, name, args.holdout, args.tokens))
     for h in args.heads:
         head = dj.load_draft(h, target, dtype=jnp.float32)
         for name, seqs in sets.items():
