@@ -345,7 +345,9 @@ class TreeConfig:
 @dataclass(frozen=True)
 class DDDConfig:
     """Dynamic Depth Decoding: at each check step s in check_steps (step numbering as in TreeConfig),
-    stop drafting if logsumexp(beam cumulative log-probs) < threshold; never draft past max_depth."""
+    stop drafting if logsumexp(beam cumulative log-probs) < threshold; never draft past max_depth. A check at
+    step 0 (an extension of the paper, whose checks start at step 5) looks at the root's top_k children before
+    any expansion step, so an unconfident cycle verifies them without paying for a draft step."""
 
     check_steps: tuple[int, ...] = (5, 7, 9)
     threshold: float = -0.3
@@ -358,8 +360,8 @@ class DDDConfig:
             raise ValueError("DDDConfig: check_steps must not be empty")
         if list(cs) != sorted(set(cs)):
             raise ValueError(f"DDDConfig: check_steps must be strictly increasing, got {cs}")
-        if cs[0] < 1 or cs[-1] >= self.max_depth:
-            raise ValueError(f"DDDConfig: check steps must lie in [1, max_depth) = [1, {self.max_depth}), got {cs}")
+        if cs[0] < 0 or cs[-1] >= self.max_depth:
+            raise ValueError(f"DDDConfig: check steps must lie in [0, max_depth) = [0, {self.max_depth}), got {cs}")
 
     @property
     def min_depth(self) -> int:

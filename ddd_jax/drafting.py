@@ -4,7 +4,8 @@ decides when drafting stops.
 
 Step numbering (see `TreeConfig`): step 0 runs the head over the newly committed pairs and gives the first beam;
 step j >= 1 expands the depth-j beam. A DDD check at step s happens after step s and looks at the beam that step
-produced: drafting stops for a sequence whose confidence `logsumexp(beam scores)` is below the threshold.
+produced: drafting stops for a sequence whose confidence `logsumexp(beam scores)` is below the threshold. A check
+at step 0 therefore decides whether the first beam (the root's top_k children) is expanded at all.
 
 How the decision is taken (``plan.sync``, DDD only; EAGLE-2 never checks):
 
@@ -137,6 +138,8 @@ def run_steps(dparams, plan, tparams, dcache: KVCache, base, beam: Beam, end_ste
 
     decide=True takes DDD's decisions inside the loop (sync "device" or "callback"); decide=False runs plain
     steps (EAGLE-2, and the segments between host checks). Returns (dcache, beam, checks executed)."""
+    if plan.max_depth == 0:  # EAGLE-2 with depth 0: step 0's beam is the whole pool (no scratch to trace into)
+        return dcache, beam, jnp.zeros((), jnp.int32)
     checks = jnp.asarray(plan.check_steps or (-1,), jnp.int32)
     in_loop = decide and plan.method == "ddd" and plan.sync != "host"
 
@@ -164,8 +167,13 @@ def begin(tparams, dparams, plan, dcache: KVCache, pend_tok, pend_feat, pend_n, 
     dcache, h0, logp0 = draft_prefix(dparams, plan, tparams, dcache, pend_tok, pend_feat, pend_n)
     base = dcache.length
     beam = first_beam(logp0, h0, plan.top_k, plan.max_depth, dparams.get("d2t"))
+    checked = jnp.zeros((), jnp.int32)
+    if decide and plan.method == "ddd" and plan.sync != "host" and 0 in plan.check_steps:
+        # a check at step 0 looks at the first beam (the root's top_k): expand it only if the head is confident
+        beam = dataclasses.replace(beam, active=_decide(plan, beam, threshold))
+        checked = jnp.ones((), jnp.int32)
     dcache, beam, checks = run_steps(dparams, plan, tparams, dcache, base, beam, end_step, threshold, decide=decide)
-    return Draft(dcache=dcache, base=base, beam=beam, checks=checks)
+    return Draft(dcache=dcache, base=base, beam=beam, checks=checks + checked)
 
 
 def draft_in_program(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold) -> Draft:

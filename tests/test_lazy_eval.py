@@ -78,6 +78,22 @@ def test_torch_speculative_modes_equal_vanilla_and_take_jax_depths(tiny, vocab):
     assert {1, 3} <= depths and max(depths) <= DDD.max_depth  # DDD stopped at both checks and went past them
 
 
+def test_torch_step0_check_takes_jax_decisions(tiny):
+    """A DDD check at step 0 (before any expansion step): torch's host and device modes stop where JAX stops."""
+    target, draft, m = tiny
+    tree, ddd = TreeConfig(top_k=2, total_tokens=3, depth=2), DDDConfig(check_steps=(0, 2), threshold=-0.4, max_depth=4)
+    depths = set()
+    for p in PROMPTS:
+        jx = ddd_jax.generate(target, draft, p, max_new_tokens=MAX_NEW, method="ddd", sync="device", tree=tree, ddd=ddd)
+        for sync in ("host", "device"):
+            got = td.generate(m, p, MAX_NEW, method="ddd", sync=sync, tree=tree, ddd=ddd)
+            assert got.tokens == jx.tokens == td.generate(m, p, MAX_NEW).tokens, sync
+            assert got.stats["depth_per_call"] == jx.stats["depth_per_call"], sync
+            assert got.stats["ddd_checks"] == jx.stats["ddd_checks"], sync
+        depths.update(jx.stats["depth_per_call"])
+    assert 0 in depths and len(depths) >= 2, depths
+
+
 def test_torch_decoding_refuses_bad_input(tiny):
     target, _, m = tiny
     with pytest.raises(ValueError, match="callback"):
