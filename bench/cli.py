@@ -23,6 +23,15 @@ def _floats(s: str) -> tuple:
     return tuple(float(x) for x in s.split(",") if x.strip())
 
 
+def _bools(s: str) -> tuple:
+    vals = [x.strip().lower() for x in s.split(",") if x.strip()]
+    table = {"0": False, "1": True, "false": False, "true": True, "no": False, "yes": True}
+    bad = [v for v in vals if v not in table]
+    if bad or not vals:
+        raise argparse.ArgumentTypeError(f"want 0/1 values separated by commas, got {s!r}")
+    return tuple(table[v] for v in vals)
+
+
 def _common(p: argparse.ArgumentParser, limit_default, max_new_default) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"target name or path (default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=DEFAULT_DRAFT,
@@ -103,6 +112,8 @@ def add_parser(subparsers) -> None:
     t.add_argument("--grid-check-offsets", type=_ints, default=None,
                    help="first check step relative to the EAGLE-2 depth, e.g. -1,0,1")
     t.add_argument("--grid-max-depth-extra", type=_ints, default=None, help="DDD max depth - EAGLE-2 depth, e.g. 2,4")
+    t.add_argument("--grid-step0", type=_bools, default=None,
+                   help="also check at step 0, before any expansion step: 0,1 (default) tries both")
     t.add_argument("--settings-file", default=None, help="where to write (default ddd_jax/settings/<backend>.json)")
     t.add_argument("--no-save", action="store_true", help="print and plot, but do not write the settings file")
     t.set_defaults(func=run_tune)
@@ -314,7 +325,7 @@ def run_tune(args) -> int:
     from .tune import SearchSpace, tune
     from ddd_jax.settings import save_settings
     grid = {k: getattr(args, f"grid_{k}") for k in ("total_tokens", "depth", "top_k", "threshold", "check_offsets",
-                                                     "max_depth_extra")}
+                                                     "max_depth_extra", "step0")}
     space = SearchSpace(**{k: v for k, v in grid.items() if v is not None})
     prompts = load_prompts(args)
     target, draft, draft_name = load_models(args)

@@ -6,7 +6,8 @@ so a tree shape that recurs (the incumbent) is never compiled twice. Stages, in 
 
 1. EAGLE-2: total_tokens, then depth, then top_k (each stage varies one, keeping the best of the others).
 2. DDD on the best tree: threshold x (one compile: x is a traced argument), then the check steps S
-   (first check at EAGLE-2 depth + offset, then every `check_every` steps below max depth), then max depth n
+   (first check at EAGLE-2 depth + offset, then every `check_every` steps below max depth), then whether to
+   check at step 0 too (before any expansion step; needs total_tokens - 1 <= top_k), then max depth n
    (EAGLE-2 depth + extra). DDD uses sync="device" here (all sync modes take the same decisions).
 3. final: vanilla, the chosen EAGLE-2 and the chosen DDD in one run; their speedups go into the settings' meta
    (with `recommended_method`, the faster of the two).
@@ -40,6 +41,7 @@ class SearchSpace:
     check_offsets: tuple = (-1, 0, 1)  # first DDD check step = EAGLE-2 depth + offset (>= 1)
     check_every: int = 2  # further checks every this many steps, below max depth
     max_depth_extra: tuple = (2, 4)  # DDD max depth = EAGLE-2 depth + extra
+    step0: tuple = (False, True)  # also check at step 0 (the root's top_k, before any expansion step)
     # the incumbent the coordinate descent starts from (default: the median of each grid)
     start_top_k: int | None = None
     start_total_tokens: int | None = None
@@ -50,7 +52,7 @@ class SearchSpace:
             raise ValueError("SearchSpace: max_depth_extra values must be >= 1 (DDD needs a check below max depth)")
         if self.check_every < 1:
             raise ValueError("SearchSpace: check_every must be >= 1")
-        for name in ("total_tokens", "depth", "top_k", "threshold", "check_offsets", "max_depth_extra"):
+        for name in ("total_tokens", "depth", "top_k", "threshold", "check_offsets", "max_depth_extra", "step0"):
             if not getattr(self, name):
                 raise ValueError(f"SearchSpace: {name} must not be empty")
             object.__setattr__(self, name, tuple(getattr(self, name)))
@@ -59,11 +61,11 @@ class SearchSpace:
                 grid = sorted(getattr(self, name))
                 object.__setattr__(self, f"start_{name}", grid[(len(grid) - 1) // 2])
 
-    def check_steps(self, depth: int, offset: int, max_depth: int) -> tuple | None:
+    def check_steps(self, depth: int, offset: int, max_depth: int, step0: bool = False) -> tuple | None:
         s0 = depth + offset
         if s0 < 1 or s0 >= max_depth:
             return None
-        return tuple(range(s0, max_depth, self.check_every))
+        return (0,) * bool(step0) + tuple(range(s0, max_depth, self.check_every))
 
     def contains(self, settings: dict) -> bool:
         """Whether tuned settings lie in this space (the tuner's own invariant; used by tests)."""
@@ -76,8 +78,8 @@ class SearchSpace:
         extra = d["max_depth"] - t["depth"]
         if extra not in self.max_depth_extra or d["threshold"] not in self.threshold:
             return False
-        return any(tuple(d["check_steps"]) == self.check_steps(t["depth"], o, d["max_depth"])
-                   for o in self.check_offsets)
+        return any(tuple(d["check_steps"]) == self.check_steps(t["depth"], o, d["max_depth"], z)
+                   for o in self.check_offsets for z in self.step0)
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
@@ -166,27 +168,31 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
     off = sorted(space.check_offsets, key=abs)[0]
     n = d0 + space.max_depth_extra[0]
     x = space.threshold[len(space.threshold) // 2]
+    z = space.step0[0]
 
-    def ddd_spec(off, x, n):
-        dd = _valid_ddd(tree, space.check_steps(d0, off, n), x, n)
+    def ddd_spec(off, x, n, z):
+        dd = _valid_ddd(tree, space.check_steps(d0, off, n, z), x, n)
         return None if dd is None else parse_method(method_label("ddd-device", tree, dd), tree, dd)
 
-    if ddd_spec(off, x, n) is None:
-        ok = [(o, e) for o in space.check_offsets for e in space.max_depth_extra if ddd_spec(o, x, d0 + e)]
+    if ddd_spec(off, x, n, z) is None:
+        ok = [(o, e, zz) for o in space.check_offsets for e in space.max_depth_extra for zz in space.step0
+              if ddd_spec(o, x, d0 + e, zz)]
         if not ok:
             raise ValueError(f"no DDD setting in the search space fits the tuned tree {tree}")
-        off, n = ok[0][0], d0 + ok[0][1]
-    for param in ("threshold", "check_offsets", "max_depth_extra"):
+        off, n, z = ok[0][0], d0 + ok[0][1], ok[0][2]
+    for param in ("threshold", "check_offsets", "step0", "max_depth_extra"):
         cands = []
         for v in getattr(space, param):
-            o, xx, nn = off, x, n
+            o, xx, nn, zz = off, x, n, z
             if param == "threshold":
                 xx = v
             elif param == "check_offsets":
                 o = v
+            elif param == "step0":
+                zz = v
             else:
                 nn = d0 + v
-            s = ddd_spec(o, xx, nn)
+            s = ddd_spec(o, xx, nn, zz)
             if s is not None:
                 cands.append((v, s))
         if len(cands) < 2:
@@ -196,11 +202,13 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
             x = best["value"]
         elif param == "check_offsets":
             off = best["value"]
+        elif param == "step0":
+            z = best["value"]
         else:
             n = d0 + best["value"]
 
     # ---- final: the chosen EAGLE-2 and DDD settings side by side in one run (comparable numbers)
-    e2, dd = parse_method(method_label("eagle2", tree), tree), ddd_spec(off, x, n)
+    e2, dd = parse_method(method_label("eagle2", tree), tree), ddd_spec(off, x, n, z)
     winner, rows = run_stage("final", [("eagle2", e2), ("ddd", dd)])
     fin = {r["value"]: r for r in rows}
     env = environment()

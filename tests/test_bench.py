@@ -146,13 +146,17 @@ def test_parse_methods():
 def test_tuner_returns_settings_within_space(tiny, tmp_path):
     target, draft = tiny
     space = SearchSpace(total_tokens=(3, 4), depth=(2,), top_k=(2,), threshold=(-0.3, -1.0), check_offsets=(-1,),
-                        max_depth_extra=(1,), start_top_k=2, start_total_tokens=4, start_depth=2)
+                        max_depth_extra=(1,), step0=(False, True), start_top_k=2, start_total_tokens=4, start_depth=2)
     res = tune(target, draft, PROMPTS, space, max_new_tokens=MAX_NEW, progress=False, log=None)
     s = res["settings"]
     assert space.contains(s)
     assert s["tree"]["total_tokens"] in (3, 4) and s["ddd"]["threshold"] in (-0.3, -1.0)
     # single-candidate stages (depth, top_k, check offsets, max depth) are skipped
-    assert [st["stage"] for st in res["stages"]] == ["eagle2:total_tokens", "ddd:threshold", "final"]
+    # (with total_tokens 4 a step-0 check does not fit top_k=2: the step-0 stage has the one candidate there)
+    stages = [st["stage"] for st in res["stages"]]
+    assert stages in (["eagle2:total_tokens", "ddd:threshold", "final"],
+                      ["eagle2:total_tokens", "ddd:threshold", "ddd:step0", "final"]), stages
+    assert ("ddd:step0" in stages) == (s["tree"]["total_tokens"] == 3)
     assert all(len(st["rows"]) == 2 for st in res["stages"])
     assert s["meta"]["recommended_method"] in ("eagle2", "ddd") and s["meta"]["ddd"]["speedup"] > 0
     assert all(st["identity_real_mismatches"] == 0 for st in res["stages"])
@@ -164,6 +168,18 @@ def test_tuner_returns_settings_within_space(tiny, tmp_path):
     assert "eagle2:total_tokens" in report.tune_table(res)
     assert plots.plot_tune(res, tmp_path / "tune.png").stat().st_size > 1000
     assert not space.contains({**s, "ddd": {**s["ddd"], "threshold": -7.0}})
+
+
+def test_search_space_check_steps_and_step0():
+    space = SearchSpace()
+    assert space.check_steps(2, -1, 6) == (1, 3, 5) and space.check_steps(2, -1, 6, step0=True) == (0, 1, 3, 5)
+    assert space.check_steps(2, -2, 6, step0=True) is None  # the first check after an expansion step stays >= 1
+    s = {"tree": {"top_k": 4, "total_tokens": 4, "depth": 2},
+         "ddd": {"check_steps": [0, 1, 3, 5], "threshold": -0.3, "max_depth": 6}}
+    assert SearchSpace(total_tokens=(4,), depth=(2,), top_k=(4,)).contains(s)
+    assert not SearchSpace(total_tokens=(4,), depth=(2,), top_k=(4,), step0=(False,)).contains(s)
+    with pytest.raises(ValueError, match="step0"):
+        SearchSpace(step0=())
 
 
 def test_settings_file(tmp_path, monkeypatch):

@@ -203,11 +203,25 @@ DDD_AVX2 inline void nt_rows(const float* x, int64_t K, const W* w, float* out, 
   if (M - m == 1) nt_tile<1, NT, W>(x + m * K, K, w, K, out + m * N, N, K);
 }
 
+// The weight rows are one sequential stream, but at M > 1 each group of four rows takes long enough to compute that
+// the hardware prefetchers fall behind: the next group (4K weights, 9 KiB in float32) is prefetched into L1 while
+// this one computes (the 2-core EPYC, lm_head 49152 x 576 in float32, four alternating runs each: M=4 3.10-3.29
+// -> 2.92-2.96 ms, M=2 2.51-2.61 -> 2.38-2.45 ms, M=1 unchanged at 2.2 ms). Arithmetic unchanged.
+template <class W>
+DDD_AVX2 inline void prefetch_l1(const W* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  const int64_t bytes = n * int64_t(sizeof(W));
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
 template <class W>
 DDD_AVX2 void nt_chunk(const float* x, const W* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
                        int64_t n1) {
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) nt_rows<4>(x, K, w + n * K, out + n, N, M);
+  for (; n + 4 <= n1; n += 4) {
+    if (n + 8 <= n1) prefetch_l1(w + (n + 4) * K, 4 * K);
+    nt_rows<4>(x, K, w + n * K, out + n, N, M);
+  }
   for (; n < n1; ++n) nt_rows<1>(x, K, w + n * K, out + n, N, M);
 }
 
