@@ -123,6 +123,11 @@ def _ask_policy(policy: Policy, step, conf, active, threshold):
     return np.asarray(keep, dtype=bool).reshape(np.shape(active))
 
 
+def _decides_in_loop(plan, decide: bool) -> bool:
+    """Whether DDD's decisions are taken inside the traced program (sync "device" / "callback")."""
+    return decide and plan.method == "ddd" and plan.sync != "host"
+
+
 def _decide(plan, beam: Beam, threshold):
     """DDD's decision after a check step, on device or through the host policy (traced)."""
     conf = confidence(beam)
@@ -141,7 +146,7 @@ def run_steps(dparams, plan, tparams, dcache: KVCache, base, beam: Beam, end_ste
     if plan.max_depth == 0:  # EAGLE-2 with depth 0: step 0's beam is the whole pool (no scratch to trace into)
         return dcache, beam, jnp.zeros((), jnp.int32)
     checks = jnp.asarray(plan.check_steps or (-1,), jnp.int32)
-    in_loop = decide and plan.method == "ddd" and plan.sync != "host"
+    in_loop = _decides_in_loop(plan, decide)
 
     def cond(c):
         _, b, _ = c
@@ -168,7 +173,7 @@ def begin(tparams, dparams, plan, dcache: KVCache, pend_tok, pend_feat, pend_n, 
     base = dcache.length
     beam = first_beam(logp0, h0, plan.top_k, plan.max_depth, dparams.get("d2t"))
     checked = jnp.zeros((), jnp.int32)
-    if decide and plan.method == "ddd" and plan.sync != "host" and 0 in plan.check_steps:
+    if _decides_in_loop(plan, decide) and 0 in plan.check_steps:
         # a check at step 0 looks at the first beam (the root's top_k): expand it only if the head is confident
         beam = dataclasses.replace(beam, active=_decide(plan, beam, threshold))
         checked = jnp.ones((), jnp.int32)

@@ -289,14 +289,14 @@ def _draft(m: TorchModels, plan, prefix_kv, pend_tok, pend_feat, counter: SyncCo
     neg = torch.tensor(-math.inf, device=dev)
     thr = torch.tensor(threshold, dtype=torch.float32, device=dev)
     own = torch.arange(k, device=dev)
+    steps = plan.max_depth
     if plan.method == "ddd" and 0 in checks:  # a check at step 0: is the first beam worth expanding?
         conf = torch.logsumexp(score, dim=-1)
         if device_mode:
             active = active & (conf >= thr)
         elif counter.item(conf, "draft") < threshold:
-            return _Drafted(prefix_kv=prefix_kv, pool_score=score, pool_tok=tok, pool_parent=pool_parent[0],
-                            depth=depth)
-    for j in range(1, plan.max_depth + 1):
+            steps = 0
+    for j in range(1, steps + 1):
         pos = torch.full((1, k), base + j - 1, device=dev)
         mask = torch.cat([torch.ones(k, base, dtype=torch.bool, device=dev), anc[:, : j * k]], 1)[None]
         h, kv = head.step(feat[None], tok[None], pos, kv, mask)  # kv: prefix + every beam so far
