@@ -128,6 +128,14 @@ def _decides_in_loop(plan, decide: bool) -> bool:
     return decide and plan.method == "ddd" and plan.sync != "host"
 
 
+def _check_after_step(plan, beam: Beam, threshold) -> tuple[Beam, jax.Array]:
+    """After step `beam.step` (step 0 included): if it is a check step, DDD's decision (traced). Returns the beam
+    with its new `active` and 1 if a check was executed, else 0."""
+    is_check = jnp.any(beam.step == jnp.asarray(plan.check_steps or (-1,), jnp.int32))
+    act = jax.lax.cond(is_check, lambda: _decide(plan, beam, threshold), lambda: beam.active)
+    return dataclasses.replace(beam, active=act), is_check.astype(jnp.int32)
+
+
 def _decide(plan, beam: Beam, threshold):
     """DDD's decision after a check step, on device or through the host policy (traced)."""
     conf = confidence(beam)
@@ -145,7 +153,6 @@ def run_steps(dparams, plan, tparams, dcache: KVCache, base, beam: Beam, end_ste
     steps (EAGLE-2, and the segments between host checks). Returns (dcache, beam, checks executed)."""
     if plan.max_depth == 0:  # EAGLE-2 with depth 0: step 0's beam is the whole pool (no scratch to trace into)
         return dcache, beam, jnp.zeros((), jnp.int32)
-    checks = jnp.asarray(plan.check_steps or (-1,), jnp.int32)
     in_loop = _decides_in_loop(plan, decide)
 
     def cond(c):
@@ -156,10 +163,8 @@ def run_steps(dparams, plan, tparams, dcache: KVCache, base, beam: Beam, end_ste
         dc, b, n = c
         dc, b = draft_step(dparams, plan, tparams, dc, base, b)
         if in_loop:
-            is_check = jnp.any(b.step == checks)
-            act = jax.lax.cond(is_check, lambda: _decide(plan, b, threshold), lambda: b.active)
-            b = dataclasses.replace(b, active=act)
-            n = n + is_check.astype(jnp.int32)
+            b, checked = _check_after_step(plan, b, threshold)
+            n = n + checked
         return dc, b, n
 
     return jax.lax.while_loop(cond, body, (dcache, beam, jnp.zeros((), jnp.int32)))
@@ -175,8 +180,7 @@ def begin(tparams, dparams, plan, dcache: KVCache, pend_tok, pend_feat, pend_n, 
     checked = jnp.zeros((), jnp.int32)
     if _decides_in_loop(plan, decide) and 0 in plan.check_steps:
         # a check at step 0 looks at the first beam (the root's top_k): expand it only if the head is confident
-        beam = dataclasses.replace(beam, active=_decide(plan, beam, threshold))
-        checked = jnp.ones((), jnp.int32)
+        beam, checked = _check_after_step(plan, beam, threshold)
     dcache, beam, checks = run_steps(dparams, plan, tparams, dcache, base, beam, end_step, threshold, decide=decide)
     return Draft(dcache=dcache, base=base, beam=beam, checks=checks + checked)
 
