@@ -48,8 +48,9 @@ BASE_METHODS = {
 }
 DEFAULT_METHODS = ("vanilla", "eagle2", "ddd-host", "ddd-callback", "ddd-device")
 REFERENCE = "vanilla"
-# Override keys in a method spec "name[key=value,...]": tree (k, N, d) and DDD (S as 3/5/7, x, n).
-TREE_KEYS = {"k": "top_k", "N": "total_tokens", "d": "depth"}
+# Override keys in a method spec "name[key=value,...]": tree (k, N, d; context lookup L, g, p) and DDD (S as 3/5/7,
+# x, n).
+TREE_KEYS = {"k": "top_k", "N": "total_tokens", "d": "depth", "L": "lookup", "g": "lookup_ngram", "p": "lookup_logp"}
 DDD_KEYS = {"S": "check_steps", "x": "threshold", "n": "max_depth"}
 
 
@@ -82,6 +83,9 @@ class MethodSpec:
              "loop": self.loop or ("host" if self.sync == "host" and self.method == "ddd" else "device")}
         if self.speculative:
             d["tree"] = {"top_k": self.tree.top_k, "total_tokens": self.tree.total_tokens, "depth": self.tree.depth}
+            if self.tree.lookup:
+                d["tree"].update(lookup=self.tree.lookup, lookup_ngram=self.tree.lookup_ngram,
+                                 lookup_logp=self.tree.lookup_logp)
         if self.method == "ddd":
             d["ddd"] = {"check_steps": list(self.ddd.check_steps), "threshold": self.ddd.threshold,
                         "max_depth": self.ddd.max_depth}
@@ -93,6 +97,8 @@ def method_label(base: str, tree: TreeConfig | None = None, ddd: DDDConfig | Non
     parts = []
     if tree is not None:
         parts += [f"k={tree.top_k}", f"N={tree.total_tokens}", f"d={tree.depth}"]
+        if tree.lookup:
+            parts += [f"L={tree.lookup}", f"g={tree.lookup_ngram}", f"p={tree.lookup_logp:g}"]
     if ddd is not None:
         parts = [p for p in parts if not p.startswith("d=")]
         parts += ["S=" + "/".join(str(s) for s in ddd.check_steps), f"x={ddd.threshold:g}", f"n={ddd.max_depth}"]
@@ -115,20 +121,23 @@ def parse_method(text: str, tree: TreeConfig | None = None, ddd: DDDConfig | Non
         key, val = key.strip(), val.strip()
         try:
             if key in TREE_KEYS:
-                tkw[TREE_KEYS[key]] = int(val)
+                tkw[TREE_KEYS[key]] = float(val) if key == "p" else int(val)
             elif key in DDD_KEYS:
                 dkw[DDD_KEYS[key]] = (tuple(int(s) for s in val.split("/")) if key == "S"
                                       else float(val) if key == "x" else int(val))
             else:
                 raise ValueError(f"unknown key {key!r}")
         except ValueError as e:
-            raise ValueError(f"method {text!r}: bad override {item!r} ({e}); keys: k, N, d (tree), "
-                             "S (e.g. 3/5/7), x, n (DDD)") from None
+            raise ValueError(f"method {text!r}: bad override {item!r} ({e}); keys: k, N, d (tree), L, g, p "
+                             "(context lookup), S (e.g. 3/5/7), x, n (DDD)") from None
     if method == "vanilla" and (tkw or dkw):
         raise ValueError(f"method {text!r}: vanilla takes no overrides")
     if method == "eagle2" and dkw:
-        raise ValueError(f"method {text!r}: S/x/n are DDD settings; eagle2 takes k, N, d")
-    tree = replace(tree, **tkw) if tkw else tree
+        raise ValueError(f"method {text!r}: S/x/n are DDD settings; eagle2 takes k, N, d (and L, g, p)")
+    try:
+        tree = replace(tree, **tkw) if tkw else tree
+    except ValueError as e:
+        raise ValueError(f"method {text!r}: {e}") from None
     ddd = replace(ddd, **dkw) if dkw else ddd
     if method == "ddd":
         try:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -307,6 +308,9 @@ class DraftConfig(LayerConfig):
         return d
 
 
+LOOKUP_MAX_NGRAM = 4  # longest context suffix a lookup tries to match (TreeConfig.lookup)
+
+
 @dataclass(frozen=True)
 class TreeConfig:
     """EAGLE-2 dynamic tree settings.
@@ -320,11 +324,21 @@ class TreeConfig:
         candidate pool holds top_k + depth * top_k**2 nodes and the deepest drafted node is at depth+1.
       * ``total_tokens`` counts the verified tokens: the root (the last emitted token) plus
         total_tokens - 1 drafted nodes.
+      * ``lookup`` (0 = off) adds context-lookup candidates to the pool (prompt lookup decoding): the up to
+        ``lookup`` tokens that followed the most recent earlier occurrence of the context's last n tokens
+        (prompt and emitted tokens; n from `LOOKUP_MAX_NGRAM` down to ``lookup_ngram``, the longest match
+        wins), a chain under the root -- or under the head's first-step candidate with the same token. Each
+        lookup token adds ``lookup_logp`` to its chain's score, and the rerank weighs them against the head's
+        cumulative log-probs, so the tree holds them only when they beat the head's nodes. Verification is
+        unchanged, so decoding stays lossless.
     """
 
     top_k: int = 10
     total_tokens: int = 60
     depth: int = 5
+    lookup: int = 0
+    lookup_ngram: int = 2
+    lookup_logp: float = -0.4
 
     def __post_init__(self):
         if not 1 <= self.top_k:
@@ -333,12 +347,21 @@ class TreeConfig:
             raise ValueError(f"TreeConfig: depth must be >= 0, got {self.depth}")
         if self.total_tokens < 2:
             raise ValueError(f"TreeConfig: total_tokens must be >= 2 (root + one draft), got {self.total_tokens}")
-        if self.total_tokens - 1 > self.pool_size(self.depth):
+        if self.lookup < 0:
+            raise ValueError(f"TreeConfig: lookup must be >= 0 (0 = no context-lookup candidates), got {self.lookup}")
+        if not 1 <= self.lookup_ngram <= LOOKUP_MAX_NGRAM:
+            raise ValueError(f"TreeConfig: lookup_ngram must be in [1, {LOOKUP_MAX_NGRAM}], got {self.lookup_ngram}")
+        if not (math.isfinite(self.lookup_logp) and self.lookup_logp <= 0):
+            raise ValueError(f"TreeConfig: lookup_logp is a log-probability: finite and <= 0, got {self.lookup_logp}")
+        if self.total_tokens - 1 > self.pool_size(self.depth) + self.lookup:
             raise ValueError(
                 f"TreeConfig: total_tokens - 1 = {self.total_tokens - 1} drafted nodes exceed the candidate pool "
-                f"top_k + depth*top_k**2 = {self.pool_size(self.depth)} (top_k={self.top_k}, depth={self.depth})")
+                f"top_k + depth*top_k**2 + lookup = {self.pool_size(self.depth) + self.lookup} (top_k={self.top_k}, "
+                f"depth={self.depth}, lookup={self.lookup})")
 
     def pool_size(self, depth: int) -> int:
+        """The head's candidates after `depth` expansion steps (lookup candidates come on top: when a lookup
+        finds no match, its tree slots stay empty -- `Tree.valid` -- and are verified for nothing)."""
         return self.top_k + depth * self.top_k ** 2
 
 
@@ -371,7 +394,7 @@ class DDDConfig:
 def check_tree_for_ddd(tree: TreeConfig, ddd: DDDConfig) -> None:
     """DDD may stop after its first check step, so the tree's `total_tokens - 1` drafted nodes must fit the
     candidate pool at that depth. The one statement of this rule (generate, settings, bench and tune use it)."""
-    pool = tree.pool_size(ddd.check_steps[0])
+    pool = tree.pool_size(ddd.check_steps[0]) + tree.lookup
     if tree.total_tokens - 1 > pool:
         raise ValueError(f"total_tokens - 1 = {tree.total_tokens - 1} exceeds the candidate pool at DDD's shallowest "
-                         f"stop (step {ddd.check_steps[0]}): {pool} (top_k={tree.top_k})")
+                         f"stop (step {ddd.check_steps[0]}): {pool} (top_k={tree.top_k}, lookup={tree.lookup})")

@@ -33,9 +33,9 @@ import numpy as np
 
 from . import drafting, eagle3, llama, settings, sharding
 from .cache import KVCache, commit, with_length
-from .config import DDDConfig, DraftConfig, ModelConfig, TreeConfig, check_tree_for_ddd
+from .config import LOOKUP_MAX_NGRAM, DDDConfig, DraftConfig, ModelConfig, TreeConfig, check_tree_for_ddd
 from .drafting import SyncCounter, threshold_policy
-from .tree import build_tree
+from .tree import add_lookup, build_tree, lookup_chain
 from .verify import accept_greedy, accept_sample, process_logits
 
 METHODS = ("vanilla", "eagle2", "ddd")
@@ -60,10 +60,13 @@ class Plan:
     max_new_tokens: int
     eos: tuple
     policy: Callable | None = None  # DDD host policy (sync "host" / "callback"): see `drafting.Policy`
+    lookup: int = 0  # context-lookup candidates per cycle (TreeConfig.lookup; 0 = off)
+    lookup_ngram: int = 2
+    lookup_logp: float = -0.4
 
     @property
     def M(self) -> int:  # longest accepted path incl. root (= most tokens one cycle emits)
-        return self.max_depth + 2
+        return max(self.max_depth + 2, self.lookup + 1)
 
     @property
     def scratch(self) -> int:  # draft cache scratch slots for beam nodes
@@ -91,6 +94,7 @@ class State:
     acc_hist: jax.Array  # [C, B] int32 tokens emitted per target call
     depth_hist: jax.Array  # [C, B] int32 draft steps per cycle
     checks: jax.Array  # [] int32 DDD checks executed inside jitted draft loops
+    ctx: jax.Array  # [B, S + M] int32 token at each position, prompt then emitted (lookup; [B, 0] when off)
 
 
 @dataclass
@@ -184,13 +188,22 @@ def _prefill(tparams, dparams, plan: Plan, tokens, plen, key, *, capacity: int, 
         out=jnp.zeros((B, plan.max_new_tokens + M), jnp.int32), out_len=jnp.zeros((B,), jnp.int32),
         done=jnp.zeros((B,), bool), key=key, cycle=jnp.zeros((), jnp.int32),
         acc_hist=jnp.zeros((C, B), jnp.int32), depth_hist=jnp.zeros((C, B), jnp.int32),
-        checks=jnp.zeros((), jnp.int32))
+        checks=jnp.zeros((), jnp.int32), ctx=_prefill_ctx(plan, tokens, plen, first, capacity))
     out_buf, out_len, done, _ = _emit(plan, state.out, state.out_len, state.done, first[:, None].repeat(M, 1),
                                       jnp.ones((B,), jnp.int32))
     state = dataclasses.replace(state, out=out_buf, out_len=out_len, done=done)
     if mesh is not None:  # batch over "data", KV heads over "model"; the decode loops inherit these shardings
         state = sharding.constrain_state(state, mesh)
     return state
+
+
+def _prefill_ctx(plan: Plan, tokens, plen, first, capacity: int):
+    """The lookup context after the prefill: the prompt, then the first token at position plen."""
+    B, T = tokens.shape
+    if not plan.lookup:
+        return jnp.zeros((B, 0), jnp.int32)
+    ctx = jnp.zeros((B, capacity + plan.M), jnp.int32).at[:, :T].set(tokens)
+    return ctx.at[jnp.arange(B), plen].set(first)
 
 
 # ----------------------------------------------------------------------------------------------- vanilla
@@ -223,8 +236,12 @@ def _vanilla_loop(tparams, plan: Plan, s: State) -> State:
 # ----------------------------------------------------------------------------------------------- speculative
 def _verify(tparams, plan: Plan, s: State, d: drafting.Draft):
     """One target forward over the tree built from the draft's pool; greedy or lossless-sampling acceptance."""
-    tree = build_tree(s.root, d.beam, plan.total_tokens)
     L = s.tcache.length
+    beam = d.beam
+    if plan.lookup:  # context-lookup candidates join the head's pool before the rerank
+        tok, ok = lookup_chain(s.ctx, L, plan.lookup, plan.lookup_ngram, LOOKUP_MAX_NGRAM)
+        beam = add_lookup(beam, tok, ok, plan.lookup_logp, plan.top_k)
+    tree = build_tree(s.root, beam, plan.total_tokens)
     o = llama.forward(tparams, plan.tcfg, tree.tokens, L[:, None] + tree.depth, s.tcache, attn_mask=tree.anc,
                       aux_layers=_aux_layers(plan))
     if plan.temperature <= 0.0:
@@ -247,11 +264,15 @@ def _commit(plan: Plan, s: State, tcache_new, hidden, acc, key, d: drafting.Draf
     feat = jnp.take_along_axis(hidden, acc.path[:, :, None], axis=1)  # [B, M, D]
     root = jnp.take_along_axis(acc.emitted, (acc.n - 1)[:, None], axis=1)[:, 0]
     pick = lambda new, old: jnp.where(live.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
+    ctx = s.ctx
+    if plan.lookup:  # the emitted tokens sit at positions L+1 .. L+n (the root, at L, is already there)
+        ctx = pick(jax.vmap(lambda c, e, p: jax.lax.dynamic_update_slice(c, e, (p,)))(ctx, acc.emitted, L + 1), ctx)
     return dataclasses.replace(
         s, tcache=tcache, dcache=dcache, root=pick(root, s.root), pend_tok=pick(acc.emitted, s.pend_tok),
         pend_feat=pick(feat.astype(s.pend_feat.dtype), s.pend_feat), pend_n=pick(acc.n, s.pend_n),
         out=out, out_len=out_len, done=done, key=key, cycle=s.cycle + 1, acc_hist=s.acc_hist.at[s.cycle].set(keep),
-        depth_hist=s.depth_hist.at[s.cycle].set(jnp.where(live, d.beam.depth, 0)), checks=s.checks + d.checks)
+        depth_hist=s.depth_hist.at[s.cycle].set(jnp.where(live, d.beam.depth, 0)), checks=s.checks + d.checks,
+        ctx=ctx)
 
 
 def _cycle(tparams, dparams, plan: Plan, s: State, threshold) -> State:
@@ -303,7 +324,8 @@ def make_plan(target, draft, *, method: str, sync: str, tree: TreeConfig, ddd: D
     return Plan(tcfg=target.config, dcfg=dcfg, method=method, sync=sync, top_k=tree.top_k,
                 total_tokens=tree.total_tokens, max_depth=max_depth, check_steps=checks,
                 temperature=float(temperature), top_p=float(top_p), max_new_tokens=int(max_new_tokens),
-                eos=tuple(target.eos_token_ids), policy=policy)
+                eos=tuple(target.eos_token_ids), policy=policy, lookup=tree.lookup, lookup_ngram=tree.lookup_ngram,
+                lookup_logp=float(tree.lookup_logp))
 
 
 def _prepare_prompts(target, prompt_ids, plan: Plan, capacity: int | None):

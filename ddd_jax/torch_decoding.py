@@ -488,6 +488,9 @@ def generate(models: TorchModels, prompt_ids, max_new_tokens: int = 128, method:
     if method != "vanilla" and models.head is None:
         raise ValueError(f"method={method!r} needs a draft head: load_torch(target, draft)")
     tree, ddd = tree or TreeConfig(), ddd or DDDConfig()
+    if tree.lookup:
+        raise ValueError(f"the torch counterpart drafts from the head alone: TreeConfig(lookup={tree.lookup}) "
+                         "(context-lookup candidates) is JAX-only; pass lookup=0")
     target = models.target
     plan = make_plan(target, models.draft if method != "vanilla" else None, method=method,
                      sync=sync if method == "ddd" else "device", tree=tree, ddd=ddd, temperature=0.0, top_p=1.0,

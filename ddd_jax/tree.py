@@ -10,10 +10,14 @@ of beam node i at step j. A parent therefore always has a smaller pool index tha
 ancestor-closed, i.e. a tree. Pool entries of steps never run have score -inf and are never preferred over
 real ones.
 
+Lookup candidates (`TreeConfig.lookup`) are appended after the head's entries (`add_lookup`), each after its
+parent and scoring at most its parent, so the same rerank keeps them in a tree.
+
 Axis letters: B batch, k top_k, P pool size, W = max_depth*k draft scratch slots, N total_tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -115,6 +119,61 @@ def expand(beam: Beam, h, logp, k: int, max_depth: int, tok_map=None) -> Beam:
 def confidence(beam: Beam):
     """DDD confidence [B]: log of the total probability of the current beam's sequences."""
     return jax.nn.logsumexp(beam.score, axis=-1)
+
+
+# ----------------------------------------------------------------------------------------------- context lookup
+def lookup_chain(ctx, pos, length: int, ngram: int, max_ngram: int):
+    """Prompt-lookup candidates (Saxena 2023), with static shapes. ctx: [B, C] int32 tokens by position (prompt,
+    then emitted tokens; entries past `pos` are ignored); pos: [B] int32 position of the root (the last emitted
+    token, ctx[pos]). For n = max_ngram .. ngram, find the most recent j < pos with ctx[j-n+1 .. j] ==
+    ctx[pos-n+1 .. pos]; the longest n that matches wins. Returns (tok [B, length] = ctx[j+1 .. j+length],
+    ok [B, length] bool: a match exists and the token is known, i.e. j + 1 + t <= pos)."""
+    C = ctx.shape[1]
+
+    def one(c, i):
+        j = jnp.arange(C)
+        match = jnp.ones((C,), bool)
+        best = jnp.int32(-1)
+        found = [None] * (max_ngram + 1)
+        for d in range(max_ngram):  # match now: suffixes of length d + 1 agree at j
+            here = jnp.take(c, jnp.clip(j - d, 0, C - 1)) == c[jnp.clip(i - d, 0, C - 1)]
+            match = match & here & (j - d >= 0) & (i - d >= 0)
+            found[d + 1] = jnp.max(jnp.where(match & (j < i), j, -1)).astype(jnp.int32)
+        for n in range(ngram, max_ngram + 1):  # longer matches override shorter ones
+            best = jnp.where(found[n] >= 0, found[n], best)
+        t = best + 1 + jnp.arange(length, dtype=jnp.int32)
+        ok = (best >= 0) & (t <= i)
+        return jnp.where(ok, jnp.take(c, jnp.clip(t, 0, C - 1)), 0).astype(jnp.int32), ok
+
+    return jax.vmap(one)(ctx, pos)
+
+
+def add_lookup(beam: Beam, tok, ok, logp: float, k: int) -> Beam:
+    """The pool with a lookup chain appended (`lookup_chain`'s tok, ok: [B, c]): entry t descends from entry t-1,
+    the first from the root -- or, when the first token is one of the head's step-0 candidates (pool[0:k]), the
+    chain continues under that candidate and its own first entry stays empty. Entry t scores min(parent score,
+    (t + 1) * logp) on the head's scale of cumulative log-probs, never above its parent, so the rerank keeps the
+    kept set ancestor-closed (see the module docstring)."""
+    B, c = tok.shape
+    P = beam.pool_tok.shape[1]
+    head_tok, head_score = beam.pool_tok[:, :k], beam.pool_score[:, :k]
+    same = (head_tok == tok[:, :1]) & jnp.isfinite(head_score) & ok[:, :1]  # [B, k]
+    dup = jnp.any(same, axis=1)
+    dup_i = jnp.argmax(same, axis=1).astype(jnp.int32)
+    dup_score = jnp.take_along_axis(head_score, dup_i[:, None], axis=1)[:, 0]
+    own = (jnp.arange(1, c + 1, dtype=jnp.float32) * logp)[None, :]  # [1, c]
+    first = jnp.where(dup, dup_score, own[:, 0])
+    # running min along the chain: entry t <= entry t-1 <= ... <= the first (or the head candidate it sits under)
+    score = jax.lax.cummin(jnp.concatenate([first[:, None], jnp.broadcast_to(own[:, 1:], (B, c - 1))], axis=1), axis=1)
+    score = jnp.where(ok, score, NEG)
+    score = score.at[:, 0].set(jnp.where(dup, NEG, score[:, 0]))
+    parent = P + jnp.arange(c, dtype=jnp.int32)[None, :] - 1  # the previous chain entry
+    parent = jnp.broadcast_to(parent, (B, c)).at[:, 0].set(-1)
+    if c > 1:
+        parent = parent.at[:, 1].set(jnp.where(dup, dup_i, P))
+    return dataclasses.replace(beam, pool_tok=jnp.concatenate([beam.pool_tok, tok.astype(jnp.int32)], axis=1),
+                               pool_score=jnp.concatenate([beam.pool_score, score.astype(jnp.float32)], axis=1),
+                               pool_parent=jnp.concatenate([beam.pool_parent, parent], axis=1))
 
 
 def _build_one(root, pool_tok, pool_score, pool_parent, n: int) -> Tree:

@@ -2,7 +2,7 @@
 
 File layout (one JSON object)::
 
-    {"tree": {"top_k": 4, "total_tokens": 8, "depth": 3},
+    {"tree": {"top_k": 4, "total_tokens": 8, "depth": 3},   (optional: "lookup", "lookup_ngram", "lookup_logp")
      "ddd":  {"check_steps": [2, 4], "threshold": -0.6, "max_depth": 6},
      "draft_dtype": "float16",   (optional: the head's weight dtype the CLIs load it in, see `draft_dtype`)
      "meta": {"backend": "cpu", "device": "...", "target": "...", "draft": "...", "date": "...",
@@ -21,6 +21,7 @@ from pathlib import Path
 
 SETTINGS_DIR = Path(__file__).parent
 TREE_KEYS = ("top_k", "total_tokens", "depth")
+TREE_OPTIONAL = ("lookup", "lookup_ngram", "lookup_logp")  # context-lookup candidates (TreeConfig), default off
 DRAFT_DTYPES = ("float32", "float16", "bfloat16", "q8_0", "q4_0", "q4_1")  # the last: GGUF blocks (Draft.astype)
 DDD_KEYS = ("check_steps", "threshold", "max_depth")
 
@@ -41,10 +42,11 @@ def validate(settings: dict) -> dict:
     """Check the keys and build the configs once (raises ValueError on anything malformed); returns settings."""
     if not isinstance(settings, dict) or "tree" not in settings or "ddd" not in settings:
         raise ValueError("settings must be a dict with 'tree' and 'ddd' entries")
-    for part, keys in (("tree", TREE_KEYS), ("ddd", DDD_KEYS)):
+    for part, keys, optional in (("tree", TREE_KEYS, TREE_OPTIONAL), ("ddd", DDD_KEYS, ())):
         got = set(settings[part])
-        if got != set(keys):
-            raise ValueError(f"settings[{part!r}] must have exactly the keys {list(keys)}, got {sorted(got)}")
+        if not set(keys) <= got <= set(keys) | set(optional):
+            more = f" (optionally {list(optional)})" if optional else ""
+            raise ValueError(f"settings[{part!r}] must have exactly the keys {list(keys)}{more}, got {sorted(got)}")
     if settings.get("draft_dtype") not in (None, *DRAFT_DTYPES):
         raise ValueError(f"settings['draft_dtype'] must be one of {list(DRAFT_DTYPES)}, got {settings['draft_dtype']!r}")
     to_configs(settings)
@@ -85,7 +87,8 @@ def to_configs(settings: dict):
     """(TreeConfig, DDDConfig) from a settings dict."""
     from ..config import DDDConfig, TreeConfig, check_tree_for_ddd
     t, d = settings["tree"], settings["ddd"]
-    tree = TreeConfig(top_k=int(t["top_k"]), total_tokens=int(t["total_tokens"]), depth=int(t["depth"]))
+    extra = {k: (float(t[k]) if k == "lookup_logp" else int(t[k])) for k in TREE_OPTIONAL if k in t}
+    tree = TreeConfig(top_k=int(t["top_k"]), total_tokens=int(t["total_tokens"]), depth=int(t["depth"]), **extra)
     ddd = DDDConfig(check_steps=tuple(int(x) for x in d["check_steps"]), threshold=float(d["threshold"]),
                     max_depth=int(d["max_depth"]))
     check_tree_for_ddd(tree, ddd)
