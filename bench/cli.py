@@ -103,7 +103,8 @@ def add_parser(subparsers) -> None:
 
     t = subparsers.add_parser("tune", help="search tree / DDD settings and write ddd_jax/settings/<backend>.json",
                               description="Coordinate descent on a few prompts: total_tokens, depth, top_k "
-                                          "(EAGLE-2), then threshold x, check steps S, max depth n (DDD).")
+                                          "(EAGLE-2; optionally a context-lookup chain), then threshold x, check steps "
+                                          "S, max depth n (DDD).")
     _common(t, 5, 64)
     t.add_argument("--grid-total-tokens", type=_ints, default=None, help="e.g. 4,8,16,32")
     t.add_argument("--grid-depth", type=_ints, default=None, help="e.g. 2,3,4,6")
@@ -114,6 +115,10 @@ def add_parser(subparsers) -> None:
     t.add_argument("--grid-max-depth-extra", type=_ints, default=None, help="DDD max depth - EAGLE-2 depth, e.g. 2,4")
     t.add_argument("--grid-step0", type=_bools, default=None,
                    help="also check at step 0, before any expansion step: 0,1 (default) tries both")
+    t.add_argument("--grid-lookup", type=_ints, default=None,
+                   help="context-lookup chain lengths to try after the tree stages, e.g. 0,4 (default 0: none)")
+    t.add_argument("--grid-lookup-logp", type=_floats, default=None,
+                   help="score per lookup token, when a lookup wins; write with '=': --grid-lookup-logp=-0.1,-0.4")
     t.add_argument("--settings-file", default=None, help="where to write (default ddd_jax/settings/<backend>.json)")
     t.add_argument("--no-save", action="store_true", help="print and plot, but do not write the settings file")
     t.set_defaults(func=run_tune)
@@ -325,7 +330,7 @@ def run_tune(args) -> int:
     from .tune import SearchSpace, tune
     from ddd_jax.settings import save_settings
     grid = {k: getattr(args, f"grid_{k}") for k in ("total_tokens", "depth", "top_k", "threshold", "check_offsets",
-                                                     "max_depth_extra", "step0")}
+                                                     "max_depth_extra", "step0", "lookup", "lookup_logp")}
     space = SearchSpace(**{k: v for k, v in grid.items() if v is not None})
     prompts = load_prompts(args)
     target, draft, draft_name = load_models(args)

@@ -82,10 +82,7 @@ class MethodSpec:
         d = {"label": self.label, "base": self.base, "method": self.method, "sync": self.sync,
              "loop": self.loop or ("host" if self.sync == "host" and self.method == "ddd" else "device")}
         if self.speculative:
-            d["tree"] = {"top_k": self.tree.top_k, "total_tokens": self.tree.total_tokens, "depth": self.tree.depth}
-            if self.tree.lookup:
-                d["tree"].update(lookup=self.tree.lookup, lookup_ngram=self.tree.lookup_ngram,
-                                 lookup_logp=self.tree.lookup_logp)
+            d["tree"] = self.tree.to_dict()
         if self.method == "ddd":
             d["ddd"] = {"check_steps": list(self.ddd.check_steps), "threshold": self.ddd.threshold,
                         "max_depth": self.ddd.max_depth}

@@ -4,7 +4,10 @@ Every stage is one `run_benchmark` call over the candidates plus vanilla (interl
 excluded) and is ranked by speedup over vanilla in that same run. All stages share one KV-cache capacity,
 so a tree shape that recurs (the incumbent) is never compiled twice. Stages, in order:
 
-1. EAGLE-2: total_tokens, then depth, then top_k (each stage varies one, keeping the best of the others).
+1. EAGLE-2: total_tokens, then depth, then top_k (each stage varies one, keeping the best of the others); then,
+   when the space has lookup lengths other than 0, the context-lookup chain (`TreeConfig.lookup`) with
+   total_tokens grown by the same number of nodes, its score per token (`lookup_logp`, if the lookup won) and
+   total_tokens once more around the incumbent.
 2. DDD on the best tree: threshold x (one compile: x is a traced argument), then the check steps S
    (first check at EAGLE-2 depth + offset, then every `check_every` steps below max depth), then whether to
    check at step 0 too (before any expansion step; needs total_tokens - 1 <= top_k), then max depth n
@@ -42,6 +45,8 @@ class SearchSpace:
     check_every: int = 2  # further checks every this many steps, below max depth
     max_depth_extra: tuple = (2, 4)  # DDD max depth = EAGLE-2 depth + extra
     step0: tuple = (False, True)  # also check at step 0 (the root's top_k, before any expansion step)
+    lookup: tuple = (0,)  # context-lookup chain lengths (0 = none; a stage only when other values are given)
+    lookup_logp: tuple = (-0.1, -0.4)  # score per lookup token (a stage only when a lookup was chosen)
     # the incumbent the coordinate descent starts from (default: the median of each grid)
     start_top_k: int | None = None
     start_total_tokens: int | None = None
@@ -52,7 +57,8 @@ class SearchSpace:
             raise ValueError("SearchSpace: max_depth_extra values must be >= 1 (DDD needs a check below max depth)")
         if self.check_every < 1:
             raise ValueError("SearchSpace: check_every must be >= 1")
-        for name in ("total_tokens", "depth", "top_k", "threshold", "check_offsets", "max_depth_extra", "step0"):
+        for name in ("total_tokens", "depth", "top_k", "threshold", "check_offsets", "max_depth_extra", "step0",
+                     "lookup", "lookup_logp"):
             if not getattr(self, name):
                 raise ValueError(f"SearchSpace: {name} must not be empty")
             object.__setattr__(self, name, tuple(getattr(self, name)))
@@ -73,7 +79,16 @@ class SearchSpace:
         top_k = set(self.top_k) | {self.start_top_k}
         total = set(self.total_tokens) | {self.start_total_tokens}
         depth = set(self.depth) | {self.start_depth}
-        if t["top_k"] not in top_k or t["total_tokens"] not in total or t["depth"] not in depth:
+        if t["top_k"] not in top_k or t["depth"] not in depth:
+            return False
+        lookup = t.get("lookup", 0)
+        if lookup not in set(self.lookup) | {0}:
+            return False
+        if lookup and t.get("lookup_logp", -0.4) not in self.lookup_logp:
+            return False
+        if lookup:  # the lookup stage adds its chain's slots, the stage after it moves them by one
+            total = {n + lookup + e for n in total for e in (-1, 0, 1)}
+        if t["total_tokens"] not in total:
             return False
         extra = d["max_depth"] - t["depth"]
         if extra not in self.max_depth_extra or d["threshold"] not in self.threshold:
@@ -85,9 +100,9 @@ class SearchSpace:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
 
-def _valid_tree(top_k, total_tokens, depth) -> TreeConfig | None:
+def _valid_tree(top_k, total_tokens, depth, **lookup) -> TreeConfig | None:
     try:
-        return TreeConfig(top_k=top_k, total_tokens=total_tokens, depth=depth)
+        return TreeConfig(top_k=top_k, total_tokens=total_tokens, depth=depth, **lookup)
     except ValueError:
         return None
 
@@ -115,7 +130,8 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
     for k in set(space.top_k) | {space.start_top_k}:
         for n in set(space.total_tokens) | {space.start_total_tokens}:
             for dp in set(space.depth) | {space.start_depth}:
-                t = _valid_tree(k, n, dp)
+                L = max(space.lookup)  # the deepest accepted path and the largest tree the lookup stages try
+                t = _valid_tree(k, n + L + 1, dp, lookup=L) if L else _valid_tree(k, n, dp)
                 if t is None:
                     continue
                 nmax = dp + max(space.max_depth_extra)
@@ -161,6 +177,28 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
             continue
         best, _ = run_stage(f"eagle2:{param}", cands)
         cur = dict(best["spec"]["tree"])
+    if len(set(space.lookup) | {0}) > 1:  # the lookup chain, each with its own slots on top of the head's tree
+        cands = []
+        for v in sorted(set(space.lookup) | {0}):
+            kw = dict(lookup=v, lookup_logp=space.lookup_logp[0]) if v else {}
+            t = _valid_tree(**{**cur, "total_tokens": cur["total_tokens"] + v}, **kw)
+            if t is not None:
+                cands.append((v, parse_method(method_label("eagle2", t), t)))
+        best, _ = run_stage("eagle2:lookup", cands)
+        cur = dict(best["spec"]["tree"])
+        if cur.get("lookup"):
+            stages_after = (("lookup_logp", space.lookup_logp),
+                            ("total_tokens", (cur["total_tokens"] - 1, cur["total_tokens"] + 1)))
+            for param, values in stages_after:
+                cands = []
+                for v in sorted(set(values) | {cur[param]}):
+                    t = _valid_tree(**{**cur, param: v})
+                    if t is not None:
+                        cands.append((v, parse_method(method_label("eagle2", t), t)))
+                if len(cands) < 2:
+                    continue
+                best, _ = run_stage(f"eagle2:lookup:{param}", cands)
+                cur = dict(best["spec"]["tree"])
     tree = TreeConfig(**cur)
 
     # ---- DDD on that tree

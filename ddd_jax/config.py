@@ -359,6 +359,13 @@ class TreeConfig:
                 f"top_k + depth*top_k**2 + lookup = {self.pool_size(self.depth) + self.lookup} (top_k={self.top_k}, "
                 f"depth={self.depth}, lookup={self.lookup})")
 
+    def to_dict(self) -> dict:
+        """The settings as a dict, the lookup's only when it is on (what settings files and stats hold)."""
+        d = {"top_k": self.top_k, "total_tokens": self.total_tokens, "depth": self.depth}
+        if self.lookup:
+            d.update(lookup=self.lookup, lookup_ngram=self.lookup_ngram, lookup_logp=self.lookup_logp)
+        return d
+
     def pool_size(self, depth: int) -> int:
         """The head's candidates after `depth` expansion steps (lookup candidates come on top: when a lookup
         finds no match, its tree slots stay empty -- `Tree.valid` -- and are verified for nothing)."""

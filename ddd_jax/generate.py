@@ -417,7 +417,7 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
     t2 = time.perf_counter()
     if mesh is not None and jax.process_count() > 1:  # every process gets every sequence's results
         s = jax.tree.map(sharding.to_host, s)
-    used = None if source is None else {"tree": dataclasses.asdict(tree), "source": source,
+    used = None if source is None else {"tree": tree.to_dict(), "source": source,
                                         **({"ddd": dataclasses.asdict(ddd)} if method == "ddd" else {}),
                                         "draft_dtype": draft.weight_dtype}
     return _result(target, plan, s, batched, counter, clock.times, t1 - t0, t2 - t1, used, n_rows)

@@ -170,6 +170,26 @@ def test_tuner_returns_settings_within_space(tiny, tmp_path):
     assert not space.contains({**s, "ddd": {**s["ddd"], "threshold": -7.0}})
 
 
+@pytest.mark.slow  # compiles a decode loop per candidate setting
+def test_tuner_lookup_stages(tiny):
+    target, draft = tiny
+    space = SearchSpace(total_tokens=(3,), depth=(2,), top_k=(2,), threshold=(-1.0,), check_offsets=(-1,),
+                        max_depth_extra=(1,), step0=(False,), lookup=(0, 2), lookup_logp=(-0.1, -0.4),
+                        start_top_k=2, start_total_tokens=3, start_depth=2)
+    res = tune(target, draft, PROMPTS, space, max_new_tokens=MAX_NEW, progress=False, log=None)
+    s, stages = res["settings"], [st["stage"] for st in res["stages"]]
+    assert space.contains(s) and all(st["identity_real_mismatches"] == 0 for st in res["stages"])
+    look = res["stages"][0]
+    assert look["stage"] == "eagle2:lookup" and [r["value"] for r in look["rows"]] == [0, 2]
+    assert look["rows"][1]["spec"]["tree"]["total_tokens"] == 5  # the chain gets slots of its own
+    if s["tree"].get("lookup"):
+        assert stages == ["eagle2:lookup", "eagle2:lookup:lookup_logp", "eagle2:lookup:total_tokens", "final"]
+        tree, _ = to_configs(s)
+        assert tree.lookup == 2 and tree.lookup_logp in (-0.1, -0.4) and tree.total_tokens in (4, 5, 6)
+    else:
+        assert stages == ["eagle2:lookup", "final"] and s["tree"]["total_tokens"] == 3
+
+
 def test_search_space_check_steps_and_step0():
     space = SearchSpace()
     assert space.check_steps(2, -1, 6) == (1, 3, 5) and space.check_steps(2, -1, 6, step0=True) == (0, 1, 3, 5)
@@ -180,6 +200,10 @@ def test_search_space_check_steps_and_step0():
     assert not SearchSpace(total_tokens=(4,), depth=(2,), top_k=(4,), step0=(False,)).contains(s)
     with pytest.raises(ValueError, match="step0"):
         SearchSpace(step0=())
+    look = {**s, "tree": {**s["tree"], "total_tokens": 7, "lookup": 3, "lookup_ngram": 2, "lookup_logp": -0.1}}
+    assert SearchSpace(total_tokens=(4,), depth=(2,), top_k=(4,), lookup=(0, 3)).contains(look)
+    assert not SearchSpace(total_tokens=(4,), depth=(2,), top_k=(4,)).contains(look)  # no lookup in that space
+    assert not SearchSpace(total_tokens=(4,), depth=(2,), top_k=(4,), lookup=(0, 3), lookup_logp=(-0.4,)).contains(look)
 
 
 def test_settings_file(tmp_path, monkeypatch):

@@ -108,8 +108,9 @@ def looping():
     return target, draft, ps, ref
 
 
-@pytest.mark.parametrize("method,sync", [("eagle2", "device"), ("ddd", "host"), ("ddd", "callback"),
-                                         ("ddd", "device")])
+@pytest.mark.parametrize("method,sync", [pytest.param("eagle2", "device", marks=pytest.mark.slow),
+                                         pytest.param("ddd", "host", marks=pytest.mark.slow),
+                                         pytest.param("ddd", "callback", marks=pytest.mark.slow), ("ddd", "device")])
 def test_lookup_is_lossless_and_accepted(looping, method, sync):
     target, draft, ps, ref = looping
     # depth 0: the head alone accepts at most one drafted token a cycle; longer paths are lookup chains
