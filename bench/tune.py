@@ -5,9 +5,9 @@ excluded) and is ranked by speedup over vanilla in that same run. All stages sha
 so a tree shape that recurs (the incumbent) is never compiled twice. Stages, in order:
 
 1. EAGLE-2: total_tokens, then depth, then top_k (each stage varies one, keeping the best of the others); then,
-   when the space has lookup lengths other than 0, the context-lookup chain (`TreeConfig.lookup`) with
-   total_tokens grown by the same number of nodes, its score per token (`lookup_logp`, if the lookup won) and
-   total_tokens once more around the incumbent.
+   when the space has lookup lengths other than 0, the context-lookup chain (`TreeConfig.lookup`; its nodes
+   compete with the head's for the same total_tokens), its score per token (`lookup_logp`, if a lookup won) and
+   total_tokens once more (one fewer, one and two more: the chain may earn slots of its own).
 2. DDD on the best tree: threshold x (one compile: x is a traced argument), then the check steps S
    (first check at EAGLE-2 depth + offset, then every `check_every` steps below max depth), then whether to
    check at step 0 too (before any expansion step; needs total_tokens - 1 <= top_k), then max depth n
@@ -86,8 +86,8 @@ class SearchSpace:
             return False
         if lookup and t.get("lookup_logp", -0.4) not in self.lookup_logp:
             return False
-        if lookup:  # the lookup stage adds its chain's slots, the stage after it moves them by one
-            total = {n + lookup + e for n in total for e in (-1, 0, 1)}
+        if lookup:  # the stage after the lookup's moves total_tokens by -1 .. +2
+            total = {n + e for n in total for e in (-1, 0, 1, 2)}
         if t["total_tokens"] not in total:
             return False
         extra = d["max_depth"] - t["depth"]
@@ -131,7 +131,7 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
         for n in set(space.total_tokens) | {space.start_total_tokens}:
             for dp in set(space.depth) | {space.start_depth}:
                 L = max(space.lookup)  # the deepest accepted path and the largest tree the lookup stages try
-                t = _valid_tree(k, n + L + 1, dp, lookup=L) if L else _valid_tree(k, n, dp)
+                t = _valid_tree(k, n + 2, dp, lookup=L) if L else _valid_tree(k, n, dp)
                 if t is None:
                     continue
                 nmax = dp + max(space.max_depth_extra)
@@ -177,18 +177,18 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
             continue
         best, _ = run_stage(f"eagle2:{param}", cands)
         cur = dict(best["spec"]["tree"])
-    if len(set(space.lookup) | {0}) > 1:  # the lookup chain, each with its own slots on top of the head's tree
+    if len(set(space.lookup) | {0}) > 1:  # the lookup chain, competing with the head's nodes for the tree's slots
         cands = []
         for v in sorted(set(space.lookup) | {0}):
             kw = dict(lookup=v, lookup_logp=space.lookup_logp[0]) if v else {}
-            t = _valid_tree(**{**cur, "total_tokens": cur["total_tokens"] + v}, **kw)
+            t = _valid_tree(**cur, **kw)
             if t is not None:
                 cands.append((v, parse_method(method_label("eagle2", t), t)))
         best, _ = run_stage("eagle2:lookup", cands)
         cur = dict(best["spec"]["tree"])
         if cur.get("lookup"):
             stages_after = (("lookup_logp", space.lookup_logp),
-                            ("total_tokens", (cur["total_tokens"] - 1, cur["total_tokens"] + 1)))
+                            ("total_tokens", tuple(cur["total_tokens"] + e for e in (-1, 1, 2))))
             for param, values in stages_after:
                 cands = []
                 for v in sorted(set(values) | {cur[param]}):

@@ -181,11 +181,11 @@ def test_tuner_lookup_stages(tiny):
     assert space.contains(s) and all(st["identity_real_mismatches"] == 0 for st in res["stages"])
     look = res["stages"][0]
     assert look["stage"] == "eagle2:lookup" and [r["value"] for r in look["rows"]] == [0, 2]
-    assert look["rows"][1]["spec"]["tree"]["total_tokens"] == 5  # the chain gets slots of its own
+    assert look["rows"][1]["spec"]["tree"]["total_tokens"] == 3  # the chain competes for the head's slots
     if s["tree"].get("lookup"):
         assert stages == ["eagle2:lookup", "eagle2:lookup:lookup_logp", "eagle2:lookup:total_tokens", "final"]
         tree, _ = to_configs(s)
-        assert tree.lookup == 2 and tree.lookup_logp in (-0.1, -0.4) and tree.total_tokens in (4, 5, 6)
+        assert tree.lookup == 2 and tree.lookup_logp in (-0.1, -0.4) and tree.total_tokens in (2, 3, 4, 5)
     else:
         assert stages == ["eagle2:lookup", "final"] and s["tree"]["total_tokens"] == 3
 
@@ -200,7 +200,7 @@ def test_search_space_check_steps_and_step0():
     assert not SearchSpace(total_tokens=(4,), depth=(2,), top_k=(4,), step0=(False,)).contains(s)
     with pytest.raises(ValueError, match="step0"):
         SearchSpace(step0=())
-    look = {**s, "tree": {**s["tree"], "total_tokens": 7, "lookup": 3, "lookup_ngram": 2, "lookup_logp": -0.1}}
+    look = {**s, "tree": {**s["tree"], "total_tokens": 6, "lookup": 3, "lookup_ngram": 2, "lookup_logp": -0.1}}
     assert SearchSpace(total_tokens=(4,), depth=(2,), top_k=(4,), lookup=(0, 3)).contains(look)
     assert not SearchSpace(total_tokens=(4,), depth=(2,), top_k=(4,)).contains(look)  # no lookup in that space
     assert not SearchSpace(total_tokens=(4,), depth=(2,), top_k=(4,), lookup=(0, 3), lookup_logp=(-0.4,)).contains(look)
