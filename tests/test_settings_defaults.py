@@ -51,7 +51,7 @@ def test_settings_for_another_pair_fall_back_to_paper_defaults(named, other):
     _save("someone-else" if other == "target" else target.name, "someone-else" if other == "draft" else draft.name)
     r = generate(target, draft, prompts(1, seed=5)[0], max_new_tokens=8, method="eagle2")
     st = r.stats["settings"]
-    assert st["tree"] == dataclasses.asdict(TreeConfig())
+    assert st["tree"] == TreeConfig().to_dict()
     assert st["source"].startswith("paper defaults") and f"{other} 'someone-else'" in st["source"]
 
 
