@@ -11,6 +11,13 @@ import numpy as np
 from ddd_jax.io import atomic_write_text
 
 
+def _kernels(env: dict) -> str:
+    """'CPU kernels, ' / 'CPU kernels (AVX-512), ' / '' for a run's environment record."""
+    if not env.get("cpu_kernels"):
+        return ""
+    return "CPU kernels (AVX-512), " if env.get("cpu_kernels_avx512") else "CPU kernels, "
+
+
 def _jsonable(x):
     if isinstance(x, dict):
         return {str(k): _jsonable(v) for k, v in x.items()}
@@ -51,8 +58,8 @@ def bench_table(result: dict) -> str:
     tw = f" ({tw})" if tw.startswith("gguf") else ""
     head = (f"**ddd-jax bench** target `{cfg['target']}`{tw}, draft `{cfg['draft']}`{dd}; {cfg['records']} prompt turns, "
             f"max_new_tokens={cfg['max_new_tokens']}, temperature={cfg['temperature']}, repeat={cfg['repeat']}; "
-            f"{env['backend']} ({env['device']}, {env['cpu_count']} CPUs), jax {env['jax']}, "
-            f"{'CPU kernels, ' if env.get('cpu_kernels') else ''}{env['date']}")
+            f"{env['backend']} ({env.get('cpu_model') or env['device']}, {env['cpu_count']} CPUs), jax {env['jax']}, "
+            f"{_kernels(env)}{env['date']}")
     rows = []
     sampling = result["config"]["temperature"] > 0
     for lb, m in result["methods"].items():
@@ -111,7 +118,7 @@ def cost_table(result: dict) -> str:
     extra = ""
     if env:
         load = env.get("loadavg")
-        extra = (f"; CPU kernels {'on' if env.get('cpu_kernels') else 'off'}"
+        extra = (f"; {_kernels(env) or 'CPU kernels off, '}{env.get('cpu_model') or ''}"
                  + (f", load {load[0]:.1f}" if load else ""))
     return (f"cost curve: target `{result['target']}`, context {result['context']} in a cache of "
             f"{result['capacity']} slots{extra}\n"

@@ -257,6 +257,8 @@ def environment() -> dict:
         "command": " ".join(sys.argv), "git_commit": commit,
         # ddd_jax.kernels in use (CPU backend), or XLA only (DDD_JAX_NO_KERNELS=1, not built, other backends)
         "cpu_kernels": jax.default_backend() == "cpu" and kernels.available(),
+        "cpu_kernels_avx512": jax.default_backend() == "cpu" and kernels.avx512(),
+        "cpu_model": kernels.cpu_model(),
     }
 
 

@@ -36,7 +36,7 @@ from .cache import KVCache, commit, with_length
 from .config import LOOKUP_MAX_NGRAM, DDDConfig, DraftConfig, ModelConfig, TreeConfig, check_tree_for_ddd
 from .drafting import SyncCounter, threshold_policy
 from .tree import add_lookup, build_tree, lookup_chain
-from .verify import accept_greedy, accept_sample, process_logits
+from .verify import accept_greedy, accept_sample, greedy_token, process_logits
 
 METHODS = ("vanilla", "eagle2", "ddd")
 SYNCS = ("host", "callback", "device")
@@ -127,7 +127,7 @@ def cache_capacity(prompt_len: int, plan: Plan) -> int:
 
 def _choose(logits, key, temperature: float, top_p: float):
     if temperature <= 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return greedy_token(logits)
     return jax.random.categorical(key, process_logits(logits, temperature, top_p), axis=-1).astype(jnp.int32)
 
 

@@ -21,6 +21,18 @@ class Accept:
     emitted: jax.Array  # [B, M] int32 accepted draft tokens then the bonus token (first n are real)
 
 
+def greedy_token(logits):
+    """The index of the first maximum over the last axis: `jnp.argmax`'s answer (ties to the lowest index; a NaN
+    row, which has no answer, gives V - 1 here), computed as a max and a min over the row. XLA:CPU lowers
+    `argmax` to a variadic (value, index) reduce that costs 2-3x these two plain reductions over a 49,152-token
+    vocabulary (0.06 against 0.15 ms for one row, 0.2-0.3 against 0.4-0.5 ms for five, on this project's CPU).
+    logits: [..., V] -> [...] int32."""
+    V = logits.shape[-1]
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    idx = jnp.where(logits == top, jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1), V)
+    return jnp.minimum(jnp.min(idx, axis=-1), V - 1)
+
+
 def process_logits(logits, temperature: float, top_p: float):
     """Log-probs after temperature and top-p (nucleus) filtering; the same function serves vanilla sampling
     and tree verification so both sample from exactly the same distribution. logits: [..., V]."""
@@ -51,7 +63,7 @@ def _emitted(tokens, path, n, bonus, M: int):
 def accept_greedy(tree: Tree, logits, M: int) -> Accept:
     """A node is accepted iff its token is the argmax of its parent's logits and its parent is accepted."""
     def one(tokens, parent, anc, depth, valid, lg):
-        pred = jnp.argmax(lg, axis=-1).astype(jnp.int32)  # [N]
+        pred = greedy_token(lg)  # [N]
         correct = (tokens == pred[parent]) & valid
         correct = correct.at[0].set(True)
         accepted = ~jnp.any(anc & ~correct[None, :], axis=-1)  # all ancestors-or-self correct (matmul-free)

@@ -190,3 +190,23 @@ def test_emit_cuts_after_eos_and_at_max_new_exact():
                                   [5, 5, 5, 5, 5, 1, -1, -1, -1, -1],
                                   [4, 4, 4, -1, -1, -1, -1, -1, -1, -1]], np.int32), "out")
     assert_exact(got_out[4], out[4], "done row, whole buffer")
+
+
+def test_greedy_token_is_argmax_with_ties_and_infinities():
+    from ddd_jax.verify import greedy_token
+    rng = np.random.default_rng(0)
+    V = 49152
+    x = rng.standard_normal((7, V)).astype(np.float32)
+    x[1, [5, 900, 40000]] = 9.0  # a three-way tie: the lowest index wins
+    x[2, :] = -np.inf  # no finite entry: every index ties, index 0
+    x[3, 123] = np.inf
+    x[4, :] = np.round(x[4, :])  # many ties at the max
+    x[5, V - 1] = 50.0  # the last index
+    x[6, :] = 0.0
+    got = np.asarray(jax.jit(greedy_token)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    assert got.dtype == np.int32 and got[1] == 5 and got[2] == 0 and got[5] == V - 1
+    x16 = jnp.asarray(x[:, :1000], jnp.bfloat16)  # ties made by rounding, still the first index
+    np.testing.assert_array_equal(np.asarray(greedy_token(x16)), np.asarray(jnp.argmax(x16, axis=-1)))
+    batched = rng.standard_normal((2, 3, 50)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(greedy_token(jnp.asarray(batched))), np.argmax(batched, axis=-1))

@@ -240,3 +240,35 @@ def test_missing_library_warns_once_and_uses_xla(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "AVAILABLE False FINITE True" in r.stdout
     assert r.stderr.count("ddd_jax: CPU kernel library") == 1
+
+
+PATHS = """
+import sys, jax, jax.numpy as jnp, numpy as np
+from ddd_jax import kernels
+rng = np.random.default_rng(11)
+out = {"avx512": np.array(kernels.avx512())}
+for K, N in ((576, 1536), (1536, 576), (576, 192), (33, 200)):
+    w = jnp.asarray(rng.standard_normal((2, K, N)), jnp.float32)
+    for M in (3, 5, 8, 13, 64):
+        x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+        out[f"{K}-{N}-{M}"] = np.asarray(jax.jit(lambda x, w: kernels.product(x, w, 1))(x, w))
+        out[f"{K}-{N}-{M}-f16"] = np.asarray(jax.jit(lambda x, w: kernels.product(x, w, 1))(x, w.astype(jnp.float16)))
+np.savez(sys.argv[1], **out)
+"""
+
+
+@needs_kernel
+def test_avx512_and_avx2_products_are_bitwise_equal(tmp_path):
+    """Products of 3+ rows take 16-wide vectors on AVX-512 CPUs: the same fma chain per element, so the same bits
+    as the AVX2 path (DDD_JAX_NO_AVX512=1). Where the CPU has no AVX-512 both runs take AVX2 (and say so)."""
+    runs = {}
+    for flag in ("0", "1"):
+        path = tmp_path / f"p{flag}.npz"
+        r = subprocess.run([sys.executable, "-c", PATHS, str(path)], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "DDD_JAX_NO_AVX512": flag})
+        assert r.returncode == 0, r.stderr
+        runs[flag] = dict(np.load(path))
+    assert not runs["1"].pop("avx512")  # the switch turns the path off
+    runs["0"].pop("avx512")
+    for key, got in runs["0"].items():
+        assert np.array_equal(got, runs["1"][key]), f"AVX-512 and AVX2 products differ at {key}"

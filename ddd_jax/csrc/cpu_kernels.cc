@@ -32,6 +32,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <condition_variable>
 #include <memory>
@@ -125,6 +126,84 @@ DDD_AVX2 inline void nn_rows(const float* x, int64_t ldx, const W* w, int64_t ld
 }
 
 
+// ------------------------------------------------------------- x @ W on AVX-512 (3+ rows: the arithmetic-bound case)
+// At one or two rows the product is bound by memory and the AVX2 panels above keep up with it; from three rows on
+// the FMA units bound it (five rows use each weight five times), and 16-wide vectors double what one instruction
+// does. Each output element is still acc = fma(x[m,k], W[k,n], acc) over k = 0, 1, ... in order, so the results
+// are bit-identical to the AVX2 path (the lanes of a vector are independent output columns).
+#define DDD_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c")))
+
+DDD_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+DDD_AVX512 inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int MT, int NV, class W>
+DDD_AVX512 inline void nn_tile512(const float* x, int64_t ldx, const W* w, int64_t ldw, float* out, int64_t ldo,
+                                  int64_t k0, int64_t k1, bool first, int64_t pf, int64_t kmax) {
+  __m512 acc[MT][NV];
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int v = 0; v < NV; ++v)
+      acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + r * ldo + 16 * v);
+  constexpr int kBytes = NV * 16 * sizeof(W);  // of one panel row
+  const W* wk = w + k0 * ldw;
+  for (int64_t k = k0; k < k1; ++k, wk += ldw) {
+    if (pf && k + pf < kmax) {
+      const char* p = reinterpret_cast<const char*>(wk + pf * ldw);
+      DDD_UNROLL for (int b = 0; b < kBytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+      _mm_prefetch(p + kBytes - 4, _MM_HINT_T0);
+    }
+    __m512 wv[NV];
+    DDD_UNROLL for (int v = 0; v < NV; ++v) wv[v] = load16(wk + 16 * v);
+    DDD_UNROLL for (int r = 0; r < MT; ++r) {
+      const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
+      DDD_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(b, wv[v], acc[r][v]);
+    }
+  }
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + r * ldo + 16 * v, acc[r][v]);
+}
+
+// All M rows of one panel of NV vectors: tiles of up to 8 rows (8 x 3 accumulators + 3 weights + 1 broadcast of
+// the 32 registers); the first tile prefetches the panel's next K block.
+template <int NV, class W>
+DDD_AVX512 inline void nn_rows512(const float* x, int64_t ldx, const W* w, int64_t ldw, float* out, int64_t ldo,
+                                  int64_t M, int64_t k0, int64_t k1, bool first, int64_t kmax) {
+  for (int64_t m = 0; m < M; m += 8) {
+    const int64_t pf = m == 0 ? k1 - k0 : 0;
+    const float* xm = x + m * ldx;
+    float* om = out + m * ldo;
+    switch (std::min<int64_t>(8, M - m)) {
+      case 8: nn_tile512<8, NV, W>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+      case 7: nn_tile512<7, NV, W>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+      case 6: nn_tile512<6, NV, W>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+      case 5: nn_tile512<5, NV, W>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+      case 4: nn_tile512<4, NV, W>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+      case 3: nn_tile512<3, NV, W>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+      case 2: nn_tile512<2, NV, W>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+      case 1: nn_tile512<1, NV, W>(xm, ldx, w, ldw, om, ldo, k0, k1, first, pf, kmax); break;
+      default: break;
+    }
+  }
+}
+
+bool g_avx512 = false;  // set at load (ddd_cpu_supported); DDD_JAX_NO_AVX512=1 keeps the AVX2 path
+constexpr int64_t kPanel512 = 48;  // columns of one AVX-512 panel (3 vectors)
+
+// Whether x @ W of M rows takes the AVX-512 path (column chunks then come in multiples of kPanel512): 3 to 85 rows,
+// so that one panel of every row fits the accumulator tile (M x kPanel512 <= kTile).
+inline bool nn_wide(int64_t M) { return g_avx512 && M > 2 && M * kPanel512 <= kTile; }
+
+template <class W>
+DDD_AVX512 void nn_block512(const float* x, int64_t K, const W* wc, int64_t N, float* tile, int64_t CB, int64_t M,
+                            int64_t k0, int64_t k1, bool first, int64_t cw) {
+  int64_t n = 0;
+  for (; n + kPanel512 <= cw; n += kPanel512) nn_rows512<3>(x, K, wc + n, N, tile + n, CB, M, k0, k1, first, K);
+  for (; n + 16 <= cw; n += 16) nn_rows512<1>(x, K, wc + n, N, tile + n, CB, M, k0, k1, first, K);
+  for (; n + 8 <= cw; n += 8) nn_rows<1>(x, K, wc + n, N, tile + n, CB, M, k0, k1, first, K);
+  if (n < cw) nn_scalar(x, K, wc + n, N, tile + n, CB, M, cw - n, k0, k1, first);
+}
+
 // Columns [n0, n1) of out, all M rows. Column blocks small enough that their M rows of out stay in L1; within one,
 // K is walked in blocks of KB rows and each block is swept panel by panel, so the weight is read as KB
 // interleaved sequential streams (one per row) -- what the hardware prefetchers follow -- and the accumulators
@@ -133,7 +212,8 @@ template <class W>
 DDD_AVX2 void nn_chunk_rows(const float* x, const W* w, float* out, int64_t M, int64_t K, int64_t N,
                             int64_t n0, int64_t n1) {  // M <= 128
   const int64_t KB = kKBlock;
-  const int64_t panel = M <= 2 ? 64 : 24;
+  const bool wide = nn_wide(M);
+  const int64_t panel = M <= 2 ? 64 : wide ? kPanel512 : 24;
   const int64_t CB = std::max<int64_t>(panel, (kTile / M) / panel * panel);  // M x CB floats <= 16 KiB
   // The accumulators live in a dense local tile (row stride CB, not N): with N a multiple of 1024 bytes' worth,
   // out's rows would all map to the same few L1 sets.
@@ -144,6 +224,10 @@ DDD_AVX2 void nn_chunk_rows(const float* x, const W* w, float* out, int64_t M, i
     for (int64_t k0 = 0; k0 < K; k0 += KB) {
       const int64_t k1 = std::min(K, k0 + KB);
       const bool first = k0 == 0;
+      if (wide) {
+        nn_block512(x, K, wc, N, tile, CB, M, k0, k1, first, cw);
+        continue;
+      }
       int64_t n = 0;
       if (M <= 2)  // memory-bound: wide panels, more independent chains
         for (; n + 64 <= cw; n += 64) nn_rows<8>(x, K, wc + n, N, tile + n, CB, M, k0, k1, first, K);
@@ -489,8 +573,8 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
   float* o = out->typed_data();
   const float* xp = x.typed_data();
   const auto* wp = w.typed_data() + layer_index(layer, L) * K * N;
-  // columns a multiple of 24 (trans: 4)
-  for_column_chunks(pool, M, K, N, trans ? 4 : 24, o, [=](int64_t n0, int64_t n1) {
+  // columns a multiple of 24 (AVX-512: 48; trans: 4)
+  for_column_chunks(pool, M, K, N, trans ? 4 : nn_wide(M) ? kPanel512 : 24, o, [=](int64_t n0, int64_t n1) {
     if (trans)
       nt_chunk(xp, wp, o, M, K, N, n0, n1);
     else
@@ -842,8 +926,13 @@ extern "C" {
 // 1 when this CPU runs the kernels (AVX2 + FMA + F16C).
 __attribute__((visibility("default"))) int ddd_cpu_supported() {
   __builtin_cpu_init();
+  const char* no512 = std::getenv("DDD_JAX_NO_AVX512");
+  g_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512bw") && !(no512 && *no512 && std::strcmp(no512, "0") != 0);
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
+// 1 when products of 3+ rows take the AVX-512 path.
+__attribute__((visibility("default"))) int ddd_avx512() { return g_avx512; }
 // Cap the threads a product uses (0: the XLA pool's size). For benchmarks.
 __attribute__((visibility("default"))) void ddd_set_max_threads(int64_t n) { g_max_threads = n; }
 }
