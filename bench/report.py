@@ -58,7 +58,8 @@ def bench_table(result: dict) -> str:
     tw = f" ({tw})" if tw.startswith("gguf") else ""
     head = (f"**ddd-jax bench** target `{cfg['target']}`{tw}, draft `{cfg['draft']}`{dd}; {cfg['records']} prompt turns, "
             f"max_new_tokens={cfg['max_new_tokens']}, temperature={cfg['temperature']}, repeat={cfg['repeat']}; "
-            f"{env['backend']} ({env.get('cpu_model') or env['device']}, {env['cpu_count']} CPUs), jax {env['jax']}, "
+            f"{env['backend']} ({env.get('cpu_model') or env['device']}, {env['cpu_count']} CPUs), "
+            f"jax {env['jax']}, "
             f"{_kernels(env)}{env['date']}")
     rows = []
     sampling = result["config"]["temperature"] > 0

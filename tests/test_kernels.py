@@ -247,20 +247,23 @@ import sys, jax, jax.numpy as jnp, numpy as np
 from ddd_jax import kernels
 rng = np.random.default_rng(11)
 out = {"avx512": np.array(kernels.avx512())}
-for K, N in ((576, 1536), (1536, 576), (576, 192), (33, 200)):
-    w = jnp.asarray(rng.standard_normal((2, K, N)), jnp.float32)
-    for M in (3, 5, 8, 13, 64):
-        x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
-        out[f"{K}-{N}-{M}"] = np.asarray(jax.jit(lambda x, w: kernels.product(x, w, 1))(x, w))
-        out[f"{K}-{N}-{M}-f16"] = np.asarray(jax.jit(lambda x, w: kernels.product(x, w, 1))(x, w.astype(jnp.float16)))
+for trans in (False, True):
+    for K, N in ((576, 1536), (1536, 576), (576, 192), (33, 200), (100, 37)):
+        w = jnp.asarray(rng.standard_normal((2, N, K) if trans else (2, K, N)), jnp.float32)
+        for M in (3, 5, 8, 13, 64, 100):
+            x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+            f = jax.jit(lambda x, w: kernels.product(x, w, 1, trans))
+            out[f"{trans}-{K}-{N}-{M}"] = np.asarray(f(x, w))
+            out[f"{trans}-{K}-{N}-{M}-f16"] = np.asarray(f(x, w.astype(jnp.float16)))
 np.savez(sys.argv[1], **out)
 """
 
 
 @needs_kernel
 def test_avx512_and_avx2_products_are_bitwise_equal(tmp_path):
-    """Products of 3+ rows take 16-wide vectors on AVX-512 CPUs: the same fma chain per element, so the same bits
-    as the AVX2 path (DDD_JAX_NO_AVX512=1). Where the CPU has no AVX-512 both runs take AVX2 (and say so)."""
+    """x @ W of 3 to 85 rows takes 16-wide vectors on AVX-512 CPUs (float32 and float16 weights; x @ W.T checked
+    too): the same fma chain per element, so the same bits as the AVX2 path (DDD_JAX_NO_AVX512=1). Where the CPU
+    has no AVX-512 both runs take AVX2."""
     runs = {}
     for flag in ("0", "1"):
         path = tmp_path / f"p{flag}.npz"
