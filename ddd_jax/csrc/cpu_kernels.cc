@@ -935,7 +935,7 @@ __attribute__((visibility("default"))) int ddd_cpu_supported() {
              __builtin_cpu_supports("avx512bw") && !(no512 && *no512 && std::strcmp(no512, "0") != 0);
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
-// 1 when products of 3+ rows take the AVX-512 path.
+// 1 when x @ W of 3 to 85 rows takes the AVX-512 path.
 __attribute__((visibility("default"))) int ddd_avx512() { return g_avx512; }
 // Cap the threads a product uses (0: the XLA pool's size). For benchmarks.
 __attribute__((visibility("default"))) void ddd_set_max_threads(int64_t n) { g_max_threads = n; }
