@@ -255,14 +255,21 @@ for trans in (False, True):
             f = jax.jit(lambda x, w: kernels.product(x, w, 1, trans))
             out[f"{trans}-{K}-{N}-{M}"] = np.asarray(f(x, w))
             out[f"{trans}-{K}-{N}-{M}-f16"] = np.asarray(f(x, w.astype(jnp.float16)))
+from ddd_jax.quant import quantize
+for kind in ("q4_1", "q8_0", "q4_0"):  # GGUF blocks: dequantized 16 wide, multiplied two weight rows a vector
+    bw = quantize(jnp.asarray(rng.standard_normal((2, 576, 200)), jnp.float32), kind, transposed=True)
+    for M in (1, 3, 5, 8, 13):
+        x = jnp.asarray(rng.standard_normal((M, 576)), jnp.float32)
+        out[f"{kind}-{M}"] = np.asarray(jax.jit(lambda x, b: kernels.product_blocks(x, b, kind, 1))(x, bw.blocks))
 np.savez(sys.argv[1], **out)
 """
 
 
 @needs_kernel
 def test_avx512_and_avx2_products_are_bitwise_equal(tmp_path):
-    """x @ W of 3 to 85 rows takes 16-wide vectors on AVX-512 CPUs (float32 and float16 weights; x @ W.T checked
-    too): the same fma chain per element, so the same bits as the AVX2 path (DDD_JAX_NO_AVX512=1). Where the CPU
+    """On AVX-512 CPUs x @ W of 3 to 85 rows (float32 and float16 weights) and GGUF blocks (dequantized 16 wide;
+    3+ rows multiplied two weight rows a vector) take 16-wide vectors: the same fma chains per element, so the same
+    bits as the AVX2 path (DDD_JAX_NO_AVX512=1). Where the CPU
     has no AVX-512 both runs take AVX2."""
     runs = {}
     for flag in ("0", "1"):

@@ -21,9 +21,11 @@
 //   attention:     per row and head, only the attended slots, in ascending slot order (see attend_rows).
 // So a row gets bit-identical outputs whether it is computed alone (M=1) or among others (a verified tree).
 //
-// Instruction sets: AVX2 + FMA + F16C throughout; on CPUs with AVX-512 (F/VL/BW), x @ W of 3 to 85 rows uses
+// Instruction sets: AVX2 + FMA + F16C throughout; on CPUs with AVX-512 (F/VL/BW/DQ), x @ W of 3 to 85 rows uses
 // 16-wide vectors (16 output columns per vector, the same per-element order), so the bits do not depend on the
-// instruction set either. (x @ W.T with two weight rows' 8-lane chunks per 16-wide vector measured no faster.)
+// instruction set either. GGUF blocks of 3+ rows are dequantized 16 wide and multiplied with two weight rows'
+// 8-lane chunks per 16-wide vector (the same lanes, sums and tails as nt_rows). That product measured no faster
+// for the float32 lm_head at 5 rows, so float32 x @ W.T stays 8 wide.
 //
 // Threads: work is split into column chunks (attention: rows) handed out through an atomic counter; the calling
 // thread works too and then waits only for chunks another thread has started. Helpers are our own threads that
@@ -135,7 +137,7 @@ DDD_AVX2 inline void nn_rows(const float* x, int64_t ldx, const W* w, int64_t ld
 // the FMA units bound it (five rows use each weight five times), and 16-wide vectors double what one instruction
 // does. Each output element is still acc = fma(x[m,k], W[k,n], acc) over k = 0, 1, ... in order, so the results
 // are bit-identical to the AVX2 path (the lanes of a vector are independent output columns).
-#define DDD_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c")))
+#define DDD_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c")))
 
 DDD_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 DDD_AVX512 inline __m512 load16(const uint16_t* p) {
@@ -313,6 +315,59 @@ DDD_AVX2 void nt_chunk(const float* x, const W* w, float* out, int64_t M, int64_
   for (; n < n1; ++n) nt_rows<1>(x, K, w + n * K, out + n, N, M);
 }
 
+// x @ W.T on AVX-512 (3+ rows, GGUF blocks): one 16-wide vector holds two weight rows' 8-lane chunks, so each
+// output keeps the AVX2 path's eight lanes (lane j: the fma chain over k = j, j+8, ...) and the same lane sum and
+// tail: bit-identical to nt_rows.
+DDD_AVX512 inline __m512 load_pair(const float* a, const float* b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+
+// MT rows of x against NP pairs of weight rows (2 * NP outputs per row).
+template <int MT, int NP>
+DDD_AVX512 inline void nt_tile512(const float* x, int64_t ldx, const float* w, int64_t ldw, float* out, int64_t ldo,
+                                  int64_t K) {
+  __m512 acc[MT][NP];
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  const int64_t K8 = K & ~int64_t(7);
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m512 wv[NP];
+    DDD_UNROLL for (int p = 0; p < NP; ++p) wv[p] = load_pair(w + 2 * p * ldw + k, w + (2 * p + 1) * ldw + k);
+    DDD_UNROLL for (int r = 0; r < MT; ++r) {
+      const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + r * ldx + k));
+      DDD_UNROLL for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);
+    }
+  }
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int p = 0; p < NP; ++p) {
+      const __m256 half[2] = {_mm512_castps512_ps256(acc[r][p]), _mm512_extractf32x8_ps(acc[r][p], 1)};
+      DDD_UNROLL for (int h = 0; h < 2; ++h) {
+        const float* wj = w + (2 * p + h) * ldw;
+        float s = hsum8(half[h]);
+        for (int64_t k = K8; k < K; ++k) s = __builtin_fmaf(x[r * ldx + k], wj[k], s);
+        out[r * ldo + 2 * p + h] = s;
+      }
+    }
+}
+
+// All M rows against 2 * NP weight rows: row tiles of up to 6 (6 x 4 accumulators + 4 weights + 1 row of x).
+template <int NP>
+DDD_AVX512 void nt_rows512(const float* x, int64_t K, const float* w, float* out, int64_t N, int64_t M) {
+  for (int64_t m = 0; m < M; m += 6) {
+    const float* xm = x + m * K;
+    float* om = out + m * N;
+    switch (std::min<int64_t>(6, M - m)) {
+      case 6: nt_tile512<6, NP>(xm, K, w, K, om, N, K); break;
+      case 5: nt_tile512<5, NP>(xm, K, w, K, om, N, K); break;
+      case 4: nt_tile512<4, NP>(xm, K, w, K, om, N, K); break;
+      case 3: nt_tile512<3, NP>(xm, K, w, K, om, N, K); break;
+      case 2: nt_tile512<2, NP>(xm, K, w, K, om, N, K); break;
+      case 1: nt_tile512<1, NP>(xm, K, w, K, om, N, K); break;
+      default: break;
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------ x @ W.T, W [N, K] as GGUF blocks
 // Weight-only block quantization kept from a GGUF file (llama.cpp's layouts), one row of K/32 blocks per output:
 //   Q4_1 (20 bytes): float16 d, float16 m, 16 bytes of nibbles; element j < 16 is the low nibble of byte j, element
@@ -370,15 +425,56 @@ DDD_AVX2 inline void dequant_q8_0(const uint8_t* b, int64_t nb, float* dst) {
   }
 }
 
+// The same dequantization with 16-wide vectors (AVX-512): the same fma(d, q, m) / d * q per element, so the same
+// floats.
+DDD_AVX512 void dequant_q4_1_512(const uint8_t* b, int64_t nb, float* dst) {
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  for (int64_t i = 0; i < nb; ++i, b += 20, dst += kQK) {
+    const __m512 d = _mm512_set1_ps(f16_at(b)), m = _mm512_set1_ps(f16_at(b + 2));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+    const __m128i lo = _mm_and_si128(q, nib), hi = _mm_and_si128(_mm_srli_epi16(q, 4), nib);
+    _mm512_storeu_ps(dst, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), m));
+    _mm512_storeu_ps(dst + 16, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), m));
+  }
+}
+
+DDD_AVX512 void dequant_q4_0_512(const uint8_t* b, int64_t nb, float* dst) {
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  const __m512i eight = _mm512_set1_epi32(8);
+  for (int64_t i = 0; i < nb; ++i, b += 18, dst += kQK) {
+    const __m512 d = _mm512_set1_ps(f16_at(b));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+    const __m128i lo = _mm_and_si128(q, nib), hi = _mm_and_si128(_mm_srli_epi16(q, 4), nib);
+    _mm512_storeu_ps(dst, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(lo), eight))));
+    _mm512_storeu_ps(dst + 16,
+                     _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(hi), eight))));
+  }
+}
+
+DDD_AVX512 void dequant_q8_0_512(const uint8_t* b, int64_t nb, float* dst) {
+  for (int64_t i = 0; i < nb; ++i, b += 34, dst += kQK) {
+    const __m512 d = _mm512_set1_ps(f16_at(b));
+    DDD_UNROLL for (int j = 0; j < 2; ++j) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * j));
+      _mm512_storeu_ps(dst + 16 * j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d));
+    }
+  }
+}
+
 template <int64_t KIND>
 DDD_AVX2 void nt_chunk_blocks(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int64_t N,
                               int64_t n0, int64_t n1) {
   const int64_t nb = K / kQK, rb = nb * kind_bytes(KIND);
   thread_local std::vector<float> buf;
-  if (static_cast<int64_t>(buf.size()) < 4 * K) buf.resize(4 * K);
+  if (static_cast<int64_t>(buf.size()) < 8 * K) buf.resize(8 * K);
   float* bp = buf.data();
+  // 3+ rows (verification, arithmetic-bound): 16-wide dequantization and products. One row stays 8 wide: measured
+  // slower with 16-wide dequantization (vanilla over blocks 99.7 against 109.3 tok/s, 16 MT-bench turns).
+  const bool wide = g_avx512 && M > 2;
   auto dequant = [&](int64_t n, float* dst) DDD_AVX2 {
-    if (KIND == kQ4_1)
+    if (wide)
+      (KIND == kQ4_1 ? dequant_q4_1_512 : KIND == kQ4_0 ? dequant_q4_0_512 : dequant_q8_0_512)(w + n * rb, nb, dst);
+    else if (KIND == kQ4_1)
       dequant_q4_1(w + n * rb, nb, dst);
     else if (KIND == kQ4_0)
       dequant_q4_0(w + n * rb, nb, dst);
@@ -386,6 +482,12 @@ DDD_AVX2 void nt_chunk_blocks(const float* x, const uint8_t* w, float* out, int6
       dequant_q8_0(w + n * rb, nb, dst);
   };
   int64_t n = n0;
+  if (wide) {  // eight rows at a time through 16-wide vectors (the same bits)
+    for (; n + 8 <= n1; n += 8) {
+      for (int64_t j = 0; j < 8; ++j) dequant(n + j, bp + j * K);
+      nt_rows512<4>(x, K, bp, out + n, N, M);
+    }
+  }
   for (; n + 4 <= n1; n += 4) {
     for (int64_t j = 0; j < 4; ++j) dequant(n + j, bp + j * K);
     nt_rows<4, float>(x, K, bp, out + n, N, M);
@@ -604,7 +706,7 @@ ffi::Error LinearBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   float* o = out->typed_data();
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data() + layer_index(layer, L) * N * wd[2];
-  for_column_chunks(pool, M, K, N, 4, o, [=](int64_t n0, int64_t n1) {
+  for_column_chunks(pool, M, K, N, g_avx512 && M > 2 ? 8 : 4, o, [=](int64_t n0, int64_t n1) {
     if (kind == kQ4_1)
       nt_chunk_blocks<kQ4_1>(xp, wp, o, M, K, N, n0, n1);
     else if (kind == kQ4_0)
@@ -932,10 +1034,10 @@ __attribute__((visibility("default"))) int ddd_cpu_supported() {
   __builtin_cpu_init();
   const char* no512 = std::getenv("DDD_JAX_NO_AVX512");
   g_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-             __builtin_cpu_supports("avx512bw") && !(no512 && *no512 && std::strcmp(no512, "0") != 0);
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") && !(no512 && *no512 && std::strcmp(no512, "0") != 0);
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
-// 1 when x @ W of 3 to 85 rows takes the AVX-512 path.
+// 1 when products of 3+ rows take the AVX-512 path (x @ W up to 85 rows; GGUF blocks).
 __attribute__((visibility("default"))) int ddd_avx512() { return g_avx512; }
 // Cap the threads a product uses (0: the XLA pool's size). For benchmarks.
 __attribute__((visibility("default"))) void ddd_set_max_threads(int64_t n) { g_max_threads = n; }
