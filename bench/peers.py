@@ -11,7 +11,13 @@ plain decoders a user could run instead. On the same prompts, interleaved per pr
                            weights ddd-jax holds (``torch_decoding.torch_target``);
 * ``transformers-pld``  -- the same with assisted decoding by prompt lookup (``prompt_lookup_num_tokens``);
 * ``llama.cpp``         -- ``llama-cpp-python`` on the GGUF file the default target is read from (its own Q4_1
-                           kernels and quantised activations: its tokens may differ from ours at near-ties).
+                           kernels and quantised activations: its tokens may differ from ours at near-ties);
+* ``llama.cpp-fa``      -- the same with flash attention (``flash_attn=True``; llama-cpp-python's default is off).
+
+``no_repack=True`` (``ddd-jax peers --llama-cpp-no-repack``) loads the GGUF without llama.cpp's extra CPU buffer
+types (its weight repacking, AMX included), as llama.cpp's own ``--no-repack`` does: on a host where a repacked
+path crashes (llama-cpp-python 0.3.36 segfaults there on a 2-core AVX-512/AMX Xeon VM when it evaluates more than
+one token) it is the way to run llama.cpp at all.
 
 Speed is decode speed, as ``ddd-jax bench`` measures it: new tokens after the first (which the prefill gives),
 divided by the time from the first new token to the last. For transformers and llama.cpp the first token's time
@@ -30,7 +36,8 @@ import time
 import numpy as np
 
 PEERS = ("ddd-jax", "ddd-jax-ddd", "ddd-jax-blocks", "ddd-jax-blocks-ddd", "transformers", "transformers-pld",
-         "llama.cpp")
+         "llama.cpp", "llama.cpp-fa")
+LLAMA_CPP_PEERS = ("llama.cpp", "llama.cpp-fa")
 BLOCK_PEERS = ("ddd-jax-blocks", "ddd-jax-blocks-ddd")
 REFERENCE = "ddd-jax"
 
@@ -93,15 +100,36 @@ def torch_runner(target, prompt_lookup: int = 0):
     return run
 
 
-def llama_cpp_runner(gguf_path, capacity: int, eos=()):
-    """eos: stop tokens besides the GGUF's own (pass the target's, so every peer stops where ddd-jax does)."""
+def llama_cpp_runner(gguf_path, capacity: int, eos=(), flash_attn: bool = False, no_repack: bool = False):
+    """eos: stop tokens besides the GGUF's own (pass the target's, so every peer stops where ddd-jax does).
+    no_repack: load without llama.cpp's extra CPU buffer types (its `--no-repack`)."""
     try:
         import llama_cpp
+        import llama_cpp.llama as llama_py
     except ModuleNotFoundError as e:
         raise ModuleNotFoundError("the llama.cpp peer needs llama-cpp-python: pip install llama-cpp-python "
                                   "(builds from source; ~8 minutes on 2 cores)", name=e.name) from e
-    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=capacity, n_threads=_threads(),
-                          n_threads_batch=_threads(), n_batch=512, verbose=False)
+    kw = dict(model_path=str(gguf_path), n_ctx=capacity, n_threads=_threads(), n_threads_batch=_threads(),
+              n_batch=512, flash_attn=flash_attn, verbose=False)
+    if no_repack:
+        # llama-cpp-python builds its model params from llama_model_default_params() and exposes no argument for
+        # use_extra_bufts: hand it defaults with the field off for the length of this one construction.
+        defaults = llama_py.llama_cpp.llama_model_default_params
+        if "use_extra_bufts" not in dict(defaults()._fields_):
+            raise ValueError(f"llama-cpp-python {llama_cpp.__version__} has no use_extra_bufts model parameter: "
+                             "--llama-cpp-no-repack needs a newer one")
+
+        def no_extra():
+            p = defaults()
+            p.use_extra_bufts = False
+            return p
+        llama_py.llama_cpp.llama_model_default_params = no_extra
+        try:
+            llm = llama_cpp.Llama(**kw)
+        finally:
+            llama_py.llama_cpp.llama_model_default_params = defaults
+    else:
+        llm = llama_cpp.Llama(**kw)
     eos = set(eos) | {llm.token_eos()}
 
     def run(ids, max_new):
@@ -114,6 +142,7 @@ def llama_cpp_runner(gguf_path, capacity: int, eos=()):
                 break
         t1 = time.perf_counter()
         return new, (t1 - first) if first is not None else 0.0, {"version": llama_cpp.__version__,
+                                                                "flash_attn": flash_attn, "no_repack": no_repack,
                                                                 "system_info": llama_cpp.llama_print_system_info().decode()}
     return run
 
@@ -136,9 +165,11 @@ def required_capacity(target, draft, prompt_lengths, max_new_tokens: int, tree=N
 
 
 def build_runners(target, draft, peers, capacity: int, gguf_path=None, prompt_lookup: int = 10,
-                  required=(), tree=None, ddd=None, blocks_target=None) -> tuple[dict, dict]:
+                  required=(), tree=None, ddd=None, blocks_target=None,
+                  llama_cpp_no_repack: bool = False) -> tuple[dict, dict]:
     """({peer: runner}, {peer: why skipped}). A peer in `required` that cannot be built raises. blocks_target: the
-    target loaded with gguf_blocks=True (the ddd-jax-blocks peers; the head is bound to it)."""
+    target loaded with gguf_blocks=True (the ddd-jax-blocks peers; the head is bound to it).
+    llama_cpp_no_repack: the llama.cpp peers load without llama.cpp's extra buffer types (see the module doc)."""
     runners, skipped = {}, {}
     for p in peers:
         try:
@@ -164,10 +195,11 @@ def build_runners(target, draft, peers, capacity: int, gguf_path=None, prompt_lo
                 runners[p] = torch_runner(target)
             elif p == "transformers-pld":
                 runners[p] = torch_runner(target, prompt_lookup=prompt_lookup)
-            elif p == "llama.cpp":
+            elif p in LLAMA_CPP_PEERS:
                 if gguf_path is None:
-                    raise ValueError("llama.cpp needs the target's GGUF file (--gguf, or the default target)")
-                runners[p] = llama_cpp_runner(gguf_path, capacity, eos=target.eos_token_ids)
+                    raise ValueError(f"{p} needs the target's GGUF file (--gguf, or the default target)")
+                runners[p] = llama_cpp_runner(gguf_path, capacity, eos=target.eos_token_ids,
+                                              flash_attn=p == "llama.cpp-fa", no_repack=llama_cpp_no_repack)
             else:
                 raise ValueError(f"unknown peer {p!r}; known: {', '.join(PEERS)}")
         except (ModuleNotFoundError, ValueError) as e:

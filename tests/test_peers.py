@@ -82,3 +82,56 @@ def test_cli_refuses_unknown_peer_and_missing_gguf(tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
         main(["peers", "--peers", "llama.cpp", "--gguf", str(tmp_path / "none.gguf"), "--out", str(tmp_path / "o")])
     assert not (tmp_path / "o").exists()
+
+
+def _fake_llama_cpp(monkeypatch, fields=("n_gpu_layers", "use_extra_bufts")):
+    """A stand-in llama_cpp package: Llama records the model defaults and keywords it was built with."""
+    import ctypes
+    import types
+
+    class Params(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_bool) for f in fields]
+
+    def defaults():
+        p = Params()
+        for f in fields:
+            setattr(p, f, True)
+        return p
+
+    low = types.SimpleNamespace(llama_model_default_params=defaults)
+    built = []
+
+    class Llama:
+        def __init__(self, **kw):
+            built.append((kw, low.llama_model_default_params()))
+
+        def token_eos(self):
+            return 0
+
+    pkg = types.ModuleType("llama_cpp")
+    pkg.__version__, pkg.Llama, pkg.llama = "0.0-fake", Llama, types.ModuleType("llama_cpp.llama")
+    pkg.llama.llama_cpp = low
+    monkeypatch.setitem(sys.modules, "llama_cpp", pkg)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama", pkg.llama)
+    return low, defaults, built
+
+
+def test_llama_cpp_peers_flash_attention_and_no_repack(monkeypatch):
+    target = tiny_target()
+    low, defaults, built = _fake_llama_cpp(monkeypatch)
+    runners, skipped = build_runners(target, None, ["llama.cpp", "llama.cpp-fa"], capacity=64, gguf_path="x.gguf",
+                                     llama_cpp_no_repack=True)
+    assert not skipped and list(runners) == ["llama.cpp", "llama.cpp-fa"]
+    assert [kw["flash_attn"] for kw, _ in built] == [False, True]
+    assert all(not p.use_extra_bufts and p.n_gpu_layers for _, p in built)  # only that one field turned off
+    assert low.llama_model_default_params is defaults  # restored after construction
+    built.clear()
+    build_runners(target, None, ["llama.cpp"], capacity=64, gguf_path="x.gguf")
+    assert built[0][1].use_extra_bufts  # llama.cpp's own default unless asked
+
+
+def test_llama_cpp_no_repack_needs_the_field(monkeypatch):
+    target = tiny_target()
+    _fake_llama_cpp(monkeypatch, fields=("n_gpu_layers",))
+    with pytest.raises(ValueError, match="use_extra_bufts"):
+        build_runners(target, None, ["llama.cpp"], capacity=64, gguf_path="x.gguf", llama_cpp_no_repack=True)
