@@ -261,16 +261,24 @@ for kind in ("q4_1", "q8_0", "q4_0"):  # GGUF blocks: dequantized 16 wide, multi
     for M in (1, 3, 5, 8, 13):
         x = jnp.asarray(rng.standard_normal((M, 576)), jnp.float32)
         out[f"{kind}-{M}"] = np.asarray(jax.jit(lambda x, b: kernels.product_blocks(x, b, kind, 1))(x, bw.blocks))
+from ddd_jax import layers
+for H, N, Kh in ((64, 9, 3), (24, 8, 2), (13, 4, 1), (64, 20, 4)):  # p @ V: 64 dims a vector sweep, 16 / 8 / tails
+    for T, S in ((1, 40), (5, 150), (16, 300)):
+        q = jnp.asarray(rng.standard_normal((2, T, N, H)), jnp.float32)
+        k, v = (jnp.asarray(rng.standard_normal((2, 2, S, Kh, H)), jnp.float32) for _ in range(2))
+        mask = jnp.asarray(rng.random((2, T, S)) < 0.7)
+        out[f"att-{H}-{N}-{T}-{S}"] = np.asarray(jax.jit(lambda q, k, v, m: layers.attention(q, k, v, m, 1))(
+            q, k, v, mask))
 np.savez(sys.argv[1], **out)
 """
 
 
 @needs_kernel
 def test_avx512_and_avx2_products_are_bitwise_equal(tmp_path):
-    """On AVX-512 CPUs x @ W of 3 to 85 rows (float32 and float16 weights) and GGUF blocks (dequantized 16 wide;
-    3+ rows multiplied two weight rows a vector) take 16-wide vectors: the same fma chains per element, so the same
-    bits as the AVX2 path (DDD_JAX_NO_AVX512=1). Where the CPU
-    has no AVX-512 both runs take AVX2."""
+    """On AVX-512 CPUs x @ W of 3 to 85 rows (float32 and float16 weights), GGUF blocks (dequantized 16 wide;
+    3+ rows multiplied two weight rows a vector) and attention's probabilities x values take 16-wide vectors: the
+    same fma chains per element, so the same bits as the AVX2 path (DDD_JAX_NO_AVX512=1). Where the CPU has no
+    AVX-512 both runs take AVX2."""
     runs = {}
     for flag in ("0", "1"):
         path = tmp_path / f"p{flag}.npz"

@@ -304,6 +304,7 @@ DDD_AVX2 inline void prefetch_l1(const W* p, int64_t n) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
 }
 
+
 template <class W>
 DDD_AVX2 void nt_chunk(const float* x, const W* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
                        int64_t n1) {
@@ -805,18 +806,25 @@ DDD_AVX2 inline void pv_group(const float* p, int64_t ldp, const int32_t* idx, i
     DDD_UNROLL for (int b = 0; b < NB; ++b) _mm256_storeu_ps(out + g * H + 8 * b, acc[g][b]);
 }
 
+// Head dims [h0, H) one at a time (the tails of pv_heads and pv_heads512).
+template <int GT>
+DDD_AVX2 inline void pv_tail(const float* p, int64_t ldp, const int32_t* idx, int64_t n_att, const float* v,
+                             int64_t ldv, float* out, int64_t h0, int64_t H) {
+  for (int64_t h = h0; h < H; ++h)
+    for (int g = 0; g < GT; ++g) {
+      float a = out[g * H + h];
+      for (int64_t j = 0; j < n_att; ++j) a = __builtin_fmaf(p[g * ldp + j], v[idx[j] * ldv + h], a);
+      out[g * H + h] = a;
+    }
+}
+
 template <int GT>
 DDD_AVX2 inline void pv_heads(const float* p, int64_t ldp, const int32_t* idx, int64_t n_att, const float* v,
                               int64_t ldv, float* out, int64_t H) {
   int64_t h = 0;
   for (; h + 16 <= H; h += 16) pv_group<GT, 2>(p, ldp, idx, n_att, v + h, ldv, out + h, H);
   for (; h + 8 <= H; h += 8) pv_group<GT, 1>(p, ldp, idx, n_att, v + h, ldv, out + h, H);
-  for (; h < H; ++h)
-    for (int g = 0; g < GT; ++g) {
-      float a = out[g * H + h];
-      for (int64_t j = 0; j < n_att; ++j) a = __builtin_fmaf(p[g * ldp + j], v[idx[j] * ldv + h], a);
-      out[g * H + h] = a;
-    }
+  pv_tail<GT>(p, ldp, idx, n_att, v, ldv, out, h, H);
 }
 
 // Slots a row may attend, ascending (all S when none: XLA's softmax then gives uniform weights over every slot).
@@ -867,9 +875,50 @@ inline void for_slot_blocks(std::vector<RowSlots>& rows, int64_t R, int64_t S, F
   }
 }
 
+// AVX-512: the same per-element chains (out, then p_j v_j in slot order) over 16 head dims a vector, so bitwise
+// pv_heads; a head of 64 dims is four vectors, swept over the slots once instead of twice.
+template <int GT, int NB>
+DDD_AVX512 inline void pv_group512(const float* p, int64_t ldp, const int32_t* idx, int64_t n_att, const float* v,
+                                   int64_t ldv, float* out, int64_t H) {
+  __m512 acc[GT][NB];
+  DDD_UNROLL for (int g = 0; g < GT; ++g)
+    DDD_UNROLL for (int b = 0; b < NB; ++b) acc[g][b] = _mm512_loadu_ps(out + g * H + 16 * b);
+  for (int64_t j = 0; j < n_att; ++j) {
+    const float* vj = v + idx[j] * ldv;
+    __m512 vv[NB];
+    DDD_UNROLL for (int b = 0; b < NB; ++b) vv[b] = _mm512_loadu_ps(vj + 16 * b);
+    DDD_UNROLL for (int g = 0; g < GT; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * ldp + j]);
+      DDD_UNROLL for (int b = 0; b < NB; ++b) acc[g][b] = _mm512_fmadd_ps(pg, vv[b], acc[g][b]);
+    }
+  }
+  DDD_UNROLL for (int g = 0; g < GT; ++g)
+    DDD_UNROLL for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + g * H + 16 * b, acc[g][b]);
+}
+
+template <int GT>
+DDD_AVX512 void pv_heads512(const float* p, int64_t ldp, const int32_t* idx, int64_t n_att, const float* v,
+                            int64_t ldv, float* out, int64_t H) {
+  int64_t h = 0;
+  for (; h + 64 <= H; h += 64) pv_group512<GT, 4>(p, ldp, idx, n_att, v + h, ldv, out + h, H);
+  for (; h + 16 <= H; h += 16) pv_group512<GT, 1>(p, ldp, idx, n_att, v + h, ldv, out + h, H);
+  for (; h + 8 <= H; h += 8) pv_group<GT, 1>(p, ldp, idx, n_att, v + h, ldv, out + h, H);
+  pv_tail<GT>(p, ldp, idx, n_att, v, ldv, out, h, H);
+}
+
 DDD_AVX2 void pv_rows(const float* p, int64_t ldp, const int32_t* idx, int64_t n, const float* v, int64_t ldv,
                       float* out, int64_t G, int64_t H) {
   int64_t g = 0;
+  if (g_avx512) {
+    for (; g + 4 <= G; g += 4) pv_heads512<4>(p + g * ldp, ldp, idx, n, v, ldv, out + g * H, H);
+    switch (G - g) {
+      case 3: pv_heads512<3>(p + g * ldp, ldp, idx, n, v, ldv, out + g * H, H); break;
+      case 2: pv_heads512<2>(p + g * ldp, ldp, idx, n, v, ldv, out + g * H, H); break;
+      case 1: pv_heads512<1>(p + g * ldp, ldp, idx, n, v, ldv, out + g * H, H); break;
+      default: break;
+    }
+    return;
+  }
   for (; g + 4 <= G; g += 4) pv_heads<4>(p + g * ldp, ldp, idx, n, v, ldv, out + g * H, H);
   switch (G - g) {
     case 3: pv_heads<3>(p + g * ldp, ldp, idx, n, v, ldv, out + g * H, H); break;
