@@ -756,32 +756,52 @@ DDD_AVX2 inline __m256 hsum8x8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// Unscaled score of query head q against one key row: 8-lane fma chains over h < H8, hsum8_pairs, then fma over
-// the tail h >= H8 in order.
+// Unscaled score of query head q against one key row, in one fixed order (both instruction sets):
+//   16 fma chains over h < H16 = H & ~15 (lane l: h = l, l + 16, ...), folded to 8 lanes (lane l + lane l + 8);
+//   one more 8-wide fma step over [H16, H16 + 8) when H has it; hsum8_pairs; the tail h >= H8 in order.
+// On AVX2 the 16 lanes are two 8-wide chains (even and odd 8-dim chunks); on AVX-512 one 16-wide chain.
 DDD_AVX2 inline float score1(const float* q, const float* k, int64_t H) {
-  const int64_t H8 = H & ~int64_t(7);
-  __m256 a = _mm256_setzero_ps();
-  for (int64_t h = 0; h < H8; h += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + h), _mm256_loadu_ps(k + h), a);
+  const int64_t H16 = H & ~int64_t(15), H8 = H & ~int64_t(7);
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (int64_t h = 0; h < H16; h += 16) {
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + h), _mm256_loadu_ps(k + h), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + h + 8), _mm256_loadu_ps(k + h + 8), hi);
+  }
+  __m256 a = _mm256_add_ps(lo, hi);
+  if (H8 > H16) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + H16), _mm256_loadu_ps(k + H16), a);
   float s = hsum8_pairs(a);
   for (int64_t h = H8; h < H; ++h) s = __builtin_fmaf(q[h], k[h], s);
   return s;
 }
 
+// The tail h >= H8 of eight scores (after their lane sums), in order.
+DDD_AVX2 inline void score_tails(const float* q, const float* const* kr, int64_t H, float* out) {
+  for (int64_t h = H & ~int64_t(7); h < H; ++h)
+    for (int j = 0; j < 8; ++j) out[j] = __builtin_fmaf(q[h], kr[j][h], out[j]);
+}
+
 // Scores of query head q against the 8 key rows k + idx[j] * ldk, j < 8: exactly score1 for each.
 DDD_AVX2 inline void score8(const float* q, const float* k, const int32_t* idx, int64_t ldk, int64_t H, float* out) {
-  const int64_t H8 = H & ~int64_t(7);
+  const int64_t H16 = H & ~int64_t(15), H8 = H & ~int64_t(7);
   const float* kr[8];
   DDD_UNROLL for (int j = 0; j < 8; ++j) kr[j] = k + idx[j] * ldk;
-  __m256 a[8];
-  DDD_UNROLL for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-  for (int64_t h = 0; h < H8; h += 8) {
+  __m256 a[8], b[8];
+  DDD_UNROLL for (int j = 0; j < 8; ++j) a[j] = b[j] = _mm256_setzero_ps();
+  for (int64_t h = 0; h < H16; h += 16) {  // the even 8-dim chunks (lanes 0-7 of the 16) ...
     const __m256 qv = _mm256_loadu_ps(q + h);
     DDD_UNROLL for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + h), a[j]);
   }
+  for (int64_t h = 8; h < H16; h += 16) {  // ... and the odd ones (lanes 8-15)
+    const __m256 qv = _mm256_loadu_ps(q + h);
+    DDD_UNROLL for (int j = 0; j < 8; ++j) b[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + h), b[j]);
+  }
+  DDD_UNROLL for (int j = 0; j < 8; ++j) a[j] = _mm256_add_ps(a[j], b[j]);
+  if (H8 > H16) {
+    const __m256 qv = _mm256_loadu_ps(q + H16);
+    DDD_UNROLL for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + H16), a[j]);
+  }
   _mm256_storeu_ps(out, hsum8x8(a));
-  if (H8 < H)
-    for (int j = 0; j < 8; ++j)
-      for (int64_t h = H8; h < H; ++h) out[j] = __builtin_fmaf(q[h], kr[j][h], out[j]);
+  score_tails(q, kr, H, out);
 }
 
 // out[0:8*NB] += sum_j p_j v_j[0:8*NB] for GT query heads sharing one KV head (p: GT rows of stride ldp, out: GT
@@ -829,20 +849,22 @@ DDD_AVX2 inline void pv_heads(const float* p, int64_t ldp, const int32_t* idx, i
 
 // Slots a row may attend, ascending (all S when none: XLA's softmax then gives uniform weights over every slot).
 DDD_AVX2 inline void attended_slots(const bool* mask, int64_t S, std::vector<int32_t>& idx) {
-  idx.clear();
+  idx.resize(S);  // at most S slots, written through a pointer (no capacity check per slot)
+  int32_t* out = idx.data();
   int64_t s = 0;
   for (; s + 32 <= S; s += 32) {
     uint32_t bits = static_cast<uint32_t>(_mm256_movemask_epi8(
         _mm256_cmpgt_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mask + s)), _mm256_setzero_si256())));
     while (bits) {
-      idx.push_back(static_cast<int32_t>(s + __builtin_ctz(bits)));
+      *out++ = static_cast<int32_t>(s + __builtin_ctz(bits));
       bits &= bits - 1;
     }
   }
   for (; s < S; ++s)
-    if (mask[s]) idx.push_back(static_cast<int32_t>(s));
-  if (idx.empty())
-    for (s = 0; s < S; ++s) idx.push_back(static_cast<int32_t>(s));
+    if (mask[s]) *out++ = static_cast<int32_t>(s);
+  if (out == idx.data())
+    for (s = 0; s < S; ++s) *out++ = static_cast<int32_t>(s);
+  idx.resize(out - idx.data());
 }
 
 constexpr int64_t kSlotBlock = 64;  // slots whose keys (then values) stay in L1 while every row of a chunk uses them
@@ -865,10 +887,9 @@ inline void for_slot_blocks(std::vector<RowSlots>& rows, int64_t R, int64_t S, F
     const int64_t s1 = std::min(S, s0 + kSlotBlock);
     for (int64_t r = 0; r < R; ++r) {
       RowSlots& rs = rows[r];
-      const int64_t n_att = static_cast<int64_t>(rs.idx.size());
       const int64_t lo = rs.cur;
-      int64_t hi = lo;
-      while (hi < n_att && rs.idx[hi] < s1) ++hi;
+      const int64_t hi = std::lower_bound(rs.idx.begin() + lo, rs.idx.end(), static_cast<int32_t>(s1)) -
+                         rs.idx.begin();  // idx ascends
       rs.cur = hi;
       fn(r, rs, lo, hi);
     }
@@ -928,10 +949,153 @@ DDD_AVX2 void pv_rows(const float* p, int64_t ldp, const int32_t* idx, int64_t n
   }
 }
 
+// Scores of GT query heads (q + g * H) against the 8 key rows k + idx[j] * ldk on AVX-512: the 16 chains of each
+// are one 16-wide vector, and each key chunk is loaded once for the GT heads. Exactly score1 for every (head, row):
+// out + g * ldo holds head g's eight scores.
+template <int GT>
+DDD_AVX512 inline void score8_heads512(const float* q, const float* k, const int32_t* idx, int64_t ldk, int64_t H,
+                                       float* out, int64_t ldo) {
+  const int64_t H16 = H & ~int64_t(15), H8 = H & ~int64_t(7);
+  const float* kr[8];
+  DDD_UNROLL for (int j = 0; j < 8; ++j) kr[j] = k + idx[j] * ldk;
+  __m512 acc[GT][8];
+  DDD_UNROLL for (int g = 0; g < GT; ++g)
+    DDD_UNROLL for (int j = 0; j < 8; ++j) acc[g][j] = _mm512_setzero_ps();
+  for (int64_t h = 0; h < H16; h += 16) {
+    __m512 qv[GT];
+    DDD_UNROLL for (int g = 0; g < GT; ++g) qv[g] = _mm512_loadu_ps(q + g * H + h);
+    DDD_UNROLL for (int j = 0; j < 8; ++j) {
+      const __m512 kv = _mm512_loadu_ps(kr[j] + h);
+      DDD_UNROLL for (int g = 0; g < GT; ++g) acc[g][j] = _mm512_fmadd_ps(qv[g], kv, acc[g][j]);
+    }
+  }
+  DDD_UNROLL for (int g = 0; g < GT; ++g) {
+    const float* qg = q + g * H;
+    __m256 a[8];
+    DDD_UNROLL for (int j = 0; j < 8; ++j)
+      a[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[g][j]), _mm512_extractf32x8_ps(acc[g][j], 1));
+    if (H8 > H16) {
+      const __m256 qv = _mm256_loadu_ps(qg + H16);
+      DDD_UNROLL for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + H16), a[j]);
+    }
+    _mm256_storeu_ps(out + g * ldo, hsum8x8(a));
+    score_tails(qg, kr, H, out + g * ldo);
+  }
+}
+
+// Scores of query heads [0, G) (q + g * H) against the key rows idx[lo, hi) into e + g * ldo (both instruction sets).
+DDD_AVX2 void score_heads(const float* q, const float* k, const int32_t* idx, int64_t lo, int64_t hi, int64_t ldk,
+                          int64_t G, int64_t H, float* e, int64_t ldo) {
+  const int64_t j8 = lo + ((hi - lo) & ~int64_t(7));  // [lo, j8): groups of 8 rows; [j8, hi): one at a time
+  if (g_avx512) {
+    for (int64_t j = lo; j < j8; j += 8)
+      for (int64_t g = 0; g < G; g += 3) {  // up to 3 heads: 24 accumulators + 3 query chunks + 1 key chunk
+        const float* qg = q + g * H;
+        float* eg = e + g * ldo + j;
+        switch (std::min<int64_t>(3, G - g)) {
+          case 3: score8_heads512<3>(qg, k, idx + j, ldk, H, eg, ldo); break;
+          case 2: score8_heads512<2>(qg, k, idx + j, ldk, H, eg, ldo); break;
+          default: score8_heads512<1>(qg, k, idx + j, ldk, H, eg, ldo); break;
+        }
+      }
+  } else {
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = lo; j < j8; j += 8) score8(q + g * H, k, idx + j, ldk, H, e + g * ldo + j);
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = j8; j < hi; ++j) e[g * ldo + j] = score1(q + g * H, k + idx[j] * ldk, H);
+}
+
+// Softmax of one row's scaled scores e[0:n_att] in place (e: `padded` floats, a multiple of 8; the padding comes
+// back zero): max (exact in any order); p_j = exp8(e_j - max); sum: lane l adds j = l mod 8 in order, the lanes then
+// summed by hsum8_pairs; p_j / sum.
+DDD_AVX2 inline void softmax8(float* e, int64_t n_att, int64_t padded, float scale) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int64_t n8 = n_att & ~int64_t(7);
+  for (int64_t j = 0; j < padded; j += 8) _mm256_storeu_ps(e + j, _mm256_mul_ps(_mm256_loadu_ps(e + j), sc));
+  __m256 mxv = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n8; j += 8) mxv = _mm256_max_ps(mxv, _mm256_loadu_ps(e + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mxv);
+  float mx = -INFINITY;
+  for (float x : lanes) mx = std::max(mx, x);
+  for (int64_t j = n8; j < n_att; ++j) mx = std::max(mx, e[j]);
+  const __m256 mv = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < padded; j += 8) {
+    __m256 x = exp8(_mm256_sub_ps(_mm256_loadu_ps(e + j), mv));
+    if (j + 8 > n_att)  // zero the padding
+      x = _mm256_and_ps(x, _mm256_castsi256_ps(
+                               _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n_att - j)), lane)));
+    _mm256_storeu_ps(e + j, x);
+    sum = _mm256_add_ps(sum, x);
+  }
+  const __m256 sv = _mm256_set1_ps(hsum8_pairs(sum));
+  for (int64_t j = 0; j < padded; j += 8) _mm256_storeu_ps(e + j, _mm256_div_ps(_mm256_loadu_ps(e + j), sv));
+}
+
+// exp8's arithmetic on 16 lanes (each lane the same operations in the same order: the same bits).
+DDD_AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647949f));
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, z, x);
+  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(0x7f)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// softmax8 with 16 lanes a step; the sum still adds the two 8-lane halves in slot order, so bitwise softmax8.
+DDD_AVX512 void softmax512(float* e, int64_t n_att, int64_t padded, float scale) {
+  const int64_t p16 = padded & ~int64_t(15);
+  if (p16 < 16) return softmax8(e, n_att, padded, scale);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < p16; j += 16) _mm512_storeu_ps(e + j, _mm512_mul_ps(_mm512_loadu_ps(e + j), sc));
+  if (p16 < padded) _mm256_storeu_ps(e + p16, _mm256_mul_ps(_mm256_loadu_ps(e + p16), _mm256_set1_ps(scale)));
+  const int64_t n16 = n_att & ~int64_t(15);
+  __m512 mxv = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n16; j += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(e + j));
+  float mx = _mm512_reduce_max_ps(mxv);
+  for (int64_t j = n16; j < n_att; ++j) mx = std::max(mx, e[j]);
+  const __m512 mv = _mm512_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < p16; j += 16) {
+    __m512 x = exp16(_mm512_sub_ps(_mm512_loadu_ps(e + j), mv));
+    if (j + 16 > n_att)  // zero the padding
+      x = _mm512_maskz_mov_ps(n_att - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n_att - j)) - 1u), x);
+    _mm512_storeu_ps(e + j, x);
+    sum = _mm256_add_ps(sum, _mm512_castps512_ps256(x));
+    sum = _mm256_add_ps(sum, _mm512_extractf32x8_ps(x, 1));
+  }
+  if (p16 < padded) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 x = exp8(_mm256_sub_ps(_mm256_loadu_ps(e + p16), _mm512_castps512_ps256(mv)));
+    x = _mm256_and_ps(x, _mm256_castsi256_ps(
+                             _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n_att - p16)), lane)));
+    _mm256_storeu_ps(e + p16, x);
+    sum = _mm256_add_ps(sum, x);
+  }
+  const float s = hsum8_pairs(sum);
+  const __m512 sv = _mm512_set1_ps(s);
+  for (int64_t j = 0; j < p16; j += 16) _mm512_storeu_ps(e + j, _mm512_div_ps(_mm512_loadu_ps(e + j), sv));
+  if (p16 < padded) _mm256_storeu_ps(e + p16, _mm256_div_ps(_mm256_loadu_ps(e + p16), _mm256_set1_ps(s)));
+}
+
 // The G query heads of KV head kh for R rows of one batch element (q, out: row stride ldq floats; the row's G heads
 // start at q / out), against keys / values k, v (slot stride ldk). Per row and query head, over the slots the row
 // attends in ascending order:
-//   score_j = score1(q, k_j) * scale;  p_j = exp(score_j - max) / sum  (sum: lane l adds the slots j = l mod 8 in
+//   score_j = score1(q, k_j) * scale (16-lane chains over the head dims: see score1);
+//   p_j = exp(score_j - max) / sum  (sum: lane l adds the slots j = l mod 8 in
 //   order, the lanes then summed by hsum8_pairs -- an order fixed by the number of attended slots alone);
 //   out = sum_j p_j v_j (one fma chain in slot order).
 // Every number depends on the row's own slots only -- not on the other rows, nor on how slots fall into blocks --
@@ -953,43 +1117,18 @@ DDD_AVX2 void attend_rows(const float* q, const float* k, const float* v, const 
   // scores, slot block by slot block
   for_slot_blocks(rows, R, S, [&](int64_t r, RowSlots& rs, int64_t lo, int64_t hi) DDD_AVX2 {
     if (rs.none) return;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + r * ldq + g * H;
-      float* eg = rs.e.data() + g * rs.padded;
-      int64_t j = lo;
-      for (; j + 8 <= hi; j += 8) score8(qg, k, rs.idx.data() + j, ldk, H, eg + j);
-      for (; j < hi; ++j) eg[j] = score1(qg, k + rs.idx[j] * ldk, H);
-    }
+    score_heads(q + r * ldq, k, rs.idx.data(), lo, hi, ldk, G, H, rs.e.data(), rs.padded);
   });
   // softmax per row and head
-  const __m256 sc = _mm256_set1_ps(scale);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t r = 0; r < R; ++r) {
     RowSlots& rs = rows[r];
-    const int64_t n_att = static_cast<int64_t>(rs.idx.size()), padded = rs.padded;
-    const int64_t n8 = n_att & ~int64_t(7);
+    const int64_t n_att = static_cast<int64_t>(rs.idx.size());
     for (int64_t g = 0; g < G; ++g) {
-      float* eg = rs.e.data() + g * padded;
-      for (int64_t j = 0; j < padded; j += 8) _mm256_storeu_ps(eg + j, _mm256_mul_ps(_mm256_loadu_ps(eg + j), sc));
-      __m256 mxv = _mm256_set1_ps(-INFINITY);
-      for (int64_t j = 0; j < n8; j += 8) mxv = _mm256_max_ps(mxv, _mm256_loadu_ps(eg + j));
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, mxv);
-      float mx = -INFINITY;
-      for (float x : lanes) mx = std::max(mx, x);
-      for (int64_t j = n8; j < n_att; ++j) mx = std::max(mx, eg[j]);
-      const __m256 mv = _mm256_set1_ps(mx);
-      __m256 sum = _mm256_setzero_ps();
-      for (int64_t j = 0; j < padded; j += 8) {
-        __m256 x = exp8(_mm256_sub_ps(_mm256_loadu_ps(eg + j), mv));
-        if (j + 8 > n_att)  // zero the padding
-          x = _mm256_and_ps(x, _mm256_castsi256_ps(
-                                   _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n_att - j)), lane)));
-        _mm256_storeu_ps(eg + j, x);
-        sum = _mm256_add_ps(sum, x);
-      }
-      const __m256 sv = _mm256_set1_ps(hsum8_pairs(sum));
-      for (int64_t j = 0; j < padded; j += 8) _mm256_storeu_ps(eg + j, _mm256_div_ps(_mm256_loadu_ps(eg + j), sv));
+      float* eg = rs.e.data() + g * rs.padded;
+      if (g_avx512)
+        softmax512(eg, n_att, rs.padded, scale);
+      else
+        softmax8(eg, n_att, rs.padded, scale);
     }
     for (int64_t g = 0; g < G; ++g) std::fill(out + r * ldq + g * H, out + r * ldq + (g + 1) * H, 0.0f);
   }
