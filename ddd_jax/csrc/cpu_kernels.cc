@@ -70,7 +70,7 @@ constexpr int64_t kTile = 4096;   // floats of the accumulator tile (16 KiB: hal
 
 // ------------------------------------------------------------------------------------------- x @ W, W [K, N]
 // MT rows x NV 8-wide column vectors of out, k in [k0, k1); acc starts from zero (first) or from out.
-// pf > 0: also prefetch the panel's row k + pf for each row k (rows < kmax), i.e. the next K block, so the
+// pf > 0: also prefetch the panel's row k + pf for each row k (rows < kmax), i.e. a later K block, so the
 // weight stream keeps coming from memory while this block computes.
 template <int MT, int NV, class W>
 DDD_AVX2 inline void nn_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, float* out, int64_t ldo,
@@ -110,15 +110,21 @@ DDD_AVX2 inline void nn_scalar(const float* x, int64_t ldx, const W* w, int64_t 
     }
 }
 
+// How many K blocks ahead the first row tile prefetches: at one or two rows (memory-bound) two blocks, so more of
+// the weight stream is in flight (cost curve on the 2-core Xeon VM, runs/s11, two alternating runs, 15 repeats:
+// t(1) 25.9-26.0 -> 24.6-24.9 ms; 3, 4 and 6 blocks 24.7-25.3 ms); one block otherwise.
+inline int64_t nn_prefetch_blocks(int64_t M) { return M <= 2 ? 2 : 1; }
+
 template <int NV, class W>
 DDD_AVX2 inline void nn_rows(const float* x, int64_t ldx, const W* w, int64_t ldw, float* out, int64_t ldo,
                              int64_t M, int64_t k0, int64_t k1, bool first, int64_t kmax) {
   // NV=8 (one or two rows): 8 independent fma chains per row; NV=3: 4 x 3 accumulators + 3 weights + 1 broadcast
   constexpr int MT = NV >= 8 ? 1 : 4;
+  const int64_t ahead = nn_prefetch_blocks(M) * (k1 - k0);
   int64_t m = 0;
-  for (; m + MT <= M; m += MT)  // the first row tile prefetches the next K block of this panel
-    nn_tile<MT, NV, W>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, k0, k1, first, m == 0 ? k1 - k0 : 0, kmax);
-  const int64_t pf = m == 0 ? k1 - k0 : 0;
+  for (; m + MT <= M; m += MT)  // the first row tile prefetches a later K block of this panel
+    nn_tile<MT, NV, W>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, k0, k1, first, m == 0 ? ahead : 0, kmax);
+  const int64_t pf = m == 0 ? ahead : 0;
   const float* xm = x + m * ldx;
   float* om = out + m * ldo;
   switch (M - m) {
