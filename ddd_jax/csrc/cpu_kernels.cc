@@ -1054,62 +1054,6 @@ DDD_AVX2 inline void softmax8(float* e, int64_t n_att, int64_t padded, float sca
   for (int64_t j = 0; j < padded; j += 8) _mm256_storeu_ps(e + j, _mm256_div_ps(_mm256_loadu_ps(e + j), sv));
 }
 
-// exp8's arithmetic on 16 lanes (each lane the same operations in the same order: the same bits).
-DDD_AVX512 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647949f));
-  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  const __m512 z = _mm512_mul_ps(x, x);
-  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
-  y = _mm512_fmadd_ps(y, z, x);
-  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(0x7f)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-
-// softmax8 with 16 lanes a step; the sum still adds the two 8-lane halves in slot order, so bitwise softmax8.
-DDD_AVX512 void softmax512(float* e, int64_t n_att, int64_t padded, float scale) {
-  const int64_t p16 = padded & ~int64_t(15);
-  if (p16 < 16) return softmax8(e, n_att, padded, scale);
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t j = 0; j < p16; j += 16) _mm512_storeu_ps(e + j, _mm512_mul_ps(_mm512_loadu_ps(e + j), sc));
-  if (p16 < padded) _mm256_storeu_ps(e + p16, _mm256_mul_ps(_mm256_loadu_ps(e + p16), _mm256_set1_ps(scale)));
-  const int64_t n16 = n_att & ~int64_t(15);
-  __m512 mxv = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < n16; j += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(e + j));
-  float mx = _mm512_reduce_max_ps(mxv);
-  for (int64_t j = n16; j < n_att; ++j) mx = std::max(mx, e[j]);
-  const __m512 mv = _mm512_set1_ps(mx);
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t j = 0; j < p16; j += 16) {
-    __m512 x = exp16(_mm512_sub_ps(_mm512_loadu_ps(e + j), mv));
-    if (j + 16 > n_att)  // zero the padding
-      x = _mm512_maskz_mov_ps(n_att - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n_att - j)) - 1u), x);
-    _mm512_storeu_ps(e + j, x);
-    sum = _mm256_add_ps(sum, _mm512_castps512_ps256(x));
-    sum = _mm256_add_ps(sum, _mm512_extractf32x8_ps(x, 1));
-  }
-  if (p16 < padded) {
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256 x = exp8(_mm256_sub_ps(_mm256_loadu_ps(e + p16), _mm512_castps512_ps256(mv)));
-    x = _mm256_and_ps(x, _mm256_castsi256_ps(
-                             _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n_att - p16)), lane)));
-    _mm256_storeu_ps(e + p16, x);
-    sum = _mm256_add_ps(sum, x);
-  }
-  const float s = hsum8_pairs(sum);
-  const __m512 sv = _mm512_set1_ps(s);
-  for (int64_t j = 0; j < p16; j += 16) _mm512_storeu_ps(e + j, _mm512_div_ps(_mm512_loadu_ps(e + j), sv));
-  if (p16 < padded) _mm256_storeu_ps(e + p16, _mm256_div_ps(_mm256_loadu_ps(e + p16), _mm256_set1_ps(s)));
-}
-
 // The G query heads of KV head kh for R rows of one batch element (q, out: row stride ldq floats; the row's G heads
 // start at q / out), against keys / values k, v (slot stride ldk). Per row and query head, over the slots the row
 // attends in ascending order:
@@ -1144,10 +1088,7 @@ DDD_AVX2 void attend_rows(const float* q, const float* k, const float* v, const 
     const int64_t n_att = static_cast<int64_t>(rs.idx.size());
     for (int64_t g = 0; g < G; ++g) {
       float* eg = rs.e.data() + g * rs.padded;
-      if (g_avx512)
-        softmax512(eg, n_att, rs.padded, scale);
-      else
-        softmax8(eg, n_att, rs.padded, scale);
+      softmax8(eg, n_att, rs.padded, scale);
     }
     for (int64_t g = 0; g < G; ++g) std::fill(out + r * ldq + g * H, out + r * ldq + (g + 1) * H, 0.0f);
   }
