@@ -9,8 +9,8 @@ so the result is the float32 product of the widened weights), and GGUF Q4_1 / Q8
 dequantized exactly into L1, four rows at a time, then the float32 transposed product). Everything else, and
 every machine where the library is missing, cannot be loaded or the CPU lacks AVX2/FMA/F16C, takes XLA (one
 stderr line when the library is missing or broken). `DDD_JAX_NO_KERNELS=1` disables them. On CPUs with
-AVX-512 (F/VL/BW/DQ), x @ W products of 3 to 85 rows and GGUF-block products of 3+ rows -- tree verification --
-use 16-wide vectors (`avx512()`; bit-identical results, `DDD_JAX_NO_AVX512=1` keeps AVX2).
+AVX-512 (F/VL/BW/DQ), x @ W products of 3 to 85 rows (tree verification), GGUF-block products and attention use
+16-wide vectors (`avx512()`; bit-identical results, `DDD_JAX_NO_AVX512=1` keeps AVX2).
 
 Numerics: float32 arithmetic; every output element is reduced in one fixed order that depends on the reduced
 length only, so a row's result is bit-identical whatever the number of rows computed with it, and a tree node's
@@ -85,8 +85,8 @@ def enabled(flag: bool):
 
 
 def avx512() -> bool:
-    """True when x @ W of 3 to 85 rows and GGUF blocks of 3+ rows run the AVX-512 path (this CPU has AVX-512
-    F/VL/BW/DQ and DDD_JAX_NO_AVX512 is unset; bit-identical to the AVX2 path, which runs everything else)."""
+    """True when x @ W of 3 to 85 rows, GGUF-block products and attention run the AVX-512 paths (this CPU has
+    AVX-512 F/VL/BW/DQ and DDD_JAX_NO_AVX512 is unset; bit-identical to the AVX2 path, which runs everything else)."""
     return available() and bool(_state["lib"].ddd_avx512())
 
 

@@ -276,7 +276,7 @@ np.savez(sys.argv[1], **out)
 @needs_kernel
 def test_avx512_and_avx2_products_are_bitwise_equal(tmp_path):
     """On AVX-512 CPUs x @ W of 3 to 85 rows (float32 and float16 weights), GGUF blocks (dequantized 16 wide;
-    3+ rows multiplied two weight rows a vector) and attention's probabilities x values take 16-wide vectors: the
+    multiplied two weight rows a vector, any number of rows) and attention take 16-wide vectors: the
     same fma chains per element, so the same bits as the AVX2 path (DDD_JAX_NO_AVX512=1). Where the CPU has no
     AVX-512 both runs take AVX2."""
     runs = {}

@@ -23,9 +23,10 @@
 //
 // Instruction sets: AVX2 + FMA + F16C throughout; on CPUs with AVX-512 (F/VL/BW/DQ), x @ W of 3 to 85 rows uses
 // 16-wide vectors (16 output columns per vector, the same per-element order), so the bits do not depend on the
-// instruction set either. GGUF blocks of 3+ rows are dequantized 16 wide and multiplied with two weight rows'
-// 8-lane chunks per 16-wide vector (the same lanes, sums and tails as nt_rows). That product measured no faster
-// for the float32 lm_head at 5 rows, so float32 x @ W.T stays 8 wide.
+// instruction set either. GGUF blocks (any number of rows) are dequantized 16 wide and multiplied with two weight
+// rows' 8-lane chunks per 16-wide vector (the same lanes, sums and tails as nt_rows). That product measured no
+// faster for the float32 lm_head at 5 rows, so float32 x @ W.T stays 8 wide. Attention's scores and p @ V take
+// 16-wide vectors too (see attend_rows), again with the AVX2 path's bits.
 //
 // Threads: work is split into column chunks (attention: rows) handed out through an atomic counter; the calling
 // thread works too and then waits only for chunks another thread has started. Helpers are our own threads that
@@ -334,7 +335,7 @@ DDD_AVX2 void nt_chunk(const float* x, const W* w, float* out, int64_t M, int64_
   for (; n < n1; ++n) nt_rows<1>(x, K, w + n * K, out + n, N, M);
 }
 
-// x @ W.T on AVX-512 (3+ rows, GGUF blocks): one 16-wide vector holds two weight rows' 8-lane chunks, so each
+// x @ W.T on AVX-512 (GGUF blocks): one 16-wide vector holds two weight rows' 8-lane chunks, so each
 // output keeps the AVX2 path's eight lanes (lane j: the fma chain over k = j, j+8, ...) and the same lane sum and
 // tail: bit-identical to nt_rows.
 DDD_AVX512 inline __m512 load_pair(const float* a, const float* b) {
@@ -487,9 +488,10 @@ DDD_AVX2 void nt_chunk_blocks(const float* x, const uint8_t* w, float* out, int6
   thread_local std::vector<float> buf;
   if (static_cast<int64_t>(buf.size()) < 8 * K) buf.resize(8 * K);
   float* bp = buf.data();
-  // 3+ rows (verification, arithmetic-bound): 16-wide dequantization and products. One row stays 8 wide: measured
-  // slower with 16-wide dequantization (vanilla over blocks 99.7 against 109.3 tok/s, 16 MT-bench turns).
-  const bool wide = g_avx512 && M > 2;
+  // AVX-512: 16-wide dequantization and products, eight weight rows a group, at every row count. At one row that
+  // is the vanilla decode: over blocks 93.8-95.9 -> 110.7-112.8 tok/s (16 MT-bench turns, two alternating runs per
+  // library, the 2-core Xeon VM); an earlier try of 16-wide dequantization with the 8-wide products was slower.
+  const bool wide = g_avx512;
   auto dequant = [&](int64_t n, float* dst) DDD_AVX2 {
     if (wide)
       (KIND == kQ4_1 ? dequant_q4_1_512 : KIND == kQ4_0 ? dequant_q4_0_512 : dequant_q8_0_512)(w + n * rb, nb, dst);
@@ -725,7 +727,7 @@ ffi::Error LinearBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   float* o = out->typed_data();
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data() + layer_index(layer, L) * N * wd[2];
-  for_column_chunks(pool, M, K, N, g_avx512 && M > 2 ? 8 : 4, o, [=](int64_t n0, int64_t n1) {
+  for_column_chunks(pool, M, K, N, g_avx512 ? 8 : 4, o, [=](int64_t n0, int64_t n1) {
     if (kind == kQ4_1)
       nt_chunk_blocks<kQ4_1>(xp, wp, o, M, K, N, n0, n1);
     else if (kind == kQ4_0)
@@ -1184,7 +1186,7 @@ __attribute__((visibility("default"))) int ddd_cpu_supported() {
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") && !(no512 && *no512 && std::strcmp(no512, "0") != 0);
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
-// 1 when products of 3+ rows take the AVX-512 path (x @ W up to 85 rows; GGUF blocks).
+// 1 when the AVX-512 paths run (x @ W of 3 to 85 rows, GGUF blocks, attention).
 __attribute__((visibility("default"))) int ddd_avx512() { return g_avx512; }
 // Cap the threads a product uses (0: the XLA pool's size). For benchmarks.
 __attribute__((visibility("default"))) void ddd_set_max_threads(int64_t n) { g_max_threads = n; }
