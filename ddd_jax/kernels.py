@@ -6,11 +6,11 @@ there: small-M matrix products that read a stacked weight's layer in place (no p
 once for all rows), and attention over the slots a row may attend only. Products also take float16 weights under
 float32 activations (weight-only storage, e.g. a draft head's: half the bytes, widened exactly as they are read,
 so the result is the float32 product of the widened weights), and GGUF Q4_1 / Q8_0 / Q4_0 blocks (`ddd_jax.quant`:
-dequantized exactly into L1, four rows at a time, then the float32 transposed product). Everything else, and
-every machine where the library is missing, cannot be loaded or the CPU lacks AVX2/FMA/F16C, takes XLA (one
-stderr line when the library is missing or broken). `DDD_JAX_NO_KERNELS=1` disables them. On CPUs with
-AVX-512 (F/VL/BW/DQ), x @ W products of 3 to 85 rows (tree verification), GGUF-block products and attention use
-16-wide vectors (`avx512()`; bit-identical results, `DDD_JAX_NO_AVX512=1` keeps AVX2).
+dequantized exactly into L1, four rows at a time (eight on AVX-512), then the float32 transposed product).
+Everything else, and every machine where the library is missing, cannot be loaded or the CPU lacks
+AVX2/FMA/F16C, takes XLA (one stderr line when the library is missing or broken). `DDD_JAX_NO_KERNELS=1`
+disables them. On CPUs with AVX-512 (F/VL/BW/DQ), x @ W products of 3 to 85 rows (tree verification), GGUF-block
+products and attention use 16-wide vectors (`avx512()`; bit-identical results, `DDD_JAX_NO_AVX512=1` keeps AVX2).
 
 Numerics: float32 arithmetic; every output element is reduced in one fixed order that depends on the reduced
 length only, so a row's result is bit-identical whatever the number of rows computed with it, and a tree node's

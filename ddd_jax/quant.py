@@ -10,10 +10,10 @@ each row K/32 blocks of 32 weights.
 
 `dequantize_blocks` computes what `gguf.quants.dequantize` computes, bit for bit (in float32 d * q is exact, so
 the one rounding is the same), and so does the CPU kernel (`kernels.product_blocks`), which dequantizes four rows
-at a time into L1 and multiplies them with the float32 transposed kernel: a product with a BlockWeight equals that
-kernel's product with the dequantized weight, and a row's result does not depend on the other rows (decoding and tree
-verification stay token-identical). What changes is the bytes a forward streams: SmolLM2-135M's Q4_1 layers and
-Q8_0 embedding are ~96 MB against 540 MB of float32.
+(eight on AVX-512) at a time into L1 and multiplies them with the float32 transposed kernel: a product with a
+BlockWeight equals that kernel's product with the dequantized weight, and a row's result does not depend on the
+other rows (decoding and tree verification stay token-identical). What changes is the bytes a forward streams:
+SmolLM2-135M's Q4_1 layers and Q8_0 embedding are ~96 MB against 540 MB of float32.
 
 `layers.linear` and `layers.embed` take a BlockWeight wherever they take an array; off CPU, for more than
 `kernels.MAX_ROWS` rows, and for gradients (with respect to the activations only; blocks are constants) the weight

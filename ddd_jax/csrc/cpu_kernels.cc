@@ -9,8 +9,9 @@
 // ddd_linear_f16: the same with float16 weights (weight-only storage, widened exactly to float32 on load; float32
 //   x, arithmetic and output), for weights where half the bytes matter more than their last bits (draft heads).
 // ddd_linear_blocks: x @ W.T with W [L, N, K] kept as a GGUF file's Q4_1 / Q8_0 / Q4_0 blocks (weight-only; dequantized
-//   exactly, four rows at a time, into an L1 buffer that the float32 trans kernel reads: bitwise that kernel's
-//   product of the dequantized weight). A 4-bit target reads ~1/6 of its float32 bytes per forward.
+//   exactly, four rows at a time (eight on AVX-512), into an L1 buffer that the float32 trans kernel reads:
+//   bitwise that kernel's product of the dequantized weight). A 4-bit target reads ~1/6 of its float32 bytes per
+//   forward.
 // ddd_attention: q [B, T, N, H] against layer `layer` of k, v [L, B, S, Kh, H] under mask [B, T, S].
 //
 // Numerics: float32 products and sums, each output element reduced in one fixed order that depends only on the
@@ -396,8 +397,9 @@ DDD_AVX512 void nt_rows512(const float* x, int64_t K, const float* w, float* out
 //   Q4_0 (18 bytes): float16 d, 16 bytes of nibbles as Q4_1's; w = d * (q - 8)
 // In float32 d * q is exact (an 11-bit by 4- or 8-bit product), so fma(d, q, m) and d * q round exactly as
 // gguf's dequantizer, (d * qs) + m, qs * d and d * (qs - 8) in float32, does: the weights are the dequantized float32 weights,
-// bit for bit. Four rows are dequantized into an L1 buffer and multiplied by the float32 transposed kernel
-// (nt_rows), so the product is bitwise that kernel's product of the dequantized [N, K] weight -- for every M.
+// bit for bit. Four rows (eight on AVX-512) are dequantized into an L1 buffer and multiplied by the float32
+// transposed kernel (nt_rows, or nt_rows512 with the same bits), so the product is bitwise that kernel's product
+// of the dequantized [N, K] weight -- for every M.
 constexpr int64_t kQK = 32;
 constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ4_0 = 2;  // the `kind` attribute (ddd_jax.quant.KINDS)
 constexpr int64_t kind_bytes(int64_t kind) { return kind == kQ4_1 ? 20 : kind == kQ8_0 ? 34 : 18; }
