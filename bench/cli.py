@@ -42,6 +42,9 @@ def _common(p: argparse.ArgumentParser, limit_default, max_new_default) -> None:
     p.add_argument("--gguf-blocks", action="store_true",
                    help="(GGUF targets) keep the Q4_1 / Q8_0 / Q4_0 matrices as blocks: the same float32 values and "
                         "arithmetic, ~1/6 of the bytes per forward (vanilla and speculative alike)")
+    p.add_argument("--no-panels", action="store_true",
+                   help="keep the float32 layer matrices row-major (default on CPU: panel-major, `ddd_jax.panels`; "
+                        "bitwise the same products, faster streams)")
     p.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=None,
                    help="the draft head's weight dtype (default: the tuned settings' with --settings auto, else "
                         "as loaded); float16 halves the bytes the CPU kernels read per draft step, q8_0 / q4_0 / q4_1 "
@@ -146,8 +149,10 @@ def add_parser(subparsers) -> None:
 def load_models(args, need_draft: bool = True):
     """(target, draft | None, draft description). A missing default head falls back to a random one, loudly."""
     import ddd_jax
-    blocks = {"gguf_blocks": True} if getattr(args, "gguf_blocks", False) else {}
-    target = ddd_jax.load_target(args.target, dtype=args.dtype, **blocks)
+    kw = {"gguf_blocks": True} if getattr(args, "gguf_blocks", False) else {}
+    if getattr(args, "no_panels", False):
+        kw["panels"] = False
+    target = ddd_jax.load_target(args.target, dtype=args.dtype, **kw)
     if not need_draft:
         return target, None, None
     from ddd_jax.settings import cli_draft

@@ -72,6 +72,9 @@ def add_parser(sub) -> None:
     p.add_argument("--gguf-blocks", action="store_true",
                    help="(GGUF targets) keep the Q4_1 / Q8_0 / Q4_0 matrices as blocks: the same float32 values and "
                         "arithmetic, ~1/6 of the bytes per forward")
+    p.add_argument("--no-panels", action="store_true",
+                   help="keep the float32 layer matrices row-major (default on CPU: panel-major, bitwise the same "
+                        "products, faster streams)")
     p.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and stats")
     add_tree_args(p)
     from .sharding import add_mesh_args
@@ -85,7 +88,8 @@ def run(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     tree, ddd, source = tree_and_ddd(args)
     from .sharding import mesh_from_args
-    target = load_target(args.target, mesh=mesh_from_args(args), gguf_blocks=args.gguf_blocks)
+    target = load_target(args.target, mesh=mesh_from_args(args), gguf_blocks=args.gguf_blocks,
+                         panels=False if args.no_panels else None)
     draft = None
     if args.method != "vanilla" or args.compare:
         name = args.draft or DEFAULT_DRAFTS.get(args.target)

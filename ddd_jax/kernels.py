@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 TARGETS = {"ddd_linear": "DddLinear", "ddd_linear_f16": "DddLinearF16", "ddd_linear_blocks": "DddLinearBlocks",
-           "ddd_attention": "DddAttention"}
+           "ddd_linear_panels": "DddLinearPanels", "ddd_attention": "DddAttention"}
 WEIGHT_DTYPES = (jnp.float32, jnp.float16)  # float16: weight-only storage, widened exactly to float32 on load
 MAX_ROWS = 128  # beyond this (prefill, training) XLA's GEMM is the better product
 _state: dict = {}
@@ -214,6 +214,57 @@ def product_blocks(x, blocks, kind: str, layer=None):
     impl = _blocks if _small_f32(x) else _blocks_xla
     out = impl(x.reshape(-1, K).astype(jnp.float32), b3, layer, kind)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+# ----------------------------------------------------------------------------------------------- panels
+def _panels_call(x2, w4, layer, n):
+    call = jax.ffi.ffi_call("ddd_linear_panels", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
+    return call(x2, w4, layer)
+
+
+def _panels_layer(w4, layer, n):
+    """Layer `layer` of stacked panels w4 [L, P, K, PANEL], unpacked: [K, n] float32."""
+    from .panels import unpack_array
+    return unpack_array(jax.lax.dynamic_index_in_dim(w4, layer, 0, keepdims=False), n)
+
+
+def _panels_xla(x2, w4, layer, n):
+    return jnp.dot(x2, _panels_layer(w4, layer, n), preferred_element_type=jnp.float32)
+
+
+def _panels_impl(x2, w4, layer, n):
+    return jax.lax.platform_dependent(x2, w4, layer, cpu=lambda a, b, c: _panels_call(a, b, c, n),
+                                      default=lambda a, b, c: _panels_xla(a, b, c, n))
+
+
+def _panels_fwd(x2, w4, layer, n):
+    return _panels_impl(x2, w4, layer, n), (x2, w4, layer)
+
+
+def _panels_bwd(n, res, g):  # XLA products (training never needs the kernel)
+    from .panels import pack
+    x2, w4, layer = res
+    gx = jnp.dot(g, _panels_layer(w4, layer, n).T, preferred_element_type=jnp.float32)
+    gw4 = jnp.zeros_like(w4).at[layer].set(pack(x2.T @ g).data)
+    return gx, gw4, None
+
+
+_panels = jax.custom_vjp(_panels_impl, nondiff_argnums=(3,))
+_panels.defvjp(_panels_fwd, _panels_bwd)
+
+
+def product_panels(x, data, n: int, layer=None):
+    """x [..., K] @ W for W a panel-major float32 weight (`ddd_jax.panels`): data [P, K, PANEL] or stacked
+    [L, P, K, PANEL] with `layer` (an int32 scalar, may be traced); n the logical width N. Returns [..., N] float32,
+    bitwise the row-major kernel's product. Float32 x of any number of rows runs the kernel (on CPU, when
+    available: in passes of 64 rows, so prefill never unpacks); anything else unpacks with XLA."""
+    w4 = data if data.ndim == 4 else data[None]
+    layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+    K = x.shape[-1]
+    impl = _panels if available() and x.dtype == jnp.float32 else _panels_xla
+    out = impl(x.reshape(-1, K).astype(jnp.float32), w4, layer, n)
+    return out.reshape(*x.shape[:-1], n)
 
 
 # ----------------------------------------------------------------------------------------------- attention

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from . import kernels
 from .config import ModelConfig
+from .panels import PanelWeight
 from .quant import BlockWeight, take_rows
 
 NEG_INF = -1e30  # large finite negative: fully-masked rows stay NaN-free
@@ -24,13 +25,18 @@ def linear(x, w, layer=None, *, transposed: bool = False, f32: bool = False):
     result (accumulated in float32) for the non-transposed product too (an untied lm_head stored [D, V]).
 
     w may also be a `quant.BlockWeight` (GGUF Q4_1 / Q8_0 / Q4_0 blocks, weight-only): on CPU the block kernel, which
-    dequantizes exactly and is bitwise the transposed float32 kernel's product of the dequantized weight.
+    dequantizes exactly and is bitwise the transposed float32 kernel's product of the dequantized weight; or a
+    `panels.PanelWeight` (float32, panel-major: the same product, bitwise, read as contiguous streams).
 
     layer: w is stacked [L, K, N] / [L, N, K] and `layer` (an int, may be traced) picks one; the CPU kernel reads
     it in place, so a layer scan never copies a weight. On CPU, float32 products of at most `kernels.MAX_ROWS`
     rows (decoding, verification) run the small-M kernel of `ddd_jax.kernels`, whose rows are bit-identical
     whatever M; anything else is XLA's dot.
     """
+    if isinstance(w, PanelWeight):  # panel-major float32 (x @ w only)
+        if transposed:
+            raise ValueError("a PanelWeight is a panel-major [K, N] weight (x @ w); it cannot be used as rows")
+        return kernels.product_panels(x, w.data, w.n, layer)
     if isinstance(w, BlockWeight):  # GGUF blocks: rows are outputs, so the product is always x @ rows.T
         if transposed == w.transposed:
             raise ValueError(f"a {'transposed' if w.transposed else 'row-layout'} BlockWeight used as "

@@ -70,12 +70,14 @@ class LlamaModule(_ParamsModule):
 
     @classmethod
     def from_target(cls, target) -> "LlamaModule":
-        """A view of a `ddd_jax.Target`'s weights (shares its arrays)."""
+        """A view of a `ddd_jax.Target`'s weights (shares its arrays; panel-major layer matrices, the CPU default,
+        are unpacked into row-major copies: `load_target(..., panels=False)` shares them all)."""
+        from .panels import unpack_params
         from .quant import has_blocks
         if has_blocks(target.params):
             raise ValueError(f"target {target.name!r} keeps GGUF blocks (gguf_blocks=True): nnx modules hold float "
                              "arrays; load it without gguf_blocks to train or compose it as a module")
-        return cls(target.config, target.params)
+        return cls(target.config, unpack_params(target.params))
 
     def __call__(self, tokens, positions, cache: KVCache | None = None, attn_mask=None, logit_index=None,
                  return_logits: bool = True) -> llama.Output:

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .panels import is_panels, unpack
+
 BLOCK = 32
 KINDS = {"q4_1": (0, 20), "q8_0": (1, 34), "q4_0": (2, 18)}  # name -> (the kernel's `kind` attribute, bytes a block)
 GGUF_KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0", "Q4_0": "q4_0"}  # gguf.GGMLQuantizationType names kept as blocks
@@ -151,13 +153,15 @@ def has_blocks(tree) -> bool:
 
 
 def as_float(w):
-    """A float weight for w: a BlockWeight dequantized (logical layout), anything else as it is."""
-    return w.dequantize() if is_block(w) else w
+    """A float array for w: a BlockWeight dequantized, a `panels.PanelWeight` unpacked (logical layout), anything
+    else as it is."""
+    return w.dequantize() if is_block(w) else unpack(w)
 
 
 def dequantize_tree(tree):
-    """The same pytree with every BlockWeight replaced by its float32 weight (logical layout)."""
-    return jax.tree.map(lambda x: x.dequantize() if is_block(x) else x, tree, is_leaf=is_block)
+    """The same pytree with every BlockWeight and PanelWeight replaced by its float array (logical layout)."""
+    stored = lambda x: is_block(x) or is_panels(x)  # noqa: E731
+    return jax.tree.map(as_float, tree, is_leaf=stored)
 
 
 def describe(tree) -> str:
@@ -166,7 +170,8 @@ def describe(tree) -> str:
     if kinds:
         return "gguf blocks " + "+".join(kinds)
     floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-    return str(floats[0].dtype) if floats else "none"
+    layout = " (panels)" if any(is_panels(x) for x in jax.tree.leaves(tree, is_leaf=is_panels)) else ""
+    return str(floats[0].dtype) + layout if floats else "none"
 
 
 def nbytes_tree(tree) -> int:

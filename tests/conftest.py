@@ -72,11 +72,12 @@ def our_logits(target, tokens=None):
 
 
 def assert_same_target(t, t2):
-    """Two targets have equal configs and bit-equal arrays under the same keys."""
+    """Two targets have equal configs and bit-equal arrays under the same keys (panel-major ones unpacked)."""
     import numpy as np
     from ddd_jax import io as dio
     assert t2.config == t.config
-    f1, f2 = dio.flatten(t.params), dio.flatten(t2.params)
+    from ddd_jax.panels import unpack_params
+    f1, f2 = dio.flatten(unpack_params(t.params)), dio.flatten(unpack_params(t2.params))  # panels: as row-major
     assert sorted(f1) == sorted(f2)
     for k in f1:
         np.testing.assert_array_equal(np.asarray(f1[k]), np.asarray(f2[k]))

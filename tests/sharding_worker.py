@@ -135,11 +135,14 @@ def checks(t1, dparams, prompts):
     # an HF directory (transformers' save_pretrained), converted tensor by tensor straight onto the mesh
     try:
         from conftest import write_tiny_hf_llama
+
+        from ddd_jax.panels import unpack_params
         with tempfile.TemporaryDirectory() as tmp:
             write_tiny_hf_llama(f"{tmp}/hf")
             one, sh = load_target(f"{tmp}/hf"), load_target(f"{tmp}/hf", mesh=mesh)
             res["hf_loaded"] = {"same_values": all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
-                                                   zip(jax.tree.leaves(one.params), jax.tree.leaves(sh.params))),
+                                                   zip(jax.tree.leaves(unpack_params(one.params)),
+                                                       jax.tree.leaves(sh.params))),
                                 "wk_shard": list(sh.params["layers"]["wk"].addressable_shards[0].data.shape),
                                 "wk_shape": list(sh.params["layers"]["wk"].shape)}
     except BaseException as e:  # torch / transformers absent: pytest.importorskip raises Skipped

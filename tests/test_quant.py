@@ -230,7 +230,7 @@ def test_gguf_loader_keeps_blocks_and_names_what_it_dequantizes(tmp_path):
     f = _write_quantized_gguf(tmp_path / "q.gguf", cfg, params, types)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*tokenizer")  # a weights-only GGUF
-        tf = load_target(f)
+        tf = load_target(f, panels=False)
         with pytest.warns(UserWarning, match=r"dequantized to float32: layers\.wv \(F16\)"):
             tb = load_target(f, gguf_blocks=True)
     lp = tb.params["layers"]

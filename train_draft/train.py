@@ -46,7 +46,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from ddd_jax import eagle
+from ddd_jax import eagle, quant
 from ddd_jax import io as dio
 from ddd_jax.checkpoints.ours import load_draft_dir, save_draft
 from ddd_jax.config import DraftConfig
@@ -329,7 +329,7 @@ def init_head_params(dcfg: DraftConfig, target, cfg: FitConfig) -> dict:
     params = eagle.init_params(dcfg, jax.random.PRNGKey(cfg.seed), jnp.float32)
     if cfg.init == "target-last-layer":
         lp = target.params["layers"]
-        params["layers"] = {k: jnp.asarray(lp[k][-1:], jnp.float32) for k in params["layers"]}
+        params["layers"] = {k: jnp.asarray(quant.as_float(lp[k])[-1:], jnp.float32) for k in params["layers"]}
         D = dcfg.hidden_size
         params["fc_w"] = params["fc_w"].at[D:].set(jnp.eye(D, dtype=jnp.float32))
     elif cfg.init.startswith("head:"):  # warm start from a head directory in our format

@@ -11,7 +11,10 @@ import dataclasses
 import os
 from pathlib import Path
 
+import jax.numpy as jnp
+
 from .. import io as dio
+from .. import quant
 from ..eagle import Draft
 from ..target import Target
 from . import registry
@@ -49,7 +52,7 @@ def resolve_source(path_or_name) -> tuple[str, Path]:
     return "hf", path
 
 
-def load_target(path_or_name, dtype=None, mesh=None, gguf_blocks: bool = False) -> Target:
+def load_target(path_or_name, dtype=None, mesh=None, gguf_blocks: bool = False, panels: bool | None = None) -> Target:
     """Load a target.
 
     path_or_name: a known name ("smollm2-135m-instruct"), a directory in our format, an HF Llama / Mistral /
@@ -60,7 +63,33 @@ def load_target(path_or_name, dtype=None, mesh=None, gguf_blocks: bool = False) 
     gguf_blocks: (GGUF sources) keep the matrices stored as Q4_1 / Q8_0 / Q4_0 as those blocks (`ddd_jax.quant`):
     the same float32 values and arithmetic, ~1/6 of the bytes a forward reads; the CPU kernel dequantizes them
     exactly. Matrices of other types (K-quants, float16) are dequantized to float32, with a warning naming them.
+    panels: store the float32 layer matrices panel-major (`ddd_jax.panels`: bitwise the same products, read as
+    contiguous streams by the CPU kernel). None (default): when the CPU kernel runs here (CPU backend) and there
+    is no mesh; True insists (an error where it cannot apply); False keeps row-major arrays.
     """
+    if panels not in (None, True, False):
+        raise ValueError(f"panels must be None, True or False, not {panels!r}")
+    target = _load_target(path_or_name, dtype, mesh, gguf_blocks)
+    return _with_panels(target, panels)
+
+
+def _with_panels(target: Target, panels: bool | None) -> Target:
+    from .. import panels as P
+    if panels is False:
+        return target
+    why = ("it is sharded over a mesh" if target.mesh is not None else
+           "it keeps GGUF blocks" if quant.has_blocks(target.params["layers"]) else
+           "its weights are not float32" if jnp.dtype(target.params["embed"].dtype) != jnp.float32 else None)
+    if why is None and panels is None and not P.auto():
+        return target
+    if why is not None:
+        if panels:
+            raise ValueError(f"panels=True: target {target.name!r} cannot be stored panel-major: {why}")
+        return target
+    return dataclasses.replace(target, params=P.pack_params(target.params))
+
+
+def _load_target(path_or_name, dtype, mesh, gguf_blocks: bool) -> Target:
     if mesh is not None:
         from ..sharding import check_mesh
         check_mesh(mesh)

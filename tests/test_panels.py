@@ -1,0 +1,159 @@
+"""Panel-major float32 weights (`ddd_jax.panels`): the layout round-trips, the kernel's product is bitwise the
+row-major kernel's (every row count, padded last panels, both ISA paths), rows stay independent of the rows beside
+them, gradients and the XLA fallback match, and `load_target` packs by default on CPU and unpacks wherever a float
+array is wanted (saving, nnx modules)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddd_jax import kernels, layers, panels, quant
+
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="CPU kernel library not built / not supported")
+
+SHAPES = [(576, 576), (576, 192), (1536, 576), (13, 100), (100, 47), (64, 96), (7, 1)]  # (K, N); N % 48 != 0 pads
+
+
+@pytest.mark.parametrize("K,N", SHAPES)
+def test_pack_round_trip_and_logical_shape(K, N):
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((3, K, N)), jnp.float32)
+    pw = panels.pack(w)
+    P = -(-N // panels.PANEL)
+    assert pw.data.shape == (3, P, K, panels.PANEL) and pw.shape == (3, K, N) and pw.ndim == 3
+    np.testing.assert_array_equal(np.asarray(pw.unpack()), np.asarray(w))
+    np.testing.assert_array_equal(np.asarray(pw.data[:, -1, :, N - (P - 1) * panels.PANEL:]), 0.0)  # padding
+    leaves, tree = jax.tree.flatten(pw)  # a pytree: jit and tree maps see its one array
+    assert len(leaves) == 1 and jax.tree.unflatten(tree, leaves).n == N
+
+
+def test_pack_rejects_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="float32 matrices"):
+        panels.pack(jnp.zeros((4, 8), jnp.bfloat16))
+    with pytest.raises(ValueError, match="float32 matrices"):
+        panels.pack(jnp.zeros((8,), jnp.float32))
+    with pytest.raises(ValueError, match="cannot be used as rows"):
+        layers.linear(jnp.ones((1, 8)), panels.pack(jnp.ones((8, 4))), transposed=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("K,N", SHAPES)
+def test_product_is_bitwise_the_row_major_kernels(K, N):
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((2, K, N)), jnp.float32)
+    pw = panels.pack(w)
+    f_rows = jax.jit(lambda x, w: layers.linear(x, w, 1))
+    f_pan = jax.jit(lambda x, d: kernels.product_panels(x, d, N, 1))
+    for M in (1, 2, 3, 5, 8, 9, 16, 17, 64, 65, 86, 128):
+        x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+        got = np.asarray(f_pan(x, pw.data))
+        np.testing.assert_array_equal(got, np.asarray(f_rows(x, w)), err_msg=f"M={M}")
+        if M > 1:  # a row's bits do not depend on the rows computed with it
+            np.testing.assert_array_equal(np.asarray(f_pan(x[M // 2:M // 2 + 1], pw.data))[0], got[M // 2])
+    x = jnp.asarray(rng.standard_normal((300, K)), jnp.float32)  # prefill: several 64-row passes, XLA to compare
+    np.testing.assert_allclose(np.asarray(f_pan(x, pw.data)), np.asarray(x @ w[1]), rtol=2e-5, atol=2e-4)
+
+
+def test_xla_fallback_and_linear_dispatch():
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(rng.standard_normal((2, 100, 47)), jnp.float32)
+    pw = panels.pack(w)
+    x = jnp.asarray(rng.standard_normal((4, 3, 100)), jnp.float32)  # leading dims kept
+    ref = np.asarray(jnp.einsum("abk,kn->abn", x, w[0], precision="highest"))
+    got = np.asarray(kernels._panels_xla(x.reshape(-1, 100), pw.data, jnp.int32(0), 47)).reshape(4, 3, 47)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+    out = jax.jit(lambda x, p: layers.linear(x, p, 0))(x, pw)
+    assert out.shape == (4, 3, 47)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-4)
+    out1 = layers.linear(x[0], panels.pack(w[1]))  # an unstacked weight
+    np.testing.assert_allclose(np.asarray(out1), np.asarray(x[0] @ w[1]), rtol=1e-5, atol=1e-4)
+
+
+def test_gradients_match_the_row_major_weight():
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((2, 24, 50)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((5, 24)), jnp.float32)
+    loss = lambda x, w: jnp.sum(jnp.sin(layers.linear(x, w, 1)))  # noqa: E731
+    gx, gw = jax.grad(loss, argnums=(0, 1))(x, w)
+    px, pw = jax.grad(loss, argnums=(0, 1))(x, panels.pack(w))
+    np.testing.assert_allclose(np.asarray(px), np.asarray(gx), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(pw.unpack()), np.asarray(gw), rtol=1e-5, atol=1e-5)
+
+
+def test_pack_params_and_float_views():
+    params = {"embed": jnp.ones((10, 4)), "final_norm": jnp.ones((4,)),
+              "layers": {"wq": jnp.ones((2, 4, 6)), "attn_norm": jnp.ones((2, 4)),
+                         "w_up": jnp.ones((2, 4, 6), jnp.bfloat16)}}
+    packed = panels.pack_params(params)
+    assert panels.is_panels(packed["layers"]["wq"]) and panels.has_panels(packed)
+    assert packed["layers"]["attn_norm"] is params["layers"]["attn_norm"]  # vectors stay as stored
+    assert packed["layers"]["w_up"] is params["layers"]["w_up"]  # not float32: stays row-major
+    assert packed["embed"] is params["embed"] and not panels.has_panels(params)
+    for back in (panels.unpack_params(packed), quant.dequantize_tree(packed)):
+        np.testing.assert_array_equal(np.asarray(back["layers"]["wq"]), np.asarray(params["layers"]["wq"]))
+    assert quant.as_float(packed["layers"]["wq"]).shape == (2, 4, 6)
+    assert quant.describe(packed) == "float32 (panels)"
+
+
+def test_load_target_packs_on_cpu_and_is_bitwise_the_row_major_target(tiny_hf_llama, tmp_path):
+    from conftest import PARITY_TOKENS, assert_same_target
+
+    from ddd_jax import load_target
+    from ddd_jax.checkpoints.ours import save_target
+    _, path = tiny_hf_llama()
+    rows = load_target(path, panels=False)
+    assert not panels.has_panels(rows.params)
+    pan = load_target(path, panels=True)
+    assert panels.has_panels(pan.params) and pan.params["layers"]["wq"].shape == rows.params["layers"]["wq"].shape
+    assert panels.has_panels(load_target(path).params) == panels.auto()
+    tok = jnp.asarray(PARITY_TOKENS)
+    pos = jnp.arange(tok.shape[1])[None]
+    a, b = pan.forward(tok, pos).logits, rows.forward(tok, pos).logits
+    if kernels.available():  # the kernels' products: bitwise; XLA's unpacked dots: float rounding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    else:
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    save_target(pan, tmp_path / "saved")  # saved row-major, as every checkpoint is
+    assert_same_target(rows, load_target(tmp_path / "saved", panels=False))
+    module = pan.module()  # nnx modules hold row-major float arrays
+    assert not panels.has_panels(module.to_params())
+    with pytest.raises(ValueError, match="not float32"):
+        load_target(path, dtype="bfloat16", panels=True)
+    with pytest.raises(ValueError, match="panels must be"):
+        load_target(path, panels="yes")
+
+
+PATHS = """
+import sys, jax, jax.numpy as jnp, numpy as np
+from ddd_jax import kernels, panels
+rng = np.random.default_rng(11)
+out = {"avx512": np.array(kernels.avx512())}
+for K, N in ((576, 1536), (1536, 576), (576, 192), (33, 200), (100, 37)):
+    pw = panels.pack(jnp.asarray(rng.standard_normal((2, K, N)), jnp.float32))
+    for M in (1, 2, 3, 5, 8, 13, 64, 100):
+        x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+        out[f"{K}-{N}-{M}"] = np.asarray(jax.jit(lambda x, d: kernels.product_panels(x, d, N, 1))(x, pw.data))
+np.savez(sys.argv[1], **out)
+"""
+
+
+@needs_kernel
+def test_avx512_and_avx2_panel_products_are_bitwise_equal(tmp_path):
+    """On AVX-512 CPUs panels take 16-wide 8 x 48 tiles, on AVX2 two 24-column halves: the same fma chains per
+    element, so the same bits. Where the CPU has no AVX-512 both runs take AVX2."""
+    runs = {}
+    for flag in ("0", "1"):
+        path = tmp_path / f"p{flag}.npz"
+        r = subprocess.run([sys.executable, "-c", PATHS, str(path)], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "DDD_JAX_NO_AVX512": flag})
+        assert r.returncode == 0, r.stderr
+        runs[flag] = dict(np.load(path))
+    assert not runs["1"].pop("avx512")
+    runs["0"].pop("avx512")
+    for key, got in runs["0"].items():
+        assert np.array_equal(got, runs["1"][key]), f"AVX-512 and AVX2 panel products differ at {key}"
