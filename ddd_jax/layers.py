@@ -33,9 +33,10 @@ def linear(x, w, layer=None, *, transposed: bool = False, f32: bool = False):
     rows (decoding, verification) run the small-M kernel of `ddd_jax.kernels`, whose rows are bit-identical
     whatever M; anything else is XLA's dot.
     """
-    if isinstance(w, PanelWeight):  # panel-major float32 (x @ w only)
-        if transposed:
-            raise ValueError("a PanelWeight is a panel-major [K, N] weight (x @ w); it cannot be used as rows")
+    if isinstance(w, PanelWeight):  # panel-major float32: x @ w, or x @ rows.T for a rows-layout one
+        if transposed != w.rows:
+            raise ValueError(f"a {'rows-layout' if w.rows else '[K, N]'} PanelWeight used as "
+                             f"{'rows' if transposed else 'x @ w'}: its layout does not match the product")
         return kernels.product_panels(x, w.data, w.n, layer)
     if isinstance(w, BlockWeight):  # GGUF blocks: rows are outputs, so the product is always x @ rows.T
         if transposed == w.transposed:
@@ -54,10 +55,12 @@ def linear(x, w, layer=None, *, transposed: bool = False, f32: bool = False):
 
 
 def embed(w, ids):
-    """Rows `ids` [...] of an embedding w [V, D] (an array, or a row-layout `quant.BlockWeight`, dequantized
-    row by row): [..., D]."""
+    """Rows `ids` [...] of an embedding w [V, D] (an array, a row-layout `quant.BlockWeight`, dequantized
+    row by row, or a rows-layout `panels.PanelWeight`, gathered out of its panels): [..., D]."""
     if isinstance(w, BlockWeight):
         return take_rows(w, ids)
+    if isinstance(w, PanelWeight):
+        return w.take(ids)
     return jnp.take(w, ids, axis=0)
 
 

@@ -31,17 +31,21 @@ PANEL = 48  # columns of a panel: three 16-float AVX-512 vectors (the kernel's r
 @jax.tree_util.register_pytree_node_class
 @dataclass(frozen=True, eq=False)  # identity: its array has no truth value
 class PanelWeight:
-    """A float32 matrix [..., K, N] stored panel-major.
+    """A float32 matrix stored panel-major.
 
     data: [..., P, K, PANEL] float32 -- P = ceil(N / PANEL) panels (a leading layer axis when stacked).
-    n: (static) N, the logical output width (the last panel's columns past it are zeros).
+    n: (static) N, the product's output width (the last panel's columns past it are zeros).
+    rows: (static) the logical layout: False -- [..., K, N], used as x @ w (decoder matrices, an untied lm_head
+        [D, V]); True -- [..., N, K], output rows used as x @ w.T (a tied embedding [V, D], whose lookups gather
+        its rows back out of the panels).
     """
 
     data: jax.Array
     n: int
+    rows: bool = False
 
     def tree_flatten(self):
-        return (self.data,), (self.n,)
+        return (self.data,), (self.n, self.rows)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -49,8 +53,9 @@ class PanelWeight:
 
     @property
     def shape(self) -> tuple:
-        """The logical shape [..., K, N] (as the row-major weight it stands for)."""
-        return tuple(self.data.shape[:-3]) + (self.data.shape[-2], self.n)
+        """The logical shape, [..., K, N] (or [..., N, K] for rows), of the array it stands for."""
+        K = self.data.shape[-2]
+        return tuple(self.data.shape[:-3]) + ((self.n, K) if self.rows else (K, self.n))
 
     @property
     def ndim(self) -> int:
@@ -64,8 +69,21 @@ class PanelWeight:
     def nbytes(self) -> int:
         return int(self.data.size) * self.data.dtype.itemsize
 
+    @property
+    def T(self) -> "PanelWeight":
+        """The same panels as the transposed logical matrix (no copy)."""
+        return PanelWeight(self.data, self.n, not self.rows)
+
     def unpack(self) -> jax.Array:
-        return unpack_array(self.data, self.n)
+        w = unpack_array(self.data, self.n)
+        return jnp.swapaxes(w, -1, -2) if self.rows else w
+
+    def take(self, ids):
+        """Rows `ids` [...] of an unstacked rows-layout weight [N, K]: [..., K] (gathered out of the panels)."""
+        if not self.rows or self.data.ndim != 3:
+            raise ValueError("PanelWeight.take needs an unstacked rows-layout weight (a tied embedding)")
+        ids = jnp.asarray(ids, jnp.int32)
+        return self.data[ids // PANEL, :, ids % PANEL]
 
 
 @partial(jax.jit, static_argnames=("n",))
@@ -83,12 +101,18 @@ def _pack_array(w):
     return jnp.moveaxis(w.reshape(*w.shape[:-1], P, PANEL), -2, -3)  # [..., P, K, PANEL]
 
 
-def pack(w) -> PanelWeight:
-    """A float32 matrix [..., K, N] (x @ w) as a PanelWeight (the same values, panel-major)."""
+def pack(w, rows: bool = False) -> PanelWeight:
+    """A float32 matrix as a PanelWeight (the same values, panel-major): [..., K, N] used as x @ w, or with
+    rows=True [..., N, K] output rows used as x @ w.T (a tied embedding)."""
     if isinstance(w, PanelWeight):
+        if w.rows != rows:
+            raise ValueError(f"a {'rows' if w.rows else 'x @ w'} PanelWeight asked for as "
+                             f"{'rows' if rows else 'x @ w'}")
         return w
     if w.ndim < 2 or jnp.dtype(w.dtype) != jnp.float32:
         raise ValueError(f"panels hold float32 matrices [..., K, N]; got {jnp.dtype(w.dtype)} {tuple(w.shape)}")
+    if rows:
+        return PanelWeight(_pack_array(jnp.swapaxes(jnp.asarray(w), -1, -2)), int(w.shape[-2]), True)
     return PanelWeight(_pack_array(w), int(w.shape[-1]))
 
 
@@ -106,10 +130,17 @@ def has_panels(tree) -> bool:
 
 
 def pack_params(params: dict) -> dict:
-    """A target's params with every stacked float32 layer matrix ([L, K, N] under "layers") panel-major; norms,
-    biases, the embedding and an untied lm_head stay as they are."""
+    """A target's params with its float32 matrices panel-major: every stacked layer matrix ([L, K, N] under
+    "layers"), the output projection -- an untied lm_head [D, V], or else the tied embedding [V, D] as rows (its
+    lookups gather rows back out; an untied model's embedding is only looked up and stays as it is). Norms and
+    biases stay as they are."""
     out = dict(params)
-    out["layers"] = {k: pack(v) if _packable(v) else v for k, v in params["layers"].items()}
+    out["layers"] = {k: pack(v) if _packable(v, 3) else v for k, v in params["layers"].items()}
+    if "lm_head" in params:
+        if _packable(params["lm_head"], 2):
+            out["lm_head"] = pack(params["lm_head"])
+    elif _packable(params["embed"], 2):
+        out["embed"] = pack(params["embed"], rows=True)
     return out
 
 
@@ -118,8 +149,8 @@ def unpack_params(tree):
     return jax.tree.map(unpack, tree, is_leaf=is_panels)
 
 
-def _packable(v) -> bool:
-    return isinstance(v, PanelWeight) or (isinstance(v, (jax.Array, np.ndarray)) and v.ndim == 3
+def _packable(v, ndim: int) -> bool:
+    return isinstance(v, PanelWeight) or (isinstance(v, (jax.Array, np.ndarray)) and v.ndim == ndim
                                           and jnp.dtype(v.dtype) == jnp.float32)
 
 

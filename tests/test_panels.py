@@ -37,8 +37,31 @@ def test_pack_rejects_what_it_cannot_hold():
         panels.pack(jnp.zeros((4, 8), jnp.bfloat16))
     with pytest.raises(ValueError, match="float32 matrices"):
         panels.pack(jnp.zeros((8,), jnp.float32))
-    with pytest.raises(ValueError, match="cannot be used as rows"):
+    with pytest.raises(ValueError, match="layout does not match"):
         layers.linear(jnp.ones((1, 8)), panels.pack(jnp.ones((8, 4))), transposed=True)
+    with pytest.raises(ValueError, match="layout does not match"):
+        layers.linear(jnp.ones((1, 4)), panels.pack(jnp.ones((8, 4)), rows=True))
+    with pytest.raises(ValueError, match="rows-layout"):
+        panels.pack(jnp.ones((8, 4))).take(jnp.array([1]))
+
+
+def test_rows_layout_a_tied_embedding():
+    """A tied embedding [V, D] packs as the panels of its transpose: lookups gather its rows back bit for bit,
+    x @ E.T is the panel product (bitwise the row-major kernel's x @ (E.T)), `.T` flips the logical layout."""
+    rng = np.random.default_rng(4)
+    E = jnp.asarray(rng.standard_normal((100, 24)), jnp.float32)  # V = 100: a padded last panel
+    pe = panels.pack(E, rows=True)
+    assert pe.rows and pe.shape == (100, 24) and pe.T.shape == (24, 100) and not pe.T.rows
+    np.testing.assert_array_equal(np.asarray(pe.unpack()), np.asarray(E))
+    np.testing.assert_array_equal(np.asarray(pe.T.unpack()), np.asarray(E.T))
+    ids = jnp.asarray([[0, 47, 48, 99], [5, 5, 96, 1]])
+    np.testing.assert_array_equal(np.asarray(jax.jit(layers.embed)(pe, ids)), np.asarray(E[ids]))
+    x = jnp.asarray(rng.standard_normal((2, 3, 24)), jnp.float32)
+    out = jax.jit(lambda x, w: layers.linear(x, w, transposed=True))(x, pe)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(jnp.einsum("btd,vd->btv", x, E, precision="highest")),
+                               rtol=1e-5, atol=1e-4)
+    if kernels.available():
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(layers.linear)(x, E.T)))
 
 
 @needs_kernel
@@ -86,7 +109,11 @@ def test_gradients_match_the_row_major_weight():
 
 
 def test_pack_params_and_float_views():
-    params = {"embed": jnp.ones((10, 4)), "final_norm": jnp.ones((4,)),
+    tied = panels.pack_params({"embed": jnp.ones((10, 4)), "layers": {}})
+    assert panels.is_panels(tied["embed"]) and tied["embed"].rows  # the output projection of a tied model
+    untied = panels.pack_params({"embed": jnp.ones((10, 4)), "lm_head": jnp.ones((4, 10)), "layers": {}})
+    assert not panels.is_panels(untied["embed"]) and not untied["lm_head"].rows  # lookups only: stays row-major
+    params = {"embed": jnp.ones((10, 4)), "lm_head": jnp.ones((4, 10)), "final_norm": jnp.ones((4,)),
               "layers": {"wq": jnp.ones((2, 4, 6)), "attn_norm": jnp.ones((2, 4)),
                          "w_up": jnp.ones((2, 4, 6), jnp.bfloat16)}}
     packed = panels.pack_params(params)
@@ -114,10 +141,15 @@ def test_load_target_packs_on_cpu_and_is_bitwise_the_row_major_target(tiny_hf_ll
     tok = jnp.asarray(PARITY_TOKENS)
     pos = jnp.arange(tok.shape[1])[None]
     a, b = pan.forward(tok, pos).logits, rows.forward(tok, pos).logits
-    if kernels.available():  # the kernels' products: bitwise; XLA's unpacked dots: float rounding
+    if kernels.available():  # untied: every product is the kernel's x @ W in the same order, so bitwise
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     else:
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    _, tied = tiny_hf_llama(tie=True, name="tied")  # tied: x @ E.T becomes a panel product (another sum order)
+    pt, rt = load_target(tied, panels=True), load_target(tied, panels=False)
+    assert pt.params["embed"].rows and pt.params["embed"].shape == rt.params["embed"].shape
+    np.testing.assert_allclose(np.asarray(pt.forward(tok, pos).logits), np.asarray(rt.forward(tok, pos).logits),
+                               rtol=1e-5, atol=1e-5)
     save_target(pan, tmp_path / "saved")  # saved row-major, as every checkpoint is
     assert_same_target(rows, load_target(tmp_path / "saved", panels=False))
     module = pan.module()  # nnx modules hold row-major float arrays

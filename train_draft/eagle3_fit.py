@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ddd_jax import eagle, eagle3, llama
+from ddd_jax import eagle, eagle3, layers, llama
 from ddd_jax import io as dio
 from ddd_jax.cache import KVCache
 from ddd_jax.checkpoints.ours import save_draft
@@ -139,7 +139,7 @@ def ttt_loss(params, d2t, dcfg: DraftConfig, fcfg: Fit3Config, tparams, tcfg, id
                       aux_layers=eagle3.feature_layers(tcfg))
     aux = jax.lax.stop_gradient(o.aux)
     lm_rows = llama.output_embedding(tparams, tcfg)  # [V, D]
-    full = jnp.einsum("bld,vd->blv", o.hidden, lm_rows, preferred_element_type=jnp.float32)
+    full = layers.linear(o.hidden, lm_rows, transposed=True)  # [B, L, V] float32 (any stored layout)
     in_vocab = jnp.zeros((tcfg.vocab_size,), bool).at[d2t].set(True)
     top_ok = in_vocab[jnp.argmax(full, -1)]  # official position_mask: the target's argmax is drafted
     p_all = jax.lax.stop_gradient(jax.nn.softmax(full[..., d2t], axis=-1))  # [B, L, V'] target_p

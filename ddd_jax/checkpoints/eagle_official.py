@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import eagle
+from .. import eagle, quant
 from .. import io as dio
 from ..config import DraftConfig, normalize_rope
 from .hf import checkpoint_sources, llama_layer_rules
@@ -81,7 +81,7 @@ def compare_embedding(src_embed, target, what: str, mode: str = "warn", rtol: fl
                          f"embedding is {tuple(te.shape)} (head made for a different vocabulary/target?)")
     if mode == "ignore":
         return float("nan")
-    te = np.asarray(te)
+    te = np.asarray(quant.as_float(te))  # a panel-major or GGUF-block embedding: its float values
     diff, scale = 0.0, 0.0
     for i in range(0, te.shape[0], 8192):  # row chunks: no full float32 copies of a 7B embedding
         a = np.asarray(src_embed[i:i + 8192], np.float32)
