@@ -6,8 +6,9 @@ there: small-M matrix products that read a stacked weight's layer in place (no p
 once for all rows), and attention over the slots a row may attend only. Products also take float16 weights under
 float32 activations (weight-only storage, e.g. a draft head's: half the bytes, widened exactly as they are read,
 so the result is the float32 product of the widened weights), and GGUF Q4_1 / Q8_0 / Q4_0 blocks (`ddd_jax.quant`:
-dequantized exactly into L1, four rows at a time (eight on AVX-512), then the float32 transposed product).
-Everything else, and every machine where the library is missing, cannot be loaded or the CPU lacks
+dequantized exactly into L1, four rows at a time (eight on AVX-512), then the float32 transposed product), and
+panel-major float32 weights (`ddd_jax.panels`: every panel one contiguous stream, any number of rows; bitwise the
+row-major product). Everything else, and every machine where the library is missing, cannot be loaded or the CPU lacks
 AVX2/FMA/F16C, takes XLA (one stderr line when the library is missing or broken). `DDD_JAX_NO_KERNELS=1`
 disables them. On CPUs with AVX-512 (F/VL/BW/DQ), x @ W products of 3 to 85 rows (tree verification), GGUF-block
 products and attention use 16-wide vectors (`avx512()`; bit-identical results, `DDD_JAX_NO_AVX512=1` keeps AVX2).
@@ -27,6 +28,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from .panels import pack, unpack_array
 
 TARGETS = {"ddd_linear": "DddLinear", "ddd_linear_f16": "DddLinearF16", "ddd_linear_blocks": "DddLinearBlocks",
            "ddd_linear_panels": "DddLinearPanels", "ddd_attention": "DddAttention"}
@@ -225,7 +228,6 @@ def _panels_call(x2, w4, layer, n):
 
 def _panels_layer(w4, layer, n):
     """Layer `layer` of stacked panels w4 [L, P, K, PANEL], unpacked: [K, n] float32."""
-    from .panels import unpack_array
     return unpack_array(jax.lax.dynamic_index_in_dim(w4, layer, 0, keepdims=False), n)
 
 
@@ -243,7 +245,6 @@ def _panels_fwd(x2, w4, layer, n):
 
 
 def _panels_bwd(n, res, g):  # XLA products (training never needs the kernel)
-    from .panels import pack
     x2, w4, layer = res
     gx = jnp.dot(g, _panels_layer(w4, layer, n).T, preferred_element_type=jnp.float32)
     gw4 = jnp.zeros_like(w4).at[layer].set(pack(x2.T @ g).data)

@@ -74,17 +74,18 @@ def load_target(path_or_name, dtype=None, mesh=None, gguf_blocks: bool = False, 
 
 
 def _with_panels(target: Target, panels: bool | None) -> Target:
+    """`target` with panel-major matrices where `panels` (load_target's argument) asks for them and they apply."""
     from .. import panels as P
     if panels is False:
         return target
     why = ("it is sharded over a mesh" if target.mesh is not None else
            "it keeps GGUF blocks" if quant.has_blocks(target.params["layers"]) else
            "its weights are not float32" if jnp.dtype(target.params["embed"].dtype) != jnp.float32 else None)
-    if why is None and panels is None and not P.auto():
-        return target
     if why is not None:
         if panels:
             raise ValueError(f"panels=True: target {target.name!r} cannot be stored panel-major: {why}")
+        return target
+    if panels is None and not P.auto():
         return target
     return dataclasses.replace(target, params=P.pack_params(target.params))
 
