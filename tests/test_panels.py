@@ -1,12 +1,9 @@
 """Panel-major float32 weights (`ddd_jax.panels`): the layout round-trips, the kernel's product is bitwise the
-row-major kernel's (every row count, padded last panels, both ISA paths), rows stay independent of the rows beside
-them, gradients and the XLA fallback match, and `load_target` packs by default on CPU and unpacks wherever a float
-array is wanted (saving, nnx modules)."""
+row-major kernel's (every row count, padded last panels; AVX-512 against AVX2 in
+`test_kernels.test_avx512_and_avx2_products_are_bitwise_equal`), rows stay independent of the rows beside them,
+gradients and the XLA fallback match, and `load_target` packs by default on CPU and unpacks wherever a float array
+is wanted (saving, nnx modules)."""
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -158,34 +155,3 @@ def test_load_target_packs_on_cpu_and_is_bitwise_the_row_major_target(tiny_hf_ll
         load_target(path, dtype="bfloat16", panels=True)
     with pytest.raises(ValueError, match="panels must be"):
         load_target(path, panels="yes")
-
-
-PATHS = """
-import sys, jax, jax.numpy as jnp, numpy as np
-from ddd_jax import kernels, panels
-rng = np.random.default_rng(11)
-out = {"avx512": np.array(kernels.avx512())}
-for K, N in ((576, 1536), (1536, 576), (576, 192), (33, 200), (100, 37)):
-    pw = panels.pack(jnp.asarray(rng.standard_normal((2, K, N)), jnp.float32))
-    for M in (1, 2, 3, 5, 8, 13, 64, 100):
-        x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
-        out[f"{K}-{N}-{M}"] = np.asarray(jax.jit(lambda x, d: kernels.product_panels(x, d, N, 1))(x, pw.data))
-np.savez(sys.argv[1], **out)
-"""
-
-
-@needs_kernel
-def test_avx512_and_avx2_panel_products_are_bitwise_equal(tmp_path):
-    """On AVX-512 CPUs panels take 16-wide 8 x 48 tiles, on AVX2 two 24-column halves: the same fma chains per
-    element, so the same bits. Where the CPU has no AVX-512 both runs take AVX2."""
-    runs = {}
-    for flag in ("0", "1"):
-        path = tmp_path / f"p{flag}.npz"
-        r = subprocess.run([sys.executable, "-c", PATHS, str(path)], capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "DDD_JAX_NO_AVX512": flag})
-        assert r.returncode == 0, r.stderr
-        runs[flag] = dict(np.load(path))
-    assert not runs["1"].pop("avx512")
-    runs["0"].pop("avx512")
-    for key, got in runs["0"].items():
-        assert np.array_equal(got, runs["1"][key]), f"AVX-512 and AVX2 panel products differ at {key}"
