@@ -3,18 +3,19 @@
 A decoder matrix [..., K, N] (x @ w: wq, wk, wv, wo, w_gate, w_up, w_down) is stored as [..., P, K, PANEL] with
 P = ceil(N / PANEL): panel p holds columns [PANEL p, PANEL p + PANEL) row by row, zeros past N. A product then reads
 each panel's K rows as one contiguous run of memory -- a few sequential streams the hardware prefetchers follow --
-where the row-major [K, N] layout is read as KB rows N floats apart. On the 2-core Xeon VM, 30 SmolLM2-sized layers
-streamed from memory take 20.0 -> 14.7 ms at one row and 26.8 -> 21.9 ms at 16 (the bench numbers are in README).
+where the row-major [K, N] layout is read as KB rows N floats apart. On the 2-core Xeon VM the products of 30
+SmolLM2-sized layers streamed from memory take 19.5-19.8 -> 13.8-13.9 ms at one row and 26.7-27.0 -> 19.6-20.0 ms at
+16 (the bench numbers are in README).
 
 The kernel (`kernels.product_panels`) reduces every output element in the same order as the row-major kernel, so
 a product is bitwise the unpacked weight's product, for every number of rows: decoding and tree verification stay
 token-identical. llama.cpp repacks its CPU weights at load the same way. Off CPU (and without the kernel library)
 the weight is unpacked by XLA for the product; gradients go through XLA too.
 
-`load_target(..., panels=None)` packs a float32 target's layer matrices when the CPU kernel runs (the CPU backend,
-no mesh); `panels=False` keeps the row-major arrays. Wherever a float array is wanted (saving, the PyTorch
-counterpart, nnx modules) `unpack` / `unpack_params` (and `quant.as_float` / `quant.dequantize_tree`) give the
-logical [..., K, N] weight back.
+`load_target(..., panels=None)` packs a float32 target's layer matrices and its output projection (a tied embedding
+as rows: the panels of its transpose) when the CPU kernel runs (the CPU backend, no mesh); `panels=False` keeps the
+row-major arrays. Wherever a float array is wanted (saving, the PyTorch counterpart, nnx modules) `unpack` /
+`unpack_params` (and `quant.as_float` / `quant.dequantize_tree`) give the logical weight back.
 """
 from __future__ import annotations
 

@@ -281,8 +281,9 @@ DDD_AVX2 void nn_chunk(const float* x, const W* w, float* out, int64_t M, int64_
 // `ddd_jax.panels`), so a panel's K block is one contiguous run of memory and a product reads the weight as a few
 // sequential streams -- what the hardware prefetchers follow -- instead of KB rows N floats apart. Each output
 // element is the same fma chain over k = 0, 1, ... as nn_chunk's, so the product is bitwise the unpacked
-// weight's, for every M. 30 SmolLM2-sized layers streamed from memory on the 2-core Xeon VM (runs/s12):
-// 1 row 20.0 -> 14.7 ms, 4 rows 21.3 -> 16.0 ms, 16 rows 26.8 -> 21.9 ms.
+// weight's, for every M. The seven products of 30 SmolLM2-sized layers streamed from memory on the 2-core Xeon VM
+// (two alternating runs): 1 row 19.5-19.8 -> 13.8-13.9 ms, 5 rows 20.6-20.7 -> 15.5-15.7 ms, 16 rows 26.7-27.0 ->
+// 19.6-20.0 ms.
 constexpr int64_t kPanelAhead = 16;  // K rows a panel's first row tile prefetches ahead (AVX-512; 8/32: slower)
 constexpr int64_t kPanelRows = 64;   // rows per pass: 64 x 48 accumulators fit the tile
 
