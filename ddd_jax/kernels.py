@@ -125,13 +125,17 @@ def _xla(x2, w3, layer, trans: bool):
     return jnp.dot(x2, w.T if trans else w, preferred_element_type=jnp.float32)
 
 
-def _product_impl(x2, w3, layer, trans):
-    return jax.lax.platform_dependent(x2, w3, layer, cpu=lambda a, b, c: _call(a, b, c, trans),
-                                      default=lambda a, b, c: _xla(a, b, c, trans))
+def _kernel_product(call, xla, bwd):
+    """The differentiable product (x2 [M, K], w, layer, static) -> [M, N] of one kernel: the FFI `call` on CPU and
+    `xla` elsewhere (one `platform_dependent`), with `bwd(static, (x2, w, layer), g)` as its VJP (XLA products:
+    training never needs the kernel)."""
+    def impl(x2, w, layer, static):
+        return jax.lax.platform_dependent(x2, w, layer, cpu=lambda a, b, c: call(a, b, c, static),
+                                          default=lambda a, b, c: xla(a, b, c, static))
 
-
-def _product_fwd(x2, w3, layer, trans):
-    return _product_impl(x2, w3, layer, trans), (x2, w3, layer)
+    op = jax.custom_vjp(impl, nondiff_argnums=(3,))
+    op.defvjp(lambda x2, w, layer, static: (impl(x2, w, layer, static), (x2, w, layer)), bwd)
+    return op
 
 
 def _product_bwd(trans, res, g):  # XLA products (training never needs the kernel)
@@ -143,8 +147,7 @@ def _product_bwd(trans, res, g):  # XLA products (training never needs the kerne
     return gx.astype(x2.dtype), gw3, None
 
 
-_product = jax.custom_vjp(_product_impl, nondiff_argnums=(3,))
-_product.defvjp(_product_fwd, _product_bwd)
+_product = _kernel_product(_call, _xla, _product_bwd)
 
 
 def product(x, w, layer=None, trans: bool = False):
@@ -189,22 +192,12 @@ def _blocks_xla(x2, b3, layer, kind):
     return jnp.einsum("mk,nk->mn", x2, _layer_rows(b3, layer, kind), preferred_element_type=jnp.float32)
 
 
-def _blocks_impl(x2, b3, layer, kind):
-    return jax.lax.platform_dependent(x2, b3, layer, cpu=lambda a, b, c: _blocks_call(a, b, c, kind),
-                                      default=lambda a, b, c: _blocks_xla(a, b, c, kind))
-
-
-def _blocks_fwd(x2, b3, layer, kind):
-    return _blocks_impl(x2, b3, layer, kind), (b3, layer)
-
-
 def _blocks_bwd(kind, res, g):  # d/dx only: the blocks are constants
-    b3, layer = res
+    _, b3, layer = res
     return jnp.dot(g, _layer_rows(b3, layer, kind), preferred_element_type=jnp.float32), None, None
 
 
-_blocks = jax.custom_vjp(_blocks_impl, nondiff_argnums=(3,))
-_blocks.defvjp(_blocks_fwd, _blocks_bwd)
+_blocks = _kernel_product(_blocks_call, _blocks_xla, _blocks_bwd)
 
 
 def product_blocks(x, blocks, kind: str, layer=None):
@@ -235,24 +228,14 @@ def _panels_xla(x2, w4, layer, n):
     return jnp.dot(x2, _panels_layer(w4, layer, n), preferred_element_type=jnp.float32)
 
 
-def _panels_impl(x2, w4, layer, n):
-    return jax.lax.platform_dependent(x2, w4, layer, cpu=lambda a, b, c: _panels_call(a, b, c, n),
-                                      default=lambda a, b, c: _panels_xla(a, b, c, n))
-
-
-def _panels_fwd(x2, w4, layer, n):
-    return _panels_impl(x2, w4, layer, n), (x2, w4, layer)
-
-
-def _panels_bwd(n, res, g):  # XLA products (training never needs the kernel)
+def _panels_bwd(n, res, g):
     x2, w4, layer = res
     gx = jnp.dot(g, _panels_layer(w4, layer, n).T, preferred_element_type=jnp.float32)
     gw4 = jnp.zeros_like(w4).at[layer].set(pack(x2.T @ g).data)
     return gx, gw4, None
 
 
-_panels = jax.custom_vjp(_panels_impl, nondiff_argnums=(3,))
-_panels.defvjp(_panels_fwd, _panels_bwd)
+_panels = _kernel_product(_panels_call, _panels_xla, _panels_bwd)
 
 
 def product_panels(x, data, n: int, layer=None):

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .panels import is_panels, unpack
+from .panels import has_panels, is_panels, unpack
 
 BLOCK = 32
 KINDS = {"q4_1": (0, 20), "q8_0": (1, 34), "q4_0": (2, 18)}  # name -> (the kernel's `kind` attribute, bytes a block)
@@ -170,7 +170,7 @@ def describe(tree) -> str:
     if kinds:
         return "gguf blocks " + "+".join(kinds)
     floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-    layout = " (panels)" if any(is_panels(x) for x in jax.tree.leaves(tree, is_leaf=is_panels)) else ""
+    layout = " (panels)" if has_panels(tree) else ""
     return str(floats[0].dtype) + layout if floats else "none"
 
 
