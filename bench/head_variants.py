@@ -4,7 +4,9 @@ speed-ups share one stretch of the host.
 
     python bench/head_variants.py N START [--weights float,blocks] VARIANT [VARIANT ...]
     VARIANT = name:dtype:method:top_k:total_tokens:depth:checks:threshold:max_depth[:head]
+            | name:dtype:tuned[:head]   (DDD with the settings `generate` resolves for the head: `cpu.json` here)
     e.g. python bench/head_variants.py 20 0 ddd32:float32:ddd:4:4:2:1/3/5:-1:6 ddd16:float16:ddd:4:4:2:1/3/5:-1:6
+         python bench/head_variants.py 40 0 ddd16:float16:tuned ddd8:q8_0:tuned
 
 MT-bench first turns [START, START+N) with the chat template, 64 new tokens, greedy; SmolLM2-135M-Instruct and the
 shipped head (or `head`: a head directory, to compare candidate heads in one run); every variant compiled for
@@ -42,14 +44,19 @@ def main(argv) -> int:
             if spec is None:
                 runs[key] = dict(target=target, draft=None, method="vanilla", base=key)
                 continue
-            if len(spec) not in (8, 9):
-                raise SystemExit(f"variant {name}: want 9 or 10 ':'-separated fields, got {len(spec) + 1}")
-            dtype, method, k, N, d, checks, x, depth = spec[:8]
-            head_name = spec[8] if len(spec) == 9 else "smollm2-135m-instruct-eagle"
+            tuned = len(spec) in (2, 3) and spec[1] == "tuned"
+            if not tuned and len(spec) not in (8, 9):
+                raise SystemExit(f"variant {name}: want 9 or 10 ':'-separated fields (or name:dtype:tuned[:head]), "
+                                 f"got {len(spec) + 1}")
+            head_name = spec[-1] if len(spec) in (3, 9) else "smollm2-135m-instruct-eagle"
             if head_name not in heads:
                 heads[head_name] = dj.load_draft(head_name, target)
-            runs[key] = dict(target=target, draft=heads[head_name].astype(dtype), method=method,
-                             base="vanilla" if len(targets) == 1 else f"vanilla/{w}",
+            base = "vanilla" if len(targets) == 1 else f"vanilla/{w}"
+            if tuned:  # tree and DDD settings resolved by generate (the head's tuned settings for this backend)
+                runs[key] = dict(target=target, draft=heads[head_name].astype(spec[0]), method="ddd", base=base)
+                continue
+            dtype, method, k, N, d, checks, x, depth = spec[:8]
+            runs[key] = dict(target=target, draft=heads[head_name].astype(dtype), method=method, base=base,
                              tree=dj.TreeConfig(top_k=int(k), total_tokens=int(N), depth=int(d)),
                              ddd=dj.DDDConfig(check_steps=tuple(int(c) for c in checks.split("/")),
                                               threshold=float(x), max_depth=int(depth)))

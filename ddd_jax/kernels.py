@@ -32,7 +32,8 @@ import numpy as np
 from .panels import pack, unpack_array
 
 TARGETS = {"ddd_linear": "DddLinear", "ddd_linear_f16": "DddLinearF16", "ddd_linear_blocks": "DddLinearBlocks",
-           "ddd_linear_panels": "DddLinearPanels", "ddd_attention": "DddAttention"}
+           "ddd_linear_panels": "DddLinearPanels", "ddd_linear_panels_greedy": "DddLinearPanelsGreedy",
+           "ddd_attention": "DddAttention"}
 WEIGHT_DTYPES = (jnp.float32, jnp.float16)  # float16: weight-only storage, widened exactly to float32 on load
 MAX_ROWS = 128  # beyond this (prefill, training) XLA's GEMM is the better product
 _state: dict = {}
@@ -249,6 +250,37 @@ def product_panels(x, data, n: int, layer=None):
     impl = _panels if available() and x.dtype == jnp.float32 else _panels_xla
     out = impl(x.reshape(-1, K).astype(jnp.float32), w4, layer, n)
     return out.reshape(*x.shape[:-1], n)
+
+
+def _panels_greedy_call(x2, w4, layer, n):
+    M = x2.shape[0]
+    call = jax.ffi.ffi_call("ddd_linear_panels_greedy", (jax.ShapeDtypeStruct((M, n), jnp.float32),
+                                                         jax.ShapeDtypeStruct((M,), jnp.int32)),
+                            vmap_method="sequential")
+    return call(x2, w4, layer)
+
+
+def greedy_panels(x, data, n: int, first_max):
+    """`product_panels(x, data, n)` and each row's greedy token in one kernel call (on CPU, when available): returns
+    (logits [..., n] float32, tokens [...] int32), the tokens equal to `first_max(logits)` -- `verify.greedy_token`:
+    the first maximum, n - 1 for a row holding a NaN -- which is what runs elsewhere. For greedy decoding's lm_head:
+    the kernel scans each column chunk while it is in cache instead of XLA's passes over the logits afterwards. Not
+    differentiable (decoding only)."""
+    w4 = data if data.ndim == 4 else data[None]
+    layer = jnp.zeros((), jnp.int32)
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K).astype(jnp.float32)
+
+    def xla(a, b, c):
+        logits = _panels_xla(a, b, c, n)
+        return logits, first_max(logits)
+
+    if available() and x.dtype == jnp.float32:
+        logits, ids = jax.lax.platform_dependent(x2, w4, layer, cpu=lambda a, b, c: _panels_greedy_call(a, b, c, n),
+                                                 default=xla)
+    else:
+        logits, ids = xla(x2, w4, layer)
+    return logits.reshape(*x.shape[:-1], n), ids.reshape(x.shape[:-1])
 
 
 # ----------------------------------------------------------------------------------------------- attention

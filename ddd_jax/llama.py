@@ -27,10 +27,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from . import kernels
 from . import layers as L
 from .cache import KVCache, init_cache
 from .config import ModelConfig
+from .panels import PanelWeight
 from .quant import BlockWeight
+from .verify import greedy_token
 
 
 class Output(NamedTuple):
@@ -38,6 +41,7 @@ class Output(NamedTuple):
     hidden: jax.Array  # [B, T, D] final-normed features
     cache: KVCache | None
     aux: jax.Array | None = None  # [B, T, A*D] residual stream entering each of `aux_layers` (EAGLE-3 features)
+    greedy: jax.Array | None = None  # [B, T] int32 (or [B, R]) greedy tokens of the logits (forward(greedy=True))
 
 
 def layer_shapes(cfg: ModelConfig, n_layers: int, input_norm: bool = True) -> dict:
@@ -208,8 +212,19 @@ def lm_head(params, cfg: ModelConfig, hidden):
     return L.linear(hidden, params["lm_head"], f32=True)
 
 
+def lm_head_greedy(params, cfg: ModelConfig, hidden):
+    """(logits [..., V] float32, greedy tokens [...] int32): `lm_head` and `verify.greedy_token` of its logits. With a
+    panel-major output projection on CPU one kernel call computes both (the same logits, bitwise; the tokens found
+    while each column chunk is in cache), sparing greedy decoding XLA's passes over [..., V] logits."""
+    w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    if isinstance(w, PanelWeight):  # tied: panels of embed.T (rows layout); untied: panels of lm_head [D, V]
+        return kernels.greedy_panels(hidden, w.data, w.n, greedy_token)
+    logits = lm_head(params, cfg, hidden)
+    return logits, greedy_token(logits)
+
+
 def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None = None, attn_mask=None,
-            logit_index=None, return_logits: bool = True, aux_layers: tuple = ()) -> Output:
+            logit_index=None, return_logits: bool = True, aux_layers: tuple = (), greedy: bool = False) -> Output:
     """Target forward.
 
     tokens, positions: [B, T] int32. attn_mask: [B, T, T] bool over the new tokens (default causal);
@@ -219,7 +234,8 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None =
     prompt token), saving the vocab projection elsewhere. Shapes are static; the caller guarantees
     length + T <= capacity (`generate` checks it on the host). aux_layers (static tuple of layer indices,
     e.g. `eagle3.feature_layers(cfg)`): Output.aux [B, T, A*D] holds the residual stream entering each of them
-    (transformers' `hidden_states[i]`), concatenated in the given order, from this same pass.
+    (transformers' `hidden_states[i]`), concatenated in the given order, from this same pass. greedy (static): also
+    Output.greedy, the greedy token of each logits row (`lm_head_greedy`; needs return_logits).
     """
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
@@ -245,11 +261,13 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None =
     hidden = L.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if new_cache is not None:
         new_cache = KVCache(k=new_cache.k, v=new_cache.v, length=cache.length + T)
-    logits = None
+    logits = ids = None
+    if greedy and not return_logits:
+        raise ValueError("forward: greedy=True needs return_logits=True")
     if return_logits:
         h = hidden if logit_index is None else jnp.take_along_axis(hidden, logit_index[..., None], axis=1)
-        logits = lm_head(params, cfg, h)
-    return Output(logits=logits, hidden=hidden, cache=new_cache, aux=aux)
+        logits, ids = lm_head_greedy(params, cfg, h) if greedy else (lm_head(params, cfg, h), None)
+    return Output(logits=logits, hidden=hidden, cache=new_cache, aux=aux, greedy=ids)
 
 
 def new_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:

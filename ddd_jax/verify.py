@@ -61,10 +61,12 @@ def _emitted(tokens, path, n, bonus, M: int):
     return nxt.at[n - 1].set(bonus).astype(jnp.int32)
 
 
-def accept_greedy(tree: Tree, logits, M: int) -> Accept:
-    """A node is accepted iff its token is the argmax of its parent's logits and its parent is accepted."""
-    def one(tokens, parent, anc, depth, valid, lg):
-        pred = greedy_token(lg)  # [N]
+def accept_greedy(tree: Tree, logits, M: int, pred=None) -> Accept:
+    """A node is accepted iff its token is the argmax of its parent's logits and its parent is accepted.
+    pred: optional [B, N] int32 greedy tokens of `logits` (`greedy_token(logits)`), when the forward computed them."""
+    pred = greedy_token(logits) if pred is None else pred
+
+    def one(tokens, parent, anc, depth, valid, pred):  # pred [N]
         correct = (tokens == pred[parent]) & valid
         correct = correct.at[0].set(True)
         accepted = ~jnp.any(anc & ~correct[None, :], axis=-1)  # all ancestors-or-self correct (matmul-free)
@@ -73,7 +75,7 @@ def accept_greedy(tree: Tree, logits, M: int) -> Accept:
         path = _path_from(deepest, anc, depth, M)
         return Accept(path=path, n=n.astype(jnp.int32), emitted=_emitted(tokens, path, n, pred[deepest], M))
 
-    return jax.vmap(one)(tree.tokens, tree.parent, tree.anc, tree.depth, tree.valid, logits)
+    return jax.vmap(one)(tree.tokens, tree.parent, tree.anc, tree.depth, tree.valid, pred)
 
 
 def accept_sample(tree: Tree, logits, key, temperature: float, top_p: float, M: int) -> Accept:

@@ -79,6 +79,42 @@ def test_product_is_bitwise_the_row_major_kernels(K, N):
     np.testing.assert_allclose(np.asarray(f_pan(x, pw.data)), np.asarray(x @ w[1]), rtol=2e-5, atol=2e-4)
 
 
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_greedy_product_is_the_first_maximum_of_its_logits(use_kernel):
+    """`kernels.greedy_panels` (the lm_head of greedy decoding): the logits are bitwise the panel product's, the
+    tokens are `greedy_token` of them -- ties to the lowest index within a column chunk and across chunks, a row
+    with a NaN gives N - 1 -- for 1 to 65 rows (several 64-row passes) and a padded last panel; and XLA's path
+    (no kernel) answers the same."""
+    from ddd_jax.verify import greedy_token
+    if use_kernel and not kernels.available():
+        pytest.skip("CPU kernel library not built / not supported")
+    rng = np.random.default_rng(7)
+    K, N = 40, 4810  # 101 panels, the last padded: several column chunks per thread
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    for M in (1, 5, 7, 65):
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        top = np.argmax(x @ w, axis=1)
+        wt = w.copy()
+        # exact ties: copy row 0's best column to an earlier and a later column (another chunk); the same weights
+        # and the same fma order give the same bits, so the first copy must win
+        wt[:, 17] = w[:, top[0]]
+        wt[:, N - 3] = w[:, top[0]]
+        if M > 2:
+            x[2, 5] = np.nan  # a NaN row: every logit NaN -> N - 1
+        pw = panels.pack(jnp.asarray(wt), rows=False)
+        with kernels.enabled(use_kernel):
+            logits, ids = jax.jit(lambda x, d: kernels.greedy_panels(x, d, N, greedy_token))(jnp.asarray(x), pw.data)
+            ref = jax.jit(lambda x, d: kernels.product_panels(x, d, N))(jnp.asarray(x), pw.data)
+        np.testing.assert_array_equal(np.asarray(logits), np.asarray(ref), err_msg=f"M={M}")
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(greedy_token(ref)), err_msg=f"M={M}")
+        assert int(ids[0]) == 17
+        if M > 2:
+            assert int(ids[2]) == N - 1
+    x3 = jnp.asarray(rng.standard_normal((2, 3, K)), jnp.float32)  # leading dims kept
+    logits, ids = kernels.greedy_panels(x3, panels.pack(jnp.asarray(w)).data, N, greedy_token)
+    assert logits.shape == (2, 3, N) and ids.shape == (2, 3) and ids.dtype == jnp.int32
+
+
 def test_xla_fallback_and_linear_dispatch():
     rng = np.random.default_rng(2)
     w = jnp.asarray(rng.standard_normal((2, 100, 47)), jnp.float32)
@@ -138,6 +174,11 @@ def test_load_target_packs_on_cpu_and_is_bitwise_the_row_major_target(tiny_hf_ll
     tok = jnp.asarray(PARITY_TOKENS)
     pos = jnp.arange(tok.shape[1])[None]
     a, b = pan.forward(tok, pos).logits, rows.forward(tok, pos).logits
+    from ddd_jax import llama
+    from ddd_jax.verify import greedy_token
+    g = jax.jit(lambda p, t, q: llama.forward(p, pan.config, t, q, greedy=True))(pan.params, tok, pos)
+    np.testing.assert_array_equal(np.asarray(g.logits), np.asarray(a))  # greedy=True: the same logits, bitwise,
+    np.testing.assert_array_equal(np.asarray(g.greedy), np.asarray(greedy_token(a)))  # and their greedy tokens
     if kernels.available():  # untied: every product is the kernel's x @ W in the same order, so bitwise
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     else:
@@ -147,6 +188,8 @@ def test_load_target_packs_on_cpu_and_is_bitwise_the_row_major_target(tiny_hf_ll
     assert pt.params["embed"].rows and pt.params["embed"].shape == rt.params["embed"].shape
     np.testing.assert_allclose(np.asarray(pt.forward(tok, pos).logits), np.asarray(rt.forward(tok, pos).logits),
                                rtol=1e-5, atol=1e-5)
+    gt = llama.forward(pt.params, pt.config, tok, pos, greedy=True)  # the tied projection: the same greedy kernel
+    np.testing.assert_array_equal(np.asarray(gt.greedy), np.asarray(greedy_token(pt.forward(tok, pos).logits)))
     save_target(pan, tmp_path / "saved")  # saved row-major, as every checkpoint is
     assert_same_target(rows, load_target(tmp_path / "saved", panels=False))
     module = pan.module()  # nnx modules hold row-major float arrays
