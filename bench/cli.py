@@ -102,6 +102,9 @@ def add_parser(subparsers) -> None:
                    help="only measure target forward time vs tokens verified (1..64) and draft step time")
     b.add_argument("--cost-sizes", type=_ints, default=(1, 2, 4, 8, 16, 32, 64))
     b.add_argument("--cost-context", type=int, default=256, help="tokens already in the KV cache")
+    b.add_argument("--op-profile", action="store_true",
+                   help="only profile the decode loops op by op (jax.profiler) for --methods (default vanilla,"
+                        "ddd-device) on --limit prompts: ms per target call by group and by HLO op")
     b.set_defaults(func=run_bench)
 
     t = subparsers.add_parser("tune", help="search tree / DDD settings and write ddd_jax/settings/<backend>.json",
@@ -237,10 +240,35 @@ def run_acceptance(args, tree, ddd, source, out) -> int:
     return 0 if all(r["identical"] == r["prompts"] for r in res.values()) else 1
 
 
+def run_op_profile(args, tree, ddd, source, out) -> int:
+    """--op-profile: each method's decode loop under jax.profiler, op by op (`bench/op_profile.py`)."""
+    from . import report
+    from .op_profile import op_profile, table
+    from .run import build_prompt, environment, normalize_prompts, parse_method, split_methods
+    specs = [parse_method(m, tree, ddd) for m in split_methods(args.methods or "vanilla,ddd-device")]
+    bad = [s.label for s in specs if s.sync == "host" or s.loop == "host"]
+    if bad:
+        raise SystemExit(f"--op-profile profiles the on-device decode loop; {bad} run host loops")
+    target, draft, draft_name = load_models(args, need_draft=any(s.method != "vanilla" for s in specs))
+    ids = [build_prompt(target, p, 0, []) for p in normalize_prompts(load_prompts(args))]
+    results = []
+    for spec in specs:
+        kw = {} if spec.method == "vanilla" else {"tree": spec.tree, "ddd": spec.ddd}
+        res = op_profile(target, draft if spec.method != "vanilla" else None, ids, spec.method, spec.sync,
+                         args.max_new_tokens, trace_dir=str(out / "trace" / spec.label.replace("/", "_")), **kw)
+        res["label"] = spec.label
+        results.append(res)
+        print(table(res) + "\n", flush=True)
+    report.write_json({"draft": draft_name, "settings_source": source, "max_new_tokens": args.max_new_tokens,
+                       "prompts": len(ids), "env": environment(), "results": results}, out / "op_profile.json")
+    print(f"wrote {out}/op_profile.json (traces under {out}/trace)")
+    return 0
+
+
 def run_bench(args) -> int:
     from . import plots, report
     from .run import DEFAULT_METHODS, run_benchmark, split_methods
-    out = _out_dir(args, "cost-curve" if args.cost_curve else "bench")
+    out = _out_dir(args, "cost-curve" if args.cost_curve else "op-profile" if args.op_profile else "bench")
     if args.cost_curve:
         from ddd_jax.settings import load_settings
         from .cost import cost_curve
@@ -260,6 +288,8 @@ def run_bench(args) -> int:
     tree, ddd, source = resolve_configs(args)
     if args.acceptance_only:
         return run_acceptance(args, tree, ddd, source, out)
+    if args.op_profile:
+        return run_op_profile(args, tree, ddd, source, out)
     methods = split_methods(args.methods) if args.methods else list(DEFAULT_METHODS)
     if args.sweep:
         methods += [m for m in sweep_methods(tree, ddd, args.sweep_thresholds, args.sweep_checks) if m not in methods]

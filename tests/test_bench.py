@@ -320,3 +320,42 @@ def test_cli_bench_smollm2_two_turns(tmp_path, smollm2_by_name):
     assert r["records"][1]["turn"] == 2 and "text" in r["records"][1]["runs"]["vanilla"]
     assert r["identity"]["methods"]["ddd-device"]["compared"] == 2
     assert (out / "bench.md").is_file() and (out / "speedup_tau.png").is_file()
+
+
+def test_hlo_ops_parses_kernels_and_tuples():
+    from ddd_jax.bench.op_profile import group, hlo_ops
+    text = """
+  %ffi_call.7 = f32[7,1536]{1,0} custom-call(%a, %b), custom_call_target="ddd_linear_panels", api_version=X
+  ROOT %ffi_call.9 = (f32[7,128]{1,0}, s32[7]{0}) custom-call(%h, %e), custom_call_target="ddd_linear_panels_greedy"
+  %multiply_fusion.2 = f32[7,96]{1,0} fusion(%x, %y), kind=kLoop, calls=%fused_computation
+"""
+    ops = hlo_ops(text)
+    assert ops == {"ffi_call.7": ("ddd_linear_panels", "f32[7,1536]"),
+                   "ffi_call.9": ("ddd_linear_panels_greedy", "(f32[7,128], s32[7])"),
+                   "multiply_fusion.2": ("fusion", "f32[7,96]")}
+    assert group(*ops["ffi_call.9"], 1.0, 2, 128, 32) == "target lm_head"
+    assert group(*ops["ffi_call.7"], 2.0, 2, 128, 32) == "target layer products"
+    assert group("ddd_linear_f16", "f32[4,32]", 0.9, 2, 128, 32) == "draft vocabulary products"
+    assert group("ddd_linear_f16", "f32[4,64]", 1.0, 2, 128, 32) == "draft head"
+    assert group(*ops["multiply_fusion.2"], 1.0, 2, 128, 32).startswith("other")
+
+
+def test_op_profile_splits_the_decode_loops(tiny, tmp_path):
+    """Vanilla's and DDD's device loops traced op by op: every target layer's ops run num_hidden_layers times a call,
+    the groups sum to the ops' total, DDD also spends time in the draft head; a host loop is refused."""
+    from ddd_jax.bench.op_profile import op_profile, table
+    target, draft = tiny
+    prompts = [p for p in PROMPTS if isinstance(p, list)] * 2
+    for method, d in (("vanilla", None), ("ddd", draft)):
+        kw = {} if method == "vanilla" else {"tree": TREE, "ddd": DDD}
+        res = op_profile(target, d, prompts, method, "device", MAX_NEW, trace_dir=str(tmp_path / method), **kw)
+        assert res["module"] == ("jit__vanilla_loop" if method == "vanilla" else "jit__spec_loop")
+        assert res["target_calls"] > 0 and res["traced_wall_ms_per_call"] > 0
+        assert abs(sum(res["groups"].values()) - res["ops_ms_per_call"]) < 1e-6
+        layer_ops = [r for r in res["ops"] if r["group"].startswith("target layer")]
+        assert layer_ops and all(abs(r["per_call"] - CFG.num_hidden_layers) < 0.5 for r in layer_ops)
+        assert "target lm_head" in res["groups"], res["groups"]
+        assert ("draft head" in res["groups"]) == (method == "ddd")
+        assert "ms per" in table(res)
+    with pytest.raises(RuntimeError, match="never ran the device loop"):
+        op_profile(target, draft, prompts[:1], "ddd", "host", MAX_NEW, warmup=0, tree=TREE, ddd=DDD)

@@ -1,0 +1,170 @@
+"""Where a decode loop's time goes, op by op: `ddd-jax bench --op-profile`.
+
+Runs `generate` on a few prompts under `jax.profiler`, keeps the events of the compiled decode loop
+(`_vanilla_loop` / `_spec_loop`: the whole generation after the prefill, one program), and sums each HLO op's time per
+target call (a token for vanilla, a draft-verify-commit cycle for speculative methods). Each op is named with what the
+compiled HLO says it is (the CPU kernel it calls, its output shape) and put in one of a few groups by that kernel and
+by how often it runs: ops that run once per target layer per call belong to the target's layers; products whose
+output is the vocabulary are the target's lm_head; products onto the draft vocabulary and the head's other products
+are the draft; the rest (tree building, acceptance, the commit, the draft's glue) is "other".
+
+The ops are timed by the profiler (each adds ~1 us of tracing), so read shares and differences between methods of
+one run, not absolute speed: `ddd-jax bench` times the same loops untraced. CPU: the events of the XLA:CPU thunk
+executor's threads; on a GPU, the device's kernel events (a GPU's launch gaps show as the difference between the
+loop's wall time and its ops' sum).
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import importlib
+import re
+import tempfile
+from pathlib import Path
+
+import jax
+
+LOOPS = {"vanilla": "_vanilla_loop"}  # every other method runs _spec_loop
+WRAPPERS = ("ThunkExecutor", "while", "conditional", "call", "ThreadpoolListener")
+_OP = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\([^)]*\)|\S+) (\S+?)\(")  # name = shape (or a tuple) opcode(
+_TARGET = re.compile(r'custom_call_target="([\w.\-]+)"')
+
+
+def hlo_ops(hlo_text: str) -> dict:
+    """{op name: (kind, output shape)} of a compiled HLO module's text; kind is a custom call's target (the CPU
+    kernel) or the HLO opcode."""
+    ops = {}
+    for line in hlo_text.splitlines():
+        m = _OP.match(line)
+        if not m:
+            continue
+        name, shape, opcode = m.groups()
+        t = _TARGET.search(line)
+        ops[name] = (t.group(1) if t else opcode, re.sub(r"\{[^}]*\}", "", shape))
+    return ops
+
+
+def _dims(shape: str) -> list:  # of the (first) array in an HLO shape
+    m = re.search(r"\[([\d,]*)\]", shape)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def group(kind: str, shape: str, per_call: float, n_layers: int, vocab: int, draft_vocab: int | None,
+          has_draft: bool = True) -> str:
+    """The group of one op (see the module docstring): by its kernel, its output's last dimension and its runs per
+    target call. Products with one output column are RMSNorms' sums of squares (`layers.rms_norm`)."""
+    dims = _dims(shape)
+    last = dims[-1] if dims else None
+    product = (kind.startswith("ddd_linear") or kind == "dot") and last != 1
+    if (product or kind == "fusion") and last == vocab:
+        return "target lm_head"
+    if abs(per_call - n_layers) < 0.5 or (per_call >= n_layers and per_call % n_layers < 0.5):
+        if kind == "ddd_attention":
+            return "target attention"
+        return "target layer products" if product else "target layers, other ops"
+    if has_draft and product and draft_vocab and last == draft_vocab:
+        return "draft vocabulary products"
+    if has_draft and (product or kind == "ddd_attention"):
+        return "draft head"
+    return "other (tree, acceptance, commit, draft glue)"
+
+
+def _events(xplane: str, module: str):
+    """(op name, duration ns) of every leaf op of `module` in a trace (device planes when there are any)."""
+    pd = jax.profiler.ProfileData.from_file(xplane)
+    planes = [p for p in pd.planes if p.name.startswith("/device:")] or [p for p in pd.planes if p.name == "/host:CPU"]
+    for plane in planes:
+        for line in plane.lines:
+            if plane.name == "/host:CPU" and not line.name.startswith("tf_XLA"):
+                continue
+            for e in line.events:
+                if e.name.startswith(WRAPPERS):
+                    continue
+                stats = dict((k, v) for k, v in e.stats if k in ("hlo_module", "hlo_op"))
+                if stats.get("hlo_module") == module:
+                    yield stats.get("hlo_op", e.name), e.duration_ns
+
+
+def op_profile(target, draft, prompt_ids: list, method: str, sync: str = "device", max_new_tokens: int = 64,
+               warmup: int = 1, trace_dir: str | None = None, **gen_kw) -> dict:
+    """Profile one method's decode loop over `prompt_ids` (see the module docstring). Returns per-op and per-group
+    ms per target call, the calls, the loop's traced wall time per call and the compiled module's name."""
+    gen = importlib.import_module("ddd_jax.generate")  # the module (the package re-exports the function)
+    loop = LOOPS.get(method, "_spec_loop")
+    captured = {}
+    orig = getattr(gen, loop)
+
+    def spy(*args):  # remember the loop's argument shapes, to compile the same program once more for its HLO
+        if "args" not in captured:
+            captured["args"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                            if isinstance(a, jax.Array) else a, args)
+        return orig(*args)
+
+    kw = dict(max_new_tokens=max_new_tokens, method=method, **gen_kw)
+    if method == "ddd":
+        kw["sync"] = sync
+    setattr(gen, loop, spy)
+    try:
+        for p in prompt_ids[:warmup]:
+            gen.generate(target, draft, p, **kw)
+        tdir = trace_dir or tempfile.mkdtemp(prefix="ddd_jax_op_profile_")
+        calls, decode_s = 0, 0.0
+        jax.profiler.start_trace(tdir)
+        try:
+            for p in prompt_ids:
+                r = gen.generate(target, draft, p, **kw)
+                calls += r.stats["target_calls"]
+                decode_s += r.stats["decode_s"]
+        finally:
+            jax.profiler.stop_trace()
+    finally:
+        setattr(gen, loop, orig)
+    if "args" not in captured:
+        raise RuntimeError(f"op_profile: method {method!r} never ran the device loop {loop} (use sync='device' "
+                           "or 'callback'; the host loop is many small programs)")
+    args = captured["args"]
+    plan = args[2] if loop == "_spec_loop" else args[1]
+    hlo = orig.lower(*args).compile().as_text()
+    ops = hlo_ops(hlo)
+    module = "jit_" + loop
+    found = sorted(glob.glob(str(Path(tdir) / "**" / "*.xplane.pb"), recursive=True))
+    if not found:
+        raise RuntimeError(f"op_profile: no trace written under {tdir}")
+    per_op, count = collections.Counter(), collections.Counter()
+    for name, ns in _events(found[-1], module):
+        per_op[name] += ns
+        count[name] += 1
+    if not per_op:
+        raise RuntimeError(f"op_profile: the trace has no events of {module}")
+    cfg = target.config
+    dvocab = getattr(getattr(draft, "config", None), "draft_vocab_size", None) if draft is not None else None
+    rows = []
+    for name, ns in per_op.most_common():
+        kind, shape = ops.get(name, (name.split(".")[0], "?"))
+        per_call = count[name] / calls
+        rows.append({"op": name, "kind": kind, "shape": shape, "per_call": per_call, "ms": ns / 1e6 / calls,
+                     "group": group(kind, shape, per_call, cfg.num_hidden_layers, cfg.vocab_size, dvocab,
+                                    draft is not None)})
+    groups = collections.Counter()
+    for r in rows:
+        groups[r["group"]] += r["ms"]
+    return {"method": method, "sync": sync if method == "ddd" else None, "module": module, "prompts": len(prompt_ids),
+            "target_calls": calls, "traced_wall_ms_per_call": 1e3 * decode_s / calls,
+            "ops_ms_per_call": sum(r["ms"] for r in rows), "groups": dict(groups.most_common()), "ops": rows,
+            "total_tokens": getattr(plan, "total_tokens", None), "trace_dir": tdir}
+
+
+def table(res: dict, top: int = 12) -> str:
+    """Markdown: the groups, then the `top` ops, ms per target call."""
+    what = "token" if res["method"] == "vanilla" else "cycle"
+    lines = [f"**{res['method']}{'-' + res['sync'] if res['sync'] else ''}**: {res['target_calls']} target calls, "
+             f"traced wall {res['traced_wall_ms_per_call']:.2f} ms per {what}, ops {res['ops_ms_per_call']:.2f} ms",
+             "", f"| group | ms per {what} | share of ops |", "|---|---|---|"]
+    tot = res["ops_ms_per_call"]
+    for g, ms in res["groups"].items():
+        lines.append(f"| {g} | {ms:.2f} | {100 * ms / tot:.1f}% |")
+    lines += ["", f"| op | kernel / opcode | output | runs per {what} | ms per {what} | group |", "|---|---|---|---|---|---|"]
+    for r in res["ops"][:top]:
+        lines.append(f"| {r['op']} | {r['kind']} | {r['shape']} | {r['per_call']:.2f} | {r['ms']:.3f} | {r['group']} |")
+    return "\n".join(lines)
+
