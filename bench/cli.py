@@ -125,7 +125,9 @@ def add_parser(subparsers) -> None:
                    help="context-lookup chain lengths to try after the tree stages, e.g. 0,4 (default 0: none)")
     t.add_argument("--grid-lookup-logp", type=_floats, default=None,
                    help="score per lookup token, when a lookup wins; write with '=': --grid-lookup-logp=-0.1,-0.4")
-    t.add_argument("--settings-file", default=None, help="where to write (default ddd_jax/settings/<backend>.json)")
+    t.add_argument("--settings-file", default=None,
+                   help="where to write (default ddd_jax/settings/<backend>.json; with --gguf-blocks "
+                        "<backend>-blocks.json)")
     t.add_argument("--no-save", action="store_true", help="print and plot, but do not write the settings file")
     t.set_defaults(func=run_tune)
 
@@ -171,8 +173,13 @@ def load_models(args, need_draft: bool = True):
                   "init_draft(target, 0): speeds are plumbing only, acceptance is meaningless", file=sys.stderr)
             draft, name = ddd_jax.init_draft(target, 0), f"random-init (untrained; {DEFAULT_DRAFT} unavailable)"
     draft = cli_draft(draft, getattr(args, "draft_dtype", None), getattr(args, "settings", "none") == "auto",
-                      args.target, args.draft)
+                      args.target, args.draft, storage=_storage(args))
     return target, draft, name
+
+
+def _storage(args) -> str | None:
+    """The settings key of the weights the CLI loads (`ddd_jax.settings.weight_storage`)."""
+    return "blocks" if getattr(args, "gguf_blocks", False) else None
 
 
 def load_prompts(args) -> list:
@@ -192,7 +199,8 @@ def resolve_configs(args, backend: str | None = None):
     """(TreeConfig, DDDConfig, source): library defaults < settings file (--settings auto) < explicit flags.
     backend: whose settings file (default: JAX's default backend)."""
     from ddd_jax.settings import base_configs
-    tree, ddd, source = base_configs(args.target, args.draft, use_tuned=args.settings == "auto", backend=backend)
+    tree, ddd, source = base_configs(args.target, args.draft, use_tuned=args.settings == "auto", backend=backend,
+                                     storage=_storage(args))
     tkw = {k: v for k, v in (("top_k", args.tree_top_k), ("total_tokens", args.total_tokens),
                               ("depth", args.depth)) if v is not None}
     dkw = {k: v for k, v in (("check_steps", args.ddd_checks), ("threshold", args.ddd_threshold),
@@ -278,7 +286,7 @@ def run_bench(args) -> int:
         res["draft"] = draft_name
         from .run import environment
         res["env"] = environment()  # load average, CPU kernels on/off, commit
-        s = load_settings()
+        s = load_settings(storage=_storage(args))
         res["settings"] = s
         report.write_json(res, out / "cost_curve.json")
         plots.plot_cost_curve(res, out / "cost_curve.png", total_tokens=s["tree"]["total_tokens"] if s else None)
@@ -390,7 +398,8 @@ def run_tune(args) -> int:
         if not args.settings_file:
             args.no_save = True
     if not args.no_save:
-        p = save_settings(res["settings"], backend=jax.default_backend(), path=args.settings_file)
+        p = save_settings(res["settings"], backend=jax.default_backend(), path=args.settings_file,
+                          storage=_storage(args))
         print(f"wrote settings {p}")
     print(f"wrote {out}/tune.json, tune.md, tune.png")
     return 0

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import jax
 
 from ddd_jax.config import DDDConfig, TreeConfig, check_tree_for_ddd
-from ddd_jax.settings import save_settings
+from ddd_jax.settings import save_settings, weight_storage
 
 from .run import MethodSpec, environment, method_label, normalize_prompts, parse_method, required_capacity, run_benchmark, \
     _length_bound
@@ -261,7 +261,8 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
                  "eagle2": {"speedup": fin["eagle2"]["speedup"], "tau": fin["eagle2"]["tau"]},
                  "ddd": {"speedup": fin["ddd"]["speedup"], "tau": fin["ddd"]["tau"]},
                  "recommended_method": winner["value"],
-                 "search_space": space.to_dict(), "jax": env["jax"]},
+                 "search_space": space.to_dict(), "jax": env["jax"],
+                 "weight_storage": weight_storage(target) or "float"},
     }
     return {"format": "ddd-jax-tune", "settings": settings, "stages": stages, "env": env,
             "config": {"capacity": capacity, "max_new_tokens": max_new_tokens, "repeat": repeat,
@@ -272,5 +273,6 @@ def tune_and_save(target, draft, prompts, space: SearchSpace | None = None, back
                   path=None, **kw) -> tuple[dict, str]:
     """`tune`, then write the settings file for `backend` (default jax.default_backend())."""
     res = tune(target, draft, prompts, space, **kw)
-    p = save_settings(res["settings"], backend=backend or jax.default_backend(), path=path)
+    p = save_settings(res["settings"], backend=backend or jax.default_backend(), path=path,
+                      storage=weight_storage(target))
     return res, str(p)

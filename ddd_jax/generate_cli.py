@@ -30,7 +30,8 @@ def tree_and_ddd(args):
 
     from .settings import base_configs
     tree, ddd, source = base_configs(args.target, args.draft or DEFAULT_DRAFTS.get(args.target),
-                                     use_tuned=getattr(args, "settings", "none") == "auto")
+                                     use_tuned=getattr(args, "settings", "none") == "auto",
+                                     storage="blocks" if getattr(args, "gguf_blocks", False) else None)
     over = {k: v for k, v in (("top_k", args.top_k), ("total_tokens", args.total_tokens), ("depth", args.depth))
             if v is not None}
     tree = dataclasses.replace(tree, **over) if over else tree
@@ -97,7 +98,8 @@ def run(args) -> int:
             raise ValueError(f"--method {args.method} needs --draft (no packaged head for target {args.target!r})")
         from .settings import cli_draft
         draft = cli_draft(load_draft(name, target) if name else None, args.draft_dtype,
-                          getattr(args, "settings", "none") == "auto", args.target, name)
+                          getattr(args, "settings", "none") == "auto", args.target, name,
+                          storage="blocks" if args.gguf_blocks else None)
     ids = target.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else target.encode(args.prompt)
     kw = dict(max_new_tokens=args.max_new_tokens, tree=tree, ddd=ddd, temperature=args.temperature,
               top_p=args.top_p, seed=args.seed)

@@ -224,6 +224,33 @@ def test_settings_file(tmp_path, monkeypatch):
         save_settings({**good, "draft_dtype": "float8"}, backend="cpu")
 
 
+def test_settings_keyed_by_weight_storage(tmp_path, monkeypatch):
+    """A target kept as GGUF blocks resolves `<backend>-blocks.json`, a float target `<backend>.json`; each says
+    so in `source`; without a blocks file a blocks target takes the float settings, and says that."""
+    from quant_helpers import SMALL, blocks_target
+
+    from ddd_jax.settings import resolve, settings_path, weight_storage
+    monkeypatch.setenv("DDD_JAX_SETTINGS_DIR", str(tmp_path))
+    flt = ddd_jax.Target("tiny", SMALL, llama.init_params(SMALL, jax.random.PRNGKey(0)))
+    blk = blocks_target(flt)
+    assert weight_storage(flt) is None and weight_storage(blk) == "blocks"
+    tree_f = {"top_k": 4, "total_tokens": 8, "depth": 3}
+    save_settings({"tree": tree_f, "ddd": {"check_steps": [2, 4], "threshold": -0.6, "max_depth": 6}, "meta": {}},
+                  backend="cpu")
+    tree, _, why = resolve(blk, None, backend="cpu")
+    assert tree.total_tokens == 8 and "no cpu-blocks.json for blocks weights" in why
+    p = save_settings({"tree": {"top_k": 2, "total_tokens": 3, "depth": 1},
+                       "ddd": {"check_steps": [0, 1], "threshold": -1.0, "max_depth": 3}, "meta": {}},
+                      backend="cpu", storage="blocks")
+    assert p == settings_path("cpu", "blocks") == tmp_path / "cpu-blocks.json"
+    tree, ddd, why = resolve(blk, None, backend="cpu")
+    assert (tree.top_k, tree.total_tokens, ddd.max_depth) == (2, 3, 3) and why.endswith("cpu-blocks.json)")
+    tree, _, why = resolve(flt, None, backend="cpu")
+    assert tree.total_tokens == 8 and why.endswith("cpu.json)")
+    with pytest.raises(ValueError, match="weight storage"):
+        settings_path("cpu", "q4_1")
+
+
 def test_tuned_draft_dtype_applies_to_its_pair_only(tmp_path, monkeypatch):
     """A settings file's draft_dtype is what the CLIs load the head in (--settings auto; --draft-dtype wins), and
     only for the target/head pair it was tuned for."""

@@ -12,6 +12,11 @@ File layout (one JSON object)::
 (`TreeConfig`, `DDDConfig`); `resolve()` is what `generate` does when it is not given a tree or DDD settings:
 the tuned settings of this backend when they were tuned for this target and head (or name no pair), else the
 paper's defaults -- and a sentence saying which and why. `$DDD_JAX_SETTINGS_DIR` overrides the directory.
+
+Settings are also keyed by how the target stores its weights, since that moves the cost of verifying several tokens
+(`weight_storage`): a target kept as GGUF blocks (`load_target(..., gguf_blocks=True)`) reads
+`<backend>-blocks.json` (`ddd-jax tune --gguf-blocks` writes it; without one, `<backend>.json`), a float target
+`<backend>.json`.
 """
 from __future__ import annotations
 
@@ -31,11 +36,23 @@ def settings_dir() -> Path:
     return Path(env) if env else SETTINGS_DIR
 
 
-def settings_path(backend: str | None = None) -> Path:
+STORAGES = (None, "blocks")  # float weights (arrays or panels) / GGUF blocks
+
+
+def weight_storage(target) -> str | None:
+    """The settings key of a target's weight storage: "blocks" when its matrices are GGUF blocks, None for float
+    weights (row-major or panel-major arrays)."""
+    from .. import quant
+    return "blocks" if quant.has_blocks(getattr(target, "params", {})) else None
+
+
+def settings_path(backend: str | None = None, storage: str | None = None) -> Path:
+    if storage not in STORAGES:
+        raise ValueError(f"weight storage must be one of {STORAGES}, got {storage!r}")
     if backend is None:
         import jax
         backend = jax.default_backend()
-    return settings_dir() / f"{backend}.json"
+    return settings_dir() / (f"{backend}.json" if storage is None else f"{backend}-{storage}.json")
 
 
 def validate(settings: dict) -> dict:
@@ -53,12 +70,14 @@ def validate(settings: dict) -> dict:
     return settings
 
 
-def load_settings(backend: str | None = None, path: str | os.PathLike | None = None) -> dict | None:
-    """Tuned settings for `backend` (default: jax.default_backend()), or None if none were saved.
+def load_settings(backend: str | None = None, path: str | os.PathLike | None = None,
+                  storage: str | None = None) -> dict | None:
+    """Tuned settings for `backend` (default: jax.default_backend()) and weight `storage`, or None if none were
+    saved.
 
     Returns {"tree": {top_k, total_tokens, depth}, "ddd": {check_steps, threshold, max_depth}, "meta": {...}}.
     A file that exists but is malformed raises ValueError (never silently ignored)."""
-    p = Path(path) if path is not None else settings_path(backend)
+    p = Path(path) if path is not None else settings_path(backend, storage)
     if not p.is_file():
         return None
     try:
@@ -71,11 +90,12 @@ def load_settings(backend: str | None = None, path: str | os.PathLike | None = N
         raise ValueError(f"settings file {p}: {e}") from e
 
 
-def save_settings(settings: dict, backend: str | None = None, path: str | os.PathLike | None = None) -> Path:
+def save_settings(settings: dict, backend: str | None = None, path: str | os.PathLike | None = None,
+                  storage: str | None = None) -> Path:
     """Validate and write settings atomically; returns the path written."""
     from ..io import atomic_write_text
     validate(settings)
-    p = Path(path) if path is not None else settings_path(backend)
+    p = Path(path) if path is not None else settings_path(backend, storage)
     s = dict(settings)
     s["ddd"] = {**s["ddd"], "check_steps": [int(x) for x in s["ddd"]["check_steps"]]}
     atomic_write_text(p, json.dumps(s, indent=2) + "\n")
@@ -95,13 +115,20 @@ def to_configs(settings: dict):
     return tree, ddd
 
 
-def tuned_for(target_name: str | None, draft_name: str | None, backend: str | None = None):
-    """(settings or None, reason): this backend's tuned settings if they fit this target/head pair.
+def tuned_for(target_name: str | None, draft_name: str | None, backend: str | None = None,
+              storage: str | None = None):
+    """(settings or None, reason): this backend's tuned settings for this weight storage if they fit this target/head
+    pair.
 
     Settings whose meta names a target (or head) apply only to that target (head); settings naming none apply to
-    every pair on the backend."""
-    s = load_settings(backend)
-    where = settings_path(backend)
+    every pair on the backend. Without a file for this storage, the float weights' file (saying so)."""
+    s = load_settings(backend, storage=storage)
+    where = settings_path(backend, storage)
+    note = ""
+    if s is None and storage is not None:
+        s, missing = load_settings(backend), where
+        where = settings_path(backend)
+        note = f"; no {missing.name} for {storage} weights, so the float weights' settings"
     if s is None:
         return None, f"no tuned settings for this backend ({where})"
     meta = s.get("meta", {})
@@ -109,29 +136,33 @@ def tuned_for(target_name: str | None, draft_name: str | None, backend: str | No
         if want is not None and want != got:
             return None, f"{where} was tuned for {what} {want!r}, not {got!r}"
     pair = " + ".join(str(x) for x in (meta.get("target"), meta.get("draft")) if x) or "any target"
-    return s, f"tuned for {pair} (settings file {where})"
+    return s, f"tuned for {pair} (settings file {where}{note})"
 
 
-def draft_dtype(target_name: str | None, draft_name: str | None, backend: str | None = None) -> str | None:
+def draft_dtype(target_name: str | None, draft_name: str | None, backend: str | None = None,
+                storage: str | None = None) -> str | None:
     """The weight dtype this backend's tuned settings load this head in (e.g. "float16" on CPU, where the kernels
     read a float16 head at half the bytes), or None: as stored. Applied by the CLIs (`--settings auto`); in the
     library it is explicit -- `load_draft(..., dtype=...)` or `Draft.astype`."""
-    s, _ = tuned_for(target_name, draft_name, backend)
+    s, _ = tuned_for(target_name, draft_name, backend, storage)
     return None if s is None else s.get("draft_dtype")
 
 
-def cli_draft(draft, explicit: str | None, use_tuned: bool, target_name: str | None, draft_name: str | None):
+def cli_draft(draft, explicit: str | None, use_tuned: bool, target_name: str | None, draft_name: str | None,
+              storage: str | None = None):
     """A CLI's head in the dtype it asked for (`--draft-dtype`), else with `--settings auto` the tuned one."""
-    dtype = explicit or (draft_dtype(target_name, draft_name) if use_tuned else None)
+    dtype = explicit or (draft_dtype(target_name, draft_name, storage=storage) if use_tuned else None)
     return draft.astype(dtype) if (draft is not None and dtype) else draft
 
 
-def base_configs(target_name: str | None, draft_name: str | None, use_tuned: bool = True, backend=None):
-    """(TreeConfig, DDDConfig, source) before any explicit setting: tuned for this pair, else the paper's."""
+def base_configs(target_name: str | None, draft_name: str | None, use_tuned: bool = True, backend=None,
+                 storage: str | None = None):
+    """(TreeConfig, DDDConfig, source) before any explicit setting: tuned for this pair (and weight storage), else
+    the paper's."""
     from ..config import DDDConfig, TreeConfig
     if not use_tuned:
         return TreeConfig(), DDDConfig(), "paper defaults"
-    s, why = tuned_for(target_name, draft_name, backend)
+    s, why = tuned_for(target_name, draft_name, backend, storage)
     if s is None:
         return TreeConfig(), DDDConfig(), f"paper defaults: {why}"
     return (*to_configs(s), why)
@@ -139,13 +170,14 @@ def base_configs(target_name: str | None, draft_name: str | None, use_tuned: boo
 
 def resolve(target, draft, tree=None, ddd=None, backend: str | None = None):
     """(TreeConfig, DDDConfig, source): explicit configs win; what is missing comes from the tuned settings of
-    this backend for this target/head pair when they exist, else from the paper's defaults (EAGLE-2: top_k 10,
-    60 tokens, depth 5; DDD: S={5,7,9}, x=-0.3, n=11). `source` says which, and why."""
+    this backend, this target's weight storage (`weight_storage`) and this target/head pair when they exist, else
+    from the paper's defaults (EAGLE-2: top_k 10, 60 tokens, depth 5; DDD: S={5,7,9}, x=-0.3, n=11). `source` says
+    which, and why."""
     from ..config import check_tree_for_ddd
     if tree is not None and ddd is not None:
         return tree, ddd, "explicit"
     base_tree, base_ddd, source = base_configs(getattr(target, "name", None), getattr(draft, "name", None),
-                                               backend=backend)
+                                               backend=backend, storage=weight_storage(target))
     if tree is not None or ddd is not None:
         source = f"explicit {'tree' if tree is not None else 'ddd'}, the rest from {source}"
     tree, ddd = tree or base_tree, ddd or base_ddd
