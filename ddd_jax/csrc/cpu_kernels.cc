@@ -45,6 +45,7 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -787,28 +788,44 @@ ffi::Error LinearBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   return ffi::Error::Success();
 }
 
-// x [..., K] float32, w [L, P, K, 48] float32 (panel-major, see np_chunk_rows), layer [] -> out [..., N],
+// x [..., K] float32 @ w [L, P, K, 48] float32 (panel-major, see np_chunk_rows) at `layer` -> out [..., N],
 // 48 (P - 1) < N <= 48 P. Every M (rows in passes of kPanelRows).
-ffi::Error LinearPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+struct PanelProduct {
+  int64_t M = 0, K = 0, N = 0, P = 0;
+  const float* x = nullptr;
+  const float* w = nullptr;  // the layer's panels
+  float* out = nullptr;
+  void columns(int64_t n0, int64_t n1) const {  // columns [n0, n1) of every row
+    for (int64_t m0 = 0; m0 < M; m0 += kPanelRows)
+      np_chunk_rows(x + m0 * K, w, out + m0 * N, std::min(kPanelRows, M - m0), K, N, n0, n1);
+  }
+};
+
+ffi::Error panel_product(const std::string& name, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w,
+                         ffi::Buffer<ffi::S32>& layer, ffi::ResultBuffer<ffi::F32>& out, PanelProduct* p) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto od = out->dimensions();
   if (wd.size() != 4 || wd[3] != kPanel512 || xd.size() < 1 || od.size() < 1)
-    return ffi::Error::InvalidArgument("ddd_linear_panels: w must be [L, P, K, 48]");
-  const int64_t K = xd.back();
-  const int64_t M = K ? x.element_count() / K : 0;
-  const int64_t L = wd[0], P = wd[1], N = od.back();
-  if (wd[2] != K) return ffi::Error::InvalidArgument("ddd_linear_panels: K mismatch");
-  if (N > P * kPanel512 || N <= (P - 1) * kPanel512 || out->element_count() != M * N)
-    return ffi::Error::InvalidArgument("ddd_linear_panels: the output's columns do not match the panels");
-  float* o = out->typed_data();
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data() + layer_index(layer, L) * P * K * kPanel512;
-  for_column_chunks(pool, M, K, N, kPanel512, o, [=](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kPanelRows)
-      np_chunk_rows(xp + m0 * K, wp, o + m0 * N, std::min(kPanelRows, M - m0), K, N, n0, n1);
-  });
+    return ffi::Error::InvalidArgument(name + ": w must be [L, P, K, 48]");
+  p->K = xd.back();
+  p->M = p->K ? x.element_count() / p->K : 0;
+  p->P = wd[1];
+  p->N = od.back();
+  if (wd[2] != p->K) return ffi::Error::InvalidArgument(name + ": K mismatch");
+  if (p->N > p->P * kPanel512 || p->N <= (p->P - 1) * kPanel512 || out->element_count() != p->M * p->N)
+    return ffi::Error::InvalidArgument(name + ": the output's columns do not match the panels");
+  p->x = x.typed_data();
+  p->w = w.typed_data() + layer_index(layer, wd[0]) * p->P * p->K * kPanel512;
+  p->out = out->typed_data();
+  return ffi::Error::Success();
+}
+
+ffi::Error LinearPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+  PanelProduct p;
+  if (ffi::Error e = panel_product("ddd_linear_panels", x, w, layer, out, &p); e.failure()) return e;
+  for_column_chunks(pool, p.M, p.K, p.N, kPanel512, p.out, [p](int64_t n0, int64_t n1) { p.columns(n0, n1); });
   return ffi::Error::Success();
 }
 
@@ -826,29 +843,18 @@ struct RowBest {
 ffi::Error LinearPanelsGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                               ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
                               ffi::ResultBuffer<ffi::S32> ids) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  const auto od = out->dimensions();
-  if (wd.size() != 4 || wd[3] != kPanel512 || xd.size() < 1 || od.size() < 1)
-    return ffi::Error::InvalidArgument("ddd_linear_panels_greedy: w must be [L, P, K, 48]");
-  const int64_t K = xd.back();
-  const int64_t M = K ? x.element_count() / K : 0;
-  const int64_t L = wd[0], P = wd[1], N = od.back();
-  if (wd[2] != K) return ffi::Error::InvalidArgument("ddd_linear_panels_greedy: K mismatch");
-  if (N > P * kPanel512 || N <= (P - 1) * kPanel512 || out->element_count() != M * N || N == 0 ||
-      ids->element_count() != M)
-    return ffi::Error::InvalidArgument("ddd_linear_panels_greedy: the outputs do not match the panels");
-  float* o = out->typed_data();
+  PanelProduct p;
+  if (ffi::Error e = panel_product("ddd_linear_panels_greedy", x, w, layer, out, &p); e.failure()) return e;
+  const int64_t M = p.M, N = p.N, P = p.P;
+  if (N == 0 || ids->element_count() != M)
+    return ffi::Error::InvalidArgument("ddd_linear_panels_greedy: ids must hold one token per row");
   int32_t* id = ids->typed_data();
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data() + layer_index(layer, L) * P * K * kPanel512;
   std::vector<RowBest> best(static_cast<size_t>(P * M), RowBest{0.0f, -1, false});  // [chunk start / 48, M]
   RowBest* bp = best.data();
-  for_column_chunks(pool, M, K, N, kPanel512, o, [=](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kPanelRows)
-      np_chunk_rows(xp + m0 * K, wp, o + m0 * N, std::min(kPanelRows, M - m0), K, N, n0, n1);
-    for (int64_t m = 0; m < M; ++m) {
-      const float* r = o + m * N;
+  for_column_chunks(pool, M, p.K, N, kPanel512, p.out, [p, bp](int64_t n0, int64_t n1) {
+    p.columns(n0, n1);
+    for (int64_t m = 0; m < p.M; ++m) {
+      const float* r = p.out + m * p.N;
       float v = r[n0];
       int64_t at = n0;
       bool nan = std::isnan(v);
@@ -859,7 +865,7 @@ ffi::Error LinearPanelsGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
         }
         nan |= std::isnan(r[j]);
       }
-      bp[(n0 / kPanel512) * M + m] = RowBest{v, static_cast<int32_t>(at), nan};
+      bp[(n0 / kPanel512) * p.M + m] = RowBest{v, static_cast<int32_t>(at), nan};
     }
   });
   for (int64_t m = 0; m < M; ++m) {
@@ -875,7 +881,7 @@ ffi::Error LinearPanelsGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
         at = b.i;
       }
     }
-    id[m] = nan ? static_cast<int32_t>(N - 1) : at;
+    id[m] = nan ? static_cast<int32_t>(N - 1) : std::max<int32_t>(at, 0);  // no chunk ran (K = 0): zeros, index 0
   }
   return ffi::Error::Success();
 }
