@@ -268,7 +268,7 @@ def test_tuned_draft_dtype_applies_to_its_pair_only(tmp_path, monkeypatch):
     args = parser.parse_args(["bench", "--draft", "random"])
     tiny_target = ddd_jax.Target("tiny", CFG, llama.init_params(CFG, jax.random.PRNGKey(0)))
     monkeypatch.setattr("ddd_jax.load_target", lambda name, dtype=None: tiny_target)
-    monkeypatch.setattr("ddd_jax.settings.draft_dtype", lambda t, d, backend=None: "float16")
+    monkeypatch.setattr("ddd_jax.settings.draft_dtype", lambda t, d, backend=None, storage=None: "float16")
     assert load_models(args)[1].params["fc_w"].dtype == jnp.float16
     args = parser.parse_args(["bench", "--draft", "random", "--draft-dtype", "float32"])
     assert load_models(args)[1].params["fc_w"].dtype == jnp.float32
