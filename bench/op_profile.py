@@ -4,8 +4,9 @@ Runs `generate` on a few prompts under `jax.profiler`, keeps the events of the c
 (`_vanilla_loop` / `_spec_loop`: the whole generation after the prefill, one program), and sums each HLO op's time per
 target call (a token for vanilla, a draft-verify-commit cycle for speculative methods). Each op is named with what the
 compiled HLO says it is (the CPU kernel it calls, its output shape) and put in one of a few groups by that kernel and
-by how often it runs: ops that run once per target layer per call belong to the target's layers; products whose
-output is the vocabulary are the target's lm_head; products onto the draft vocabulary and the head's other products
+by how often it runs: ops that run once per target layer per call belong to the target's layers; products and
+fusions whose output is the vocabulary are the target's lm_head (a head without a reduced draft vocabulary drafts
+through that same projection, and counts there); products onto the draft vocabulary and the head's other products
 are the draft; the rest (tree building, acceptance, the commit, the draft's glue) is "other".
 
 The ops are timed by the profiler (each adds ~1 us of tracing), so read shares and differences between methods of
