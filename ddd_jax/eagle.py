@@ -28,7 +28,7 @@ import numpy as np
 from . import io as dio
 from .cache import KVCache, init_cache
 from .checkpoints.keytable import check_shapes
-from . import eagle3, quant
+from . import eagle3, panels, quant
 from .config import DraftConfig, ModelConfig
 from .layers import causal_mask, linear
 from .layers import embed as embed_rows
@@ -100,7 +100,7 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions,
 def _weight(w, dtype):
     """A head weight for activations of `dtype`: float16 weights and GGUF blocks stay as stored under float32
     activations (the CPU kernels widen them as they read them; `layers.linear` otherwise promotes), else cast."""
-    if quant.is_block(w):
+    if quant.is_block(w) or panels.is_panels(w):  # panels: float32 / float16, read by the kernel as stored
         return w
     return w if (w.dtype == jnp.float16 and dtype == jnp.float32) else w.astype(dtype)
 
@@ -157,6 +157,8 @@ class Draft:
     name: str | None = None  # what it was loaded as (a packaged name or a path): selects tuned settings
     # [V', D] the target's output-embedding rows of the draft vocabulary (derived from d2t once; never saved)
     lm_sub: jax.Array | None = field(init=False, default=None, repr=False)  # in the head's `weight_dtype`
+    # decode_params with the head's matrices and lm_sub panel-major, where the target's are (CPU kernels; never saved)
+    packed: dict | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self):
         self.config.check_target(self.target.config)
@@ -176,6 +178,11 @@ class Draft:
             self.lm_sub = quant.quantize(rows, wd) if wd in quant.KINDS else rows.astype(wd)
             if mesh is not None:
                 self.lm_sub = sharding.put(self.lm_sub, sharding.named(mesh, DRAFT_AXES["lm_sub"]))
+        if (self.config.head_type == "eagle1" and mesh is None and not quant.has_blocks(self.params)
+                and panels.has_panels(self.target.params)):
+            self.packed = panels.pack_head(self.params)
+            if self.lm_sub is not None:  # rows: the panels of its transpose, as the target's tied embedding
+                self.packed["lm_sub"] = panels.pack(self.lm_sub, rows=True)
 
     @property
     def mesh(self):
@@ -223,7 +230,10 @@ class Draft:
         return next(str(a.dtype) for a in leaves if jnp.issubdtype(a.dtype, jnp.floating))
 
     def decode_params(self) -> dict:
-        """Params as the decode loops use them: the head's params, plus `lm_sub` for a reduced draft vocabulary."""
+        """Params as the decode loops use them: the head's params plus `lm_sub` for a reduced draft vocabulary --
+        panel-major where the target's are (`packed`)."""
+        if self.packed is not None:
+            return self.packed
         return self.params if self.lm_sub is None else {**self.params, "lm_sub": self.lm_sub}
 
     def forward(self, tokens, features):

@@ -33,7 +33,8 @@ import numpy as np
 from .panels import pack, unpack_array
 
 TARGETS = {"ddd_linear": "DddLinear", "ddd_linear_f16": "DddLinearF16", "ddd_linear_blocks": "DddLinearBlocks",
-           "ddd_linear_panels": "DddLinearPanels", "ddd_linear_panels_greedy": "DddLinearPanelsGreedy",
+           "ddd_linear_panels": "DddLinearPanels", "ddd_linear_panels_f16": "DddLinearPanelsF16",
+           "ddd_linear_panels_greedy": "DddLinearPanelsGreedy",
            "ddd_attention": "DddAttention"}
 WEIGHT_DTYPES = (jnp.float32, jnp.float16)  # float16: weight-only storage, widened exactly to float32 on load
 MAX_ROWS = 128  # beyond this (prefill, training) XLA's GEMM is the better product
@@ -216,14 +217,14 @@ def product_blocks(x, blocks, kind: str, layer=None):
 
 # ----------------------------------------------------------------------------------------------- panels
 def _panels_call(x2, w4, layer, n):
-    call = jax.ffi.ffi_call("ddd_linear_panels", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
-                            vmap_method="sequential")
+    name = "ddd_linear_panels_f16" if w4.dtype == jnp.float16 else "ddd_linear_panels"
+    call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), vmap_method="sequential")
     return call(x2, w4, layer)
 
 
 def _panels_layer(w4, layer, n):
-    """Layer `layer` of stacked panels w4 [L, P, K, PANEL], unpacked: [K, n] float32."""
-    return unpack_array(jax.lax.dynamic_index_in_dim(w4, layer, 0, keepdims=False), n)
+    """Layer `layer` of stacked panels w4 [L, P, K, PANEL], unpacked (and widened): [K, n] float32."""
+    return unpack_array(jax.lax.dynamic_index_in_dim(w4, layer, 0, keepdims=False), n).astype(jnp.float32)
 
 
 def _panels_xla(x2, w4, layer, n):
@@ -233,7 +234,7 @@ def _panels_xla(x2, w4, layer, n):
 def _panels_bwd(n, res, g):
     x2, w4, layer = res
     gx = jnp.dot(g, _panels_layer(w4, layer, n).T, preferred_element_type=jnp.float32)
-    gw4 = jnp.zeros_like(w4).at[layer].set(pack(x2.T @ g).data)
+    gw4 = jnp.zeros_like(w4).at[layer].set(pack(x2.T @ g).data.astype(w4.dtype))
     return gx, gw4, None
 
 
@@ -241,10 +242,11 @@ _panels = _kernel_product(_panels_call, _panels_xla, _panels_bwd)
 
 
 def product_panels(x, data, n: int, layer=None):
-    """x [..., K] @ W for W a panel-major float32 weight (`ddd_jax.panels`): data [P, K, PANEL] or stacked
-    [L, P, K, PANEL] with `layer` (an int32 scalar, may be traced); n the logical width N. Returns [..., N] float32,
-    bitwise the row-major kernel's product. Float32 x of any number of rows runs the kernel (on CPU, when
-    available: in passes of 64 rows, so prefill never unpacks); anything else unpacks with XLA."""
+    """x [..., K] @ W for W a panel-major float32 (or float16: a draft head's) weight (`ddd_jax.panels`): data
+    [P, K, PANEL] or stacked [L, P, K, PANEL] with `layer` (an int32 scalar, may be traced); n the logical width N.
+    Returns [..., N] float32, bitwise the row-major kernel's product. Float32 x of any number of rows runs the
+    kernel (on CPU, when available: in passes of 64 rows, so prefill never unpacks); anything else unpacks with
+    XLA."""
     w4 = data if data.ndim == 4 else data[None]
     layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
     K = x.shape[-1]

@@ -1,4 +1,4 @@
-"""Panel-major float32 weights: the layout the CPU kernel streams fastest.
+"""Panel-major float32 weights (and a float16 draft head's): the layout the CPU kernel streams fastest.
 
 A decoder matrix [..., K, N] (x @ w: wq, wk, wv, wo, w_gate, w_up, w_down) is stored as [..., P, K, PANEL] with
 P = ceil(N / PANEL): panel p holds columns [PANEL p, PANEL p + PANEL) row by row, zeros past N. A product then reads
@@ -27,14 +27,15 @@ import jax.numpy as jnp
 import numpy as np
 
 PANEL = 48  # columns of a panel: three 16-float AVX-512 vectors (the kernel's register tile)
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16))  # float16: a draft head's weight-only storage
 
 
 @jax.tree_util.register_pytree_node_class
 @dataclass(frozen=True, eq=False)  # identity: its array has no truth value
 class PanelWeight:
-    """A float32 matrix stored panel-major.
+    """A float32 (or float16) matrix stored panel-major.
 
-    data: [..., P, K, PANEL] float32 -- P = ceil(N / PANEL) panels (a leading layer axis when stacked).
+    data: [..., P, K, PANEL] float32 or float16 -- P = ceil(N / PANEL) panels (a leading layer axis when stacked).
     n: (static) N, the product's output width (the last panel's columns past it are zeros).
     rows: (static) the logical layout: False -- [..., K, N], used as x @ w (decoder matrices, an untied lm_head
         [D, V]); True -- [..., N, K], output rows used as x @ w.T (a tied embedding [V, D], whose lookups gather
@@ -110,8 +111,9 @@ def pack(w, rows: bool = False) -> PanelWeight:
             raise ValueError(f"a {'rows' if w.rows else 'x @ w'} PanelWeight asked for as "
                              f"{'rows' if rows else 'x @ w'}")
         return w
-    if w.ndim < 2 or jnp.dtype(w.dtype) != jnp.float32:
-        raise ValueError(f"panels hold float32 matrices [..., K, N]; got {jnp.dtype(w.dtype)} {tuple(w.shape)}")
+    if w.ndim < 2 or jnp.dtype(w.dtype) not in DTYPES:
+        raise ValueError(f"panels hold float32 (or float16) matrices [..., K, N]; got {jnp.dtype(w.dtype)} "
+                         f"{tuple(w.shape)}")
     if rows:
         return PanelWeight(_pack_array(jnp.swapaxes(jnp.asarray(w), -1, -2)), int(w.shape[-2]), True)
     return PanelWeight(_pack_array(w), int(w.shape[-1]))
@@ -145,14 +147,25 @@ def pack_params(params: dict) -> dict:
     return out
 
 
+def pack_head(params: dict) -> dict:
+    """A draft head's params with its float32 / float16 matrices panel-major: `fc_w` [2D, D] and the layer's
+    [1, K, N] products (x @ w). Norms, biases and `d2t` stay as they are. For the decode loops only (a head's
+    `params` stay row-major arrays: saving, training and nnx modules use them)."""
+    out = dict(params)
+    if _packable(params.get("fc_w"), 2, DTYPES):
+        out["fc_w"] = pack(params["fc_w"])
+    out["layers"] = {k: pack(v) if _packable(v, 3, DTYPES) else v for k, v in params["layers"].items()}
+    return out
+
+
 def unpack_params(tree):
     """The same pytree with every PanelWeight replaced by its row-major array."""
     return jax.tree.map(unpack, tree, is_leaf=is_panels)
 
 
-def _packable(v, ndim: int) -> bool:
+def _packable(v, ndim: int, dtypes=(jnp.dtype(jnp.float32),)) -> bool:
     return isinstance(v, PanelWeight) or (isinstance(v, (jax.Array, np.ndarray)) and v.ndim == ndim
-                                          and jnp.dtype(v.dtype) == jnp.float32)
+                                          and jnp.dtype(v.dtype) in dtypes)
 
 
 def auto() -> bool:

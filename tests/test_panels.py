@@ -30,9 +30,9 @@ def test_pack_round_trip_and_logical_shape(K, N):
 
 
 def test_pack_rejects_what_it_cannot_hold():
-    with pytest.raises(ValueError, match="float32 matrices"):
+    with pytest.raises(ValueError, match="float32 \\(or float16\\) matrices"):
         panels.pack(jnp.zeros((4, 8), jnp.bfloat16))
-    with pytest.raises(ValueError, match="float32 matrices"):
+    with pytest.raises(ValueError, match="float32 \\(or float16\\) matrices"):
         panels.pack(jnp.zeros((8,), jnp.float32))
     with pytest.raises(ValueError, match="layout does not match"):
         layers.linear(jnp.ones((1, 8)), panels.pack(jnp.ones((8, 4))), transposed=True)
@@ -113,6 +113,26 @@ def test_greedy_product_is_the_first_maximum_of_its_logits(use_kernel):
     x3 = jnp.asarray(rng.standard_normal((2, 3, K)), jnp.float32)  # leading dims kept
     logits, ids = kernels.greedy_panels(x3, panels.pack(jnp.asarray(w)).data, N, greedy_token)
     assert logits.shape == (2, 3, N) and ids.shape == (2, 3) and ids.dtype == jnp.int32
+
+
+@needs_kernel
+def test_float16_panels_are_bitwise_the_float16_row_major_kernels():
+    """A float16 head's matrices as panels (`panels.pack_head`): the kernel widens each weight exactly as it reads
+    it, in the row-major float16 kernel's order, so the products are the same bits; XLA (no kernel) agrees."""
+    rng = np.random.default_rng(11)
+    w = jnp.asarray(rng.standard_normal((1, 576, 200)), jnp.float16)  # a padded last panel
+    pw = panels.pack(w)
+    assert pw.dtype == jnp.float16 and pw.data.shape == (1, 5, 576, panels.PANEL)
+    f_rows = jax.jit(lambda x, w: layers.linear(x, w, 0))
+    f_pan = jax.jit(lambda x, p: layers.linear(x, p, 0))
+    for M in (1, 4, 8, 9, 70):
+        x = jnp.asarray(rng.standard_normal((M, 576)), jnp.float32)
+        got = np.asarray(f_pan(x, pw))
+        np.testing.assert_array_equal(got, np.asarray(f_rows(x, w)), err_msg=f"M={M}")
+        np.testing.assert_allclose(got, np.asarray(x @ w[0].astype(jnp.float32)), rtol=1e-4, atol=1e-3)
+        with kernels.enabled(False):
+            xla = np.asarray(jax.jit(lambda x, p: layers.linear(x, p, 0))(x, pw))
+        np.testing.assert_allclose(xla, got, rtol=1e-5, atol=1e-4)
 
 
 def test_xla_fallback_and_linear_dispatch():
@@ -198,3 +218,28 @@ def test_load_target_packs_on_cpu_and_is_bitwise_the_row_major_target(tiny_hf_ll
         load_target(path, dtype="bfloat16", panels=True)
     with pytest.raises(ValueError, match="panels must be"):
         load_target(path, panels="yes")
+
+
+def test_a_head_drafts_from_panels_where_its_target_has_them(tiny_hf_llama):
+    """A head bound to a panel-major target carries its matrices and draft-vocabulary rows as panels for the decode
+    loops (`Draft.packed`; its `params` stay row-major): the layer's products are bitwise the row-major kernel's,
+    the draft logits equal up to the summation order of the vocabulary product, and decoding stays token-identical
+    to vanilla."""
+    from ddd_jax import DDDConfig, TreeConfig, generate, init_draft, load_target
+    from ddd_jax.eagle import draft_logits, with_draft_vocab
+    _, path = tiny_hf_llama()
+    pan, rows = load_target(path, panels=True), load_target(path, panels=False)
+    V = pan.config.vocab_size
+    d = with_draft_vocab(init_draft(pan, 0).astype(jnp.float16), np.arange(0, V, 2))
+    dp = d.decode_params()
+    assert panels.is_panels(dp["layers"]["w_up"]) and panels.is_panels(dp["fc_w"]) and dp["lm_sub"].rows
+    assert not panels.has_panels(d.params) and "d2t" in dp
+    assert init_draft(rows, 0).packed is None  # a row-major target: the head stays row-major too
+    h = jnp.asarray(np.random.default_rng(5).standard_normal((3, pan.config.hidden_size)), jnp.float32)
+    unpacked = {**d.params, "lm_sub": d.lm_sub}
+    np.testing.assert_allclose(np.asarray(draft_logits(dp, pan.params, pan.config, h)),
+                               np.asarray(draft_logits(unpacked, pan.params, pan.config, h)), rtol=1e-5, atol=1e-5)
+    tree, ddd = TreeConfig(top_k=2, total_tokens=4, depth=2), DDDConfig(check_steps=(1,), threshold=-0.3, max_depth=3)
+    ids = [3, 17, 5, 9, 30, 2, 11]
+    van = generate(pan, None, ids, 16)
+    assert generate(pan, d, ids, 16, method="ddd", tree=tree, ddd=ddd).tokens == van.tokens

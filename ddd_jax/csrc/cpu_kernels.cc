@@ -47,6 +47,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -288,14 +289,17 @@ DDD_AVX2 void nn_chunk(const float* x, const W* w, float* out, int64_t M, int64_
 constexpr int64_t kPanelAhead = 16;  // K rows a panel's first row tile prefetches ahead (AVX-512; 8/32: slower)
 constexpr int64_t kPanelRows = 64;   // rows per pass: 64 x 48 accumulators fit the tile
 
-DDD_AVX512 void np_block512(const float* x, int64_t K, const float* wc, float* tile, int64_t CB, int64_t M,
+template <class W>
+DDD_AVX512 void np_block512(const float* x, int64_t K, const W* wc, float* tile, int64_t CB, int64_t M,
                             int64_t k0, int64_t k1, bool first, int64_t panels) {
   for (int64_t p = 0; p < panels; ++p)
-    nn_rows512<3>(x, K, wc + p * kPanel512 * K, kPanel512, tile + p * kPanel512, CB, M, k0, k1, first, K,
-                  kPanelAhead);
+    nn_rows512<3, W>(x, K, wc + p * kPanel512 * K, kPanel512, tile + p * kPanel512, CB, M, k0, k1, first, K,
+                     kPanelAhead);
 }
 
-DDD_AVX2 void np_chunk_rows(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t N,
+// W: float, or uint16_t (float16 panels: a draft head's weight-only storage, widened exactly as they are read)
+template <class W>
+DDD_AVX2 void np_chunk_rows(const float* x, const W* w, float* out, int64_t M, int64_t K, int64_t N,
                             int64_t n0, int64_t n1) {  // M <= kPanelRows, n0 a multiple of 48
   const bool wide = g_avx512;
   const int64_t CB = std::max<int64_t>(kPanel512, (kTile / M) / kPanel512 * kPanel512);  // M x CB <= kTile
@@ -303,18 +307,18 @@ DDD_AVX2 void np_chunk_rows(const float* x, const float* w, float* out, int64_t 
   for (int64_t c0 = n0; c0 < n1; c0 += CB) {
     const int64_t cw = std::min(n1, c0 + CB) - c0;
     const int64_t panels = (cw + kPanel512 - 1) / kPanel512;  // the last may hold zero columns past N
-    const float* wc = w + c0 * K;
+    const W* wc = w + c0 * K;
     for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
       const int64_t k1 = std::min(K, k0 + kKBlock);
       const bool first = k0 == 0;
       if (wide) {
-        np_block512(x, K, wc, tile, CB, M, k0, k1, first, panels);
+        np_block512<W>(x, K, wc, tile, CB, M, k0, k1, first, panels);
         continue;
       }
       for (int64_t p = 0; p < panels; ++p) {  // AVX2: two 24-column halves a panel (16 ymm registers)
-        const float* wp = wc + p * kPanel512 * K;
-        nn_rows<3>(x, K, wp, kPanel512, tile + p * kPanel512, CB, M, k0, k1, first, K);
-        nn_rows<3>(x, K, wp + 24, kPanel512, tile + p * kPanel512 + 24, CB, M, k0, k1, first, K);
+        const W* wp = wc + p * kPanel512 * K;
+        nn_rows<3, W>(x, K, wp, kPanel512, tile + p * kPanel512, CB, M, k0, k1, first, K);
+        nn_rows<3, W>(x, K, wp + 24, kPanel512, tile + p * kPanel512 + 24, CB, M, k0, k1, first, K);
       }
     }
     for (int64_t m = 0; m < M; ++m) std::copy(tile + m * CB, tile + m * CB + cw, out + m * N + c0);
@@ -788,21 +792,23 @@ ffi::Error LinearBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   return ffi::Error::Success();
 }
 
-// x [..., K] float32 @ w [L, P, K, 48] float32 (panel-major, see np_chunk_rows) at `layer` -> out [..., N],
-// 48 (P - 1) < N <= 48 P. Every M (rows in passes of kPanelRows).
+// x [..., K] float32 @ w [L, P, K, 48] float32 or float16 (panel-major, see np_chunk_rows) at `layer` -> out
+// [..., N], 48 (P - 1) < N <= 48 P. Every M (rows in passes of kPanelRows).
+template <class W>
 struct PanelProduct {
   int64_t M = 0, K = 0, N = 0, P = 0;
   const float* x = nullptr;
-  const float* w = nullptr;  // the layer's panels
+  const W* w = nullptr;  // the layer's panels
   float* out = nullptr;
   void columns(int64_t n0, int64_t n1) const {  // columns [n0, n1) of every row
     for (int64_t m0 = 0; m0 < M; m0 += kPanelRows)
-      np_chunk_rows(x + m0 * K, w, out + m0 * N, std::min(kPanelRows, M - m0), K, N, n0, n1);
+      np_chunk_rows<W>(x + m0 * K, w, out + m0 * N, std::min(kPanelRows, M - m0), K, N, n0, n1);
   }
 };
 
-ffi::Error panel_product(const std::string& name, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w,
-                         ffi::Buffer<ffi::S32>& layer, ffi::ResultBuffer<ffi::F32>& out, PanelProduct* p) {
+template <ffi::DataType WT, class W>
+ffi::Error panel_product(const std::string& name, ffi::Buffer<ffi::F32>& x, ffi::Buffer<WT>& w,
+                         ffi::Buffer<ffi::S32>& layer, ffi::ResultBuffer<ffi::F32>& out, PanelProduct<W>* p) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto od = out->dimensions();
@@ -821,10 +827,14 @@ ffi::Error panel_product(const std::string& name, ffi::Buffer<ffi::F32>& x, ffi:
   return ffi::Error::Success();
 }
 
-ffi::Error LinearPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+template <ffi::DataType WT>
+ffi::Error LinearPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                         ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
-  PanelProduct p;
-  if (ffi::Error e = panel_product("ddd_linear_panels", x, w, layer, out, &p); e.failure()) return e;
+  PanelProduct<std::remove_const_t<std::remove_pointer_t<decltype(w.typed_data())>>> p;
+  if (ffi::Error e = panel_product(WT == ffi::F16 ? "ddd_linear_panels_f16" : "ddd_linear_panels", x, w, layer,
+                                   out, &p);
+      e.failure())
+    return e;
   for_column_chunks(pool, p.M, p.K, p.N, kPanel512, p.out, [p](int64_t n0, int64_t n1) { p.columns(n0, n1); });
   return ffi::Error::Success();
 }
@@ -843,7 +853,7 @@ struct RowBest {
 ffi::Error LinearPanelsGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                               ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
                               ffi::ResultBuffer<ffi::S32> ids) {
-  PanelProduct p;
+  PanelProduct<float> p;
   if (ffi::Error e = panel_product("ddd_linear_panels_greedy", x, w, layer, out, &p); e.failure()) return e;
   const int64_t M = p.M, N = p.N, P = p.P;
   if (N == 0 || ids->element_count() != M)
@@ -1315,11 +1325,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearBlocks, LinearBlocks,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [..., N]
                                   .Attr<int64_t>("kind"));        // 0: Q4_1, 1: Q8_0, 2: Q4_0
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearPanels, LinearPanels,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearPanels, LinearPanels<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [..., K]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // w [L, P, K, 48], panel-major
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [..., N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearPanelsF16, LinearPanels<ffi::F16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [..., K]
+                                  .Arg<ffi::Buffer<ffi::F16>>()   // w [L, P, K, 48], panel-major float16
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [..., N]
 
