@@ -271,10 +271,13 @@ for H, N, Kh in ((64, 9, 3), (24, 8, 2), (13, 4, 1), (64, 20, 4)):  # p @ V: 64 
             q, k, v, mask))
 from ddd_jax import panels  # panel-major weights: 8 x 48 tiles on AVX-512, two 24-column halves on AVX2
 for K, N in ((576, 1536), (1536, 576), (576, 192), (33, 200), (100, 37)):
-    pw = panels.pack(jnp.asarray(rng.standard_normal((2, K, N)), jnp.float32))
+    w = jnp.asarray(rng.standard_normal((2, K, N)), jnp.float32)
+    pw, ph = panels.pack(w), panels.pack(w.astype(jnp.float16))  # float16: a draft head's panels
     for M in (1, 2, 3, 5, 8, 13, 64, 100):
         x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
-        out[f"panels-{K}-{N}-{M}"] = np.asarray(jax.jit(lambda x, d: kernels.product_panels(x, d, N, 1))(x, pw.data))
+        f = jax.jit(lambda x, d: kernels.product_panels(x, d, N, 1))
+        out[f"panels-{K}-{N}-{M}"] = np.asarray(f(x, pw.data))
+        out[f"panels-{K}-{N}-{M}-f16"] = np.asarray(f(x, ph.data))
 np.savez(sys.argv[1], **out)
 """
 
@@ -282,8 +285,8 @@ np.savez(sys.argv[1], **out)
 @needs_kernel
 def test_avx512_and_avx2_products_are_bitwise_equal(tmp_path):
     """On AVX-512 CPUs x @ W of 3 to 85 rows (float32 and float16 weights), GGUF blocks (dequantized 16 wide;
-    multiplied two weight rows a vector, any number of rows), panel-major weights (every row count) and attention
-    take 16-wide vectors: the same fma chains per element, so the same bits as the AVX2 path
+    multiplied two weight rows a vector, any number of rows), panel-major weights (float32 and float16, every row
+    count) and attention take 16-wide vectors: the same fma chains per element, so the same bits as the AVX2 path
     (DDD_JAX_NO_AVX512=1). Where the CPU has no AVX-512 both runs take AVX2."""
     runs = {}
     for flag in ("0", "1"):
