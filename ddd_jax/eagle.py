@@ -182,7 +182,8 @@ class Draft:
                 and panels.has_panels(self.target.params)):
             self.packed = panels.pack_head(self.params)
             if self.lm_sub is not None:  # rows: the panels of its transpose, as the target's tied embedding
-                self.packed["lm_sub"] = panels.pack(self.lm_sub, rows=True)
+                packable = jnp.dtype(self.lm_sub.dtype) in panels.DTYPES  # (not bfloat16)
+                self.packed["lm_sub"] = panels.pack(self.lm_sub, rows=True) if packable else self.lm_sub
 
     @property
     def mesh(self):

@@ -235,6 +235,8 @@ def test_a_head_drafts_from_panels_where_its_target_has_them(tiny_hf_llama):
     assert panels.is_panels(dp["layers"]["w_up"]) and panels.is_panels(dp["fc_w"]) and dp["lm_sub"].rows
     assert not panels.has_panels(d.params) and "d2t" in dp
     assert init_draft(rows, 0).packed is None  # a row-major target: the head stays row-major too
+    bf = with_draft_vocab(init_draft(pan, 0).astype(jnp.bfloat16), np.arange(0, V, 2)).decode_params()
+    assert not panels.is_panels(bf["lm_sub"]) and not panels.is_panels(bf["fc_w"])  # no bfloat16 panels
     h = jnp.asarray(np.random.default_rng(5).standard_normal((3, pan.config.hidden_size)), jnp.float32)
     unpacked = {**d.params, "lm_sub": d.lm_sub}
     np.testing.assert_allclose(np.asarray(draft_logits(dp, pan.params, pan.config, h)),
