@@ -164,7 +164,8 @@ def table(res: dict, top: int = 12) -> str:
     tot = res["ops_ms_per_call"]
     for g, ms in res["groups"].items():
         lines.append(f"| {g} | {ms:.2f} | {100 * ms / tot:.1f}% |")
-    lines += ["", f"| op | kernel / opcode | output | runs per {what} | ms per {what} | group |", "|---|---|---|---|---|---|"]
+    lines += ["", f"| op | kernel / opcode | output | runs per {what} | ms per {what} | group |",
+              "|---|---|---|---|---|---|"]
     for r in res["ops"][:top]:
         lines.append(f"| {r['op']} | {r['kind']} | {r['shape']} | {r['per_call']:.2f} | {r['ms']:.3f} | {r['group']} |")
     return "\n".join(lines)

@@ -9,10 +9,11 @@ so the result is the float32 product of the widened weights), and GGUF Q4_1 / Q8
 dequantized exactly into L1, four rows at a time (eight on AVX-512), then the float32 transposed product), and
 panel-major float32 weights (`ddd_jax.panels`: every panel one contiguous stream, any number of rows; bitwise the
 row-major product; float16 panels for a draft head bound to a panel-major target; for greedy decoding's lm_head
-the same product also returns each row's first maximum, `greedy_panels`). Everything else, and every machine where the library is missing, cannot be loaded or the CPU lacks
-AVX2/FMA/F16C, takes XLA (one stderr line when the library is missing or broken). `DDD_JAX_NO_KERNELS=1`
-disables them. On CPUs with AVX-512 (F/VL/BW/DQ), x @ W products of 3 to 85 rows (tree verification), GGUF-block
-products and attention use 16-wide vectors (`avx512()`; bit-identical results, `DDD_JAX_NO_AVX512=1` keeps AVX2).
+the same product also returns each row's first maximum, `greedy_panels`). Everything else, and every machine where
+the library is missing, cannot be loaded or the CPU lacks AVX2/FMA/F16C, takes XLA (one stderr line when the
+library is missing or broken). `DDD_JAX_NO_KERNELS=1` disables them. On CPUs with AVX-512 (F/VL/BW/DQ), x @ W
+products of 3 to 85 rows (tree verification), GGUF-block products and attention use 16-wide vectors (`avx512()`;
+bit-identical results, `DDD_JAX_NO_AVX512=1` keeps AVX2).
 
 Numerics: float32 arithmetic; every output element is reduced in one fixed order that depends on the reduced
 length only, so a row's result is bit-identical whatever the number of rows computed with it, and a tree node's
@@ -278,7 +279,7 @@ def greedy_panels(x, data, n: int, first_max):
         logits = _panels_xla(a, b, c, n)
         return logits, first_max(logits)
 
-    if available() and x.dtype == jnp.float32:
+    if available() and x.dtype == jnp.float32 and w4.dtype == jnp.float32:  # the kernel reads float32 panels
         logits, ids = jax.lax.platform_dependent(x2, w4, layer, cpu=lambda a, b, c: _panels_greedy_call(a, b, c, n),
                                                  default=xla)
     else:

@@ -113,6 +113,9 @@ def test_greedy_product_is_the_first_maximum_of_its_logits(use_kernel):
     x3 = jnp.asarray(rng.standard_normal((2, 3, K)), jnp.float32)  # leading dims kept
     logits, ids = kernels.greedy_panels(x3, panels.pack(jnp.asarray(w)).data, N, greedy_token)
     assert logits.shape == (2, 3, N) and ids.shape == (2, 3) and ids.dtype == jnp.int32
+    half = panels.pack(jnp.asarray(w, jnp.float16)).data  # float16 panels: the greedy kernel reads float32, so XLA
+    logits, ids = jax.jit(lambda x, d: kernels.greedy_panels(x, d, N, greedy_token))(x3, half)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(greedy_token(logits)))
 
 
 @needs_kernel

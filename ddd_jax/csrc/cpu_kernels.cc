@@ -47,7 +47,6 @@
 #include <mutex>
 #include <string>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -830,7 +829,7 @@ ffi::Error panel_product(const std::string& name, ffi::Buffer<ffi::F32>& x, ffi:
 template <ffi::DataType WT>
 ffi::Error LinearPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                         ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
-  PanelProduct<std::remove_const_t<std::remove_pointer_t<decltype(w.typed_data())>>> p;
+  PanelProduct<ffi::NativeType<WT>> p;  // float, or uint16_t float16 bits
   if (ffi::Error e = panel_product(WT == ffi::F16 ? "ddd_linear_panels_f16" : "ddd_linear_panels", x, w, layer,
                                    out, &p);
       e.failure())
