@@ -111,3 +111,24 @@ def test_cli_extract_regenerated_checks_the_split_and_masks_replies(target, tmp_
     assert not (tmp_path / "run").exists()  # refused before anything is written
     with pytest.raises(FileNotFoundError, match="manifest.json"):
         load_features([tmp_path / "f", tmp_path / "missing"], target)
+
+
+def test_cli_regenerate_skip_prompts_starts_later_in_the_order(target, tmp_path, monkeypatch, capsys):
+    """`--skip-prompts N` answers the prompts after the first N of the order (an earlier file's); past the end fails."""
+    from ddd_jax.cli import main
+    from ddd_jax.train_draft import cli as tcli
+    from ddd_jax.train_draft import regen
+    items = [(f"c{i}", [{"role": "user", "content": str(i)}]) for i in range(5)]
+    monkeypatch.setattr(tcli, "_load_target", lambda name: target)
+    monkeypatch.setattr(tcli, "_sharegpt_items", lambda args, split: (items, {split: len(items)}))
+    monkeypatch.setattr(regen, "first_turn_prompts", lambda t, its, n: ([(i, [3 + k, 4]) for k, (i, _) in
+                                                                          enumerate(its)], 0))
+    out = tmp_path / "r.jsonl"
+    args = ["train-draft", "regenerate", "--target", "tiny", "--out", str(out), "--max-new-tokens", "2",
+            "--batch-size", "2"]
+    assert main(args + ["--skip-prompts", "3"]) == 0
+    assert [r["id"] for r in load_records(out)] == ["c3", "c4"]
+    assert [r["ids"][:2] for r in load_records(out)] == [[6, 4], [7, 4]]
+    capsys.readouterr()
+    assert main(args + ["--skip-prompts", "5"]) == 2
+    assert "--skip-prompts 5" in capsys.readouterr().err

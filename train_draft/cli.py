@@ -66,6 +66,9 @@ def cmd_regenerate(args) -> int:
     prompts, skipped = first_turn_prompts(target, items, args.max_prompt_len)
     print(f"sharegpt: {stats[args.split]} {args.split} conversations; {len(prompts)} first turns of <= "
           f"{args.max_prompt_len} tokens ({skipped} longer skipped)", flush=True)
+    if args.skip_prompts < 0 or args.skip_prompts >= len(prompts):
+        raise ValueError(f"--skip-prompts {args.skip_prompts}: the order holds {len(prompts)} prompts")
+    prompts = prompts[args.skip_prompts:]
     r = regenerate(target, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                    time_limit_s=args.time_limit, max_records=args.max_records)
     print(json.dumps(r), flush=True)
@@ -214,6 +217,8 @@ def add_parser(subparsers) -> None:
     g.add_argument("--max-records", type=int, default=None, help="stop once the file holds this many")
     g.add_argument("--time-limit", type=float, default=None, help="stop at the first batch boundary after S seconds")
     g.add_argument("--seed", type=int, default=0, help="conversation order")
+    g.add_argument("--skip-prompts", type=int, default=0,
+                   help="start after the first N prompts of this order (answered in an earlier file)")
     g.set_defaults(func=cmd_regenerate)
 
     f = sub.add_parser("fit", help="train the head on extracted features (EAGLE objective)")
