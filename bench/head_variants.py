@@ -4,7 +4,8 @@ speed-ups share one stretch of the host.
 
     python bench/head_variants.py N START [--weights float,blocks] VARIANT [VARIANT ...]
     VARIANT = name:dtype:method:top_k:total_tokens:depth:checks:threshold:max_depth[:head]
-            | name:dtype:tuned[:head]   (DDD with the settings `generate` resolves for the head: `cpu.json` here)
+            | name:dtype:tuned[:head]   (DDD with the settings `generate` resolves for the shipped head: `cpu.json`
+                                         here; a `head` directory drafts with them too, as a candidate version)
     e.g. python bench/head_variants.py 20 0 ddd32:float32:ddd:4:4:2:1/3/5:-1:6 ddd16:float16:ddd:4:4:2:1/3/5:-1:6
          python bench/head_variants.py 40 0 ddd16:float16:tuned ddd8:q8_0:tuned
 
@@ -16,6 +17,7 @@ variant and vanilla runs on each, named `<name>/<weights>` when there is more th
 Prints per variant: tok/s (decode time only), speed-up vs the vanilla of the same weights (and vs float vanilla),
 τ, outputs identical to that vanilla's.
 """
+import dataclasses
 import sys
 import time
 
@@ -23,6 +25,8 @@ import jax.numpy as jnp
 
 import ddd_jax as dj
 from ddd_jax.bench.mtbench import load_questions
+
+SHIPPED_HEAD = "smollm2-135m-instruct-eagle"
 
 
 def main(argv) -> int:
@@ -48,12 +52,14 @@ def main(argv) -> int:
             if not tuned and len(spec) not in (8, 9):
                 raise SystemExit(f"variant {name}: want 9 or 10 ':'-separated fields (or name:dtype:tuned[:head]), "
                                  f"got {len(spec) + 1}")
-            head_name = spec[-1] if len(spec) in (3, 9) else "smollm2-135m-instruct-eagle"
+            head_name = spec[-1] if len(spec) in (3, 9) else SHIPPED_HEAD
             if head_name not in heads:
                 heads[head_name] = dj.load_draft(head_name, target)
             base = "vanilla" if len(targets) == 1 else f"vanilla/{w}"
-            if tuned:  # tree and DDD settings resolved by generate (the head's tuned settings for this backend)
-                runs[key] = dict(target=target, draft=heads[head_name].astype(spec[0]), method="ddd", base=base)
+            if tuned:  # tree and DDD settings resolved by generate (the head's tuned settings for this backend);
+                # a candidate head directory counts as a version of the shipped head, so it drafts with its settings
+                draft = dataclasses.replace(heads[head_name], name=SHIPPED_HEAD)
+                runs[key] = dict(target=target, draft=draft.astype(spec[0]), method="ddd", base=base)
                 continue
             dtype, method, k, N, d, checks, x, depth = spec[:8]
             runs[key] = dict(target=target, draft=heads[head_name].astype(dtype), method=method, base=base,
