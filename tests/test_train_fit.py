@@ -1,6 +1,8 @@
 """train_draft extraction shards, the EAGLE training loop (learning, bit-exact resume), export and the CLI wiring."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import shutil
 
@@ -132,6 +134,18 @@ def test_resume_is_bit_exact(target, feats, tmp_path):
     assert shapes_of(resumed["params"]) == eagle.param_shapes(resumed["draft_config"])
     steps = [json.loads(l)["step"] for l in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps))
+
+
+def test_fit_takes_a_panel_major_target(target, feats, tmp_path):
+    """`load_target` packs a float32 target's matrices as panels on CPU: fitting (and a target-last-layer init)
+    over it is the same as over its row-major arrays."""
+    from ddd_jax import panels
+    packed = dataclasses.replace(target, params=panels.pack_params(target.params))
+    assert panels.has_panels(packed.params)
+    cfg = FitConfig(steps=2, batch_size=2, seq_len=80, lr=1e-3, warmup=1, seed=2, init="target-last-layer")
+    a = fit(target, feats, tmp_path / "a", cfg, progress=False)
+    b = fit(packed, feats, tmp_path / "b", cfg, progress=False)
+    chex.assert_trees_all_equal(a["params"], b["params"])
 
 
 def test_export_load_forward_and_target_check(target, feats, tmp_path):

@@ -360,9 +360,11 @@ def _data_parallel(mesh, cfg: FitConfig, state):
 
 
 def frozen_target_arrays(target):
-    """(embed [V, D], lm_head weight [D, V]) of the target, float32; never trained."""
-    embed = jnp.asarray(target.params["embed"], jnp.float32)
-    lm_w = embed.T if target.config.tie_word_embeddings else jnp.asarray(target.params["lm_head"], jnp.float32)
+    """(embed [V, D], lm_head weight [D, V]) of the target, float32 arrays whatever the stored layout (panels,
+    GGUF blocks); never trained."""
+    embed = jnp.asarray(quant.as_float(target.params["embed"]), jnp.float32)
+    lm_w = embed.T if target.config.tie_word_embeddings else jnp.asarray(quant.as_float(target.params["lm_head"]),
+                                                                         jnp.float32)
     return embed, lm_w
 
 
