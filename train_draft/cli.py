@@ -66,7 +66,7 @@ def cmd_regenerate(args) -> int:
     prompts, skipped = first_turn_prompts(target, items, args.max_prompt_len)
     print(f"sharegpt: {stats[args.split]} {args.split} conversations; {len(prompts)} first turns of <= "
           f"{args.max_prompt_len} tokens ({skipped} longer skipped)", flush=True)
-    if args.skip_prompts < 0 or args.skip_prompts >= len(prompts):
+    if args.skip_prompts < 0 or (args.skip_prompts and args.skip_prompts >= len(prompts)):
         raise ValueError(f"--skip-prompts {args.skip_prompts}: the order holds {len(prompts)} prompts")
     prompts = prompts[args.skip_prompts:]
     r = regenerate(target, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
