@@ -6,8 +6,11 @@ speed-ups share one stretch of the host.
     VARIANT = name:dtype:method:top_k:total_tokens:depth:checks:threshold:max_depth[:head]
             | name:dtype:tuned[:head]   (DDD with the settings `generate` resolves for the shipped head: `cpu.json`
                                          here; a `head` directory drafts with them too, as a candidate version)
+            | name:dtype:tuned+KEY=VALUE,...[:head]   (those settings with some fields replaced: any TreeConfig
+                                         or DDDConfig field; check_steps as 0/1/3)
     e.g. python bench/head_variants.py 20 0 ddd32:float32:ddd:4:4:2:1/3/5:-1:6 ddd16:float16:ddd:4:4:2:1/3/5:-1:6
          python bench/head_variants.py 40 0 ddd16:float16:tuned ddd8:q8_0:tuned
+         python bench/head_variants.py 80 0 n7:float16:tuned n8:float16:tuned+total_tokens=8,threshold=-1.5
 
 MT-bench first turns [START, START+N) with the chat template, 64 new tokens, greedy; SmolLM2-135M-Instruct and the
 shipped head (or `head`: a head directory, to compare candidate heads in one run); every variant compiled for
@@ -29,6 +32,26 @@ from ddd_jax.bench.mtbench import load_questions
 SHIPPED_HEAD = "smollm2-135m-instruct-eagle"
 
 
+def _replaced(target, draft, edits: str):
+    """The tuned (TreeConfig, DDDConfig) this pair resolves to, with `edits` ("key=value,...") replaced."""
+    from ddd_jax.config import check_tree_for_ddd
+    from ddd_jax.settings import resolve
+    tree, ddd, _ = resolve(target, draft)
+    for edit in edits.split(","):
+        key, _, value = edit.partition("=")
+        cfg = tree if key in {f.name for f in dataclasses.fields(tree)} else ddd
+        if key not in {f.name for f in dataclasses.fields(cfg)}:
+            raise SystemExit(f"tuned+{edits}: {key!r} is no TreeConfig or DDDConfig field")
+        old = getattr(cfg, key)
+        new = tuple(int(c) for c in value.split("/")) if isinstance(old, tuple) else type(old)(value)
+        if cfg is tree:
+            tree = dataclasses.replace(tree, **{key: new})
+        else:
+            ddd = dataclasses.replace(ddd, **{key: new})
+    check_tree_for_ddd(tree, ddd)
+    return tree, ddd
+
+
 def main(argv) -> int:
     weights = ["float"]
     if "--weights" in argv:
@@ -48,7 +71,7 @@ def main(argv) -> int:
             if spec is None:
                 runs[key] = dict(target=target, draft=None, method="vanilla", base=key)
                 continue
-            tuned = len(spec) in (2, 3) and spec[1] == "tuned"
+            tuned = len(spec) in (2, 3) and spec[1].split("+")[0] == "tuned"
             if not tuned and len(spec) not in (8, 9):
                 raise SystemExit(f"variant {name}: want 9 or 10 ':'-separated fields (or name:dtype:tuned[:head]), "
                                  f"got {len(spec) + 1}")
@@ -60,6 +83,8 @@ def main(argv) -> int:
                 # a candidate head directory counts as a version of the shipped head, so it drafts with its settings
                 draft = dataclasses.replace(heads[head_name], name=SHIPPED_HEAD)
                 runs[key] = dict(target=target, draft=draft.astype(spec[0]), method="ddd", base=base)
+                if "+" in spec[1]:
+                    runs[key]["tree"], runs[key]["ddd"] = _replaced(target, draft, spec[1].split("+", 1)[1])
                 continue
             dtype, method, k, N, d, checks, x, depth = spec[:8]
             runs[key] = dict(target=target, draft=heads[head_name].astype(dtype), method=method, base=base,
@@ -67,6 +92,9 @@ def main(argv) -> int:
                              ddd=dj.DDDConfig(check_steps=tuple(int(c) for c in checks.split("/")),
                                               threshold=float(x), max_depth=int(depth)))
     qs = load_questions(None)[start:start + n]
+    for k, kw in runs.items():
+        if kw.get("tree") is not None:
+            print(f"{k}: {kw['tree']} {kw['ddd']}", flush=True)
     first = next(iter(targets.values()))
     ids = [first.encode_chat([{"role": "user", "content": q["turns"][0]}]) for q in qs]
 

@@ -87,10 +87,33 @@ def fill_prefix(dparams, plan, tparams, tokens, hidden, positions, length, capac
     return with_length(dcache, length - 1)
 
 
+PREFIX_ROWS = (2, 4)  # narrower step-0 forwards taken when every sequence's pending pairs fit (see draft_prefix)
+
+
 def draft_prefix(dparams, plan, tparams, dcache: KVCache, pend_tok, pend_feat, pend_n):
     """Step 0: run the head over the newly committed pairs (pend_n[b] of M), extend the draft prefix.
 
+    The M columns are padding past pend_n; a cycle usually commits one to three pairs, so step 0 runs over the
+    first 2 or 4 columns when every sequence's pairs fit there (`PREFIX_ROWS`, one `lax.switch`), else all M.
+    Only the pending pairs' rows are read back and the draft cache keeps only them (length += pend_n), so the
+    width changes no draft: on the CPU kernels a row's bits do not depend on the other rows (elsewhere XLA's
+    reductions may round differently at another width: the draft, never the output, can change).
+
     Returns (dcache with length += pend_n, h0 [B, D] output at the last real pair, logp0 [B, V'])."""
+    M = pend_tok.shape[1]
+    widths = [m for m in PREFIX_ROWS if m < M] + [M]
+    if len(widths) == 1:
+        return _prefix_forward(dparams, plan, tparams, dcache, pend_tok, pend_feat, pend_n)
+    need = jnp.max(pend_n)
+    pick = sum((need > m).astype(jnp.int32) for m in widths[:-1])
+
+    def width(m):
+        return lambda dc, tok, feat, n: _prefix_forward(dparams, plan, tparams, dc, tok[:, :m], feat[:, :m], n)
+
+    return jax.lax.switch(pick, [width(m) for m in widths], dcache, pend_tok, pend_feat, pend_n)
+
+
+def _prefix_forward(dparams, plan, tparams, dcache: KVCache, pend_tok, pend_feat, pend_n):
     B, M = pend_tok.shape
     pos = dcache.length[:, None] + jnp.arange(M, dtype=jnp.int32)[None]
     kv = tree_kv_mask(dcache.length, dcache.capacity, causal_mask(B, M))

@@ -83,3 +83,42 @@ def test_policy_needs_a_host_sync_mode():
     with pytest.raises(ValueError, match="policy runs on the host"):
         generate(target, draft, [1, 2, 3], max_new_tokens=4, method="ddd", sync="device",
                  policy=lambda *a: np.ones(1, bool))
+
+
+def test_step0_on_fewer_rows_drafts_what_all_rows_draft():
+    """Step 0 runs over the first 2 or 4 pending pairs when every sequence's fit there (`PREFIX_ROWS`): the same
+    feature, log-probs and draft-cache rows as the forward over all M columns, for every pending count."""
+    import jax
+    import jax.numpy as jnp
+
+    from ddd_jax import drafting, kernels
+    from ddd_jax.eagle import new_cache
+    from ddd_jax.generate import make_plan
+    target, draft = tiny_target(), fitted_draft()
+    plan = make_plan(target, draft, method="ddd", sync="device", tree=TREE, ddd=DDD, temperature=0.0, top_p=1.0,
+                     max_new_tokens=16)
+    M, D, B = plan.M, target.config.hidden_size, 2
+    assert M > max(drafting.PREFIX_ROWS)
+    dparams, tparams = draft.decode_params(), target.params
+    rng = np.random.default_rng(0)
+    cache = new_cache(plan.dcfg, B, 64)
+    cache = type(cache)(k=jnp.asarray(rng.standard_normal(cache.k.shape), cache.k.dtype),
+                        v=jnp.asarray(rng.standard_normal(cache.v.shape), cache.v.dtype),
+                        length=jnp.asarray([5, 9], jnp.int32))
+    tok = jnp.asarray(rng.integers(0, target.config.vocab_size, (B, M)), jnp.int32)
+    feat = jnp.asarray(rng.standard_normal((B, M, D)), jnp.float32)
+    picked = jax.jit(lambda c, t, f, n: drafting.draft_prefix(dparams, plan, tparams, c, t, f, n))
+    full = jax.jit(lambda c, t, f, n: drafting._prefix_forward(dparams, plan, tparams, c, t, f, n))
+    same = np.testing.assert_array_equal if kernels.available() else (
+        lambda a, b, err_msg: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=err_msg))
+    for n in [(1, 2), (2, 2), (3, 1), (4, 4), (5, 2), (M, M)]:
+        pend_n = jnp.asarray(n, jnp.int32)
+        (ca, ha, la), (cb, hb, lb) = picked(cache, tok, feat, pend_n), full(cache, tok, feat, pend_n)
+        np.testing.assert_array_equal(np.asarray(ca.length), np.asarray(cache.length) + np.asarray(n))
+        np.testing.assert_array_equal(np.asarray(ca.length), np.asarray(cb.length))
+        same(np.asarray(ha), np.asarray(hb), err_msg=str(n))
+        same(np.asarray(la), np.asarray(lb), err_msg=str(n))
+        for b in range(B):  # the committed rows of the draft cache (past them: scratch)
+            end = int(ca.length[b])
+            same(np.asarray(ca.k[:, b, :end]), np.asarray(cb.k[:, b, :end]), err_msg=f"{n} k {b}")
+            same(np.asarray(ca.v[:, b, :end]), np.asarray(cb.v[:, b, :end]), err_msg=f"{n} v {b}")

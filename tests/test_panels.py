@@ -59,6 +59,18 @@ def test_rows_layout_a_tied_embedding():
                                rtol=1e-5, atol=1e-4)
     if kernels.available():
         np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(layers.linear)(x, E.T)))
+    pt = panels.pack(E, rows=True, table=True)  # with the row-major lookup table: the same rows, the same product
+    assert pt.table is not None and pt.nbytes == pe.nbytes + E.size * 4 and pt.T.table is None
+    np.testing.assert_array_equal(np.asarray(pt.data), np.asarray(pe.data))
+    np.testing.assert_array_equal(np.asarray(jax.jit(layers.embed)(pt, ids)), np.asarray(E[ids]))
+    np.testing.assert_array_equal(np.asarray(pt.unpack()), np.asarray(E))
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x, w: layers.linear(x, w, transposed=True))(x, pt)),
+                                  np.asarray(out))
+    assert panels.pack(pe, rows=True, table=True).table is not None  # added to packed panels too
+    flat, tree = jax.tree.flatten(pt)
+    assert len(flat) == 2 and jax.tree.unflatten(tree, flat).table is pt.table
+    with pytest.raises(ValueError, match="lookup table"):
+        panels.pack(E, table=True)
 
 
 @needs_kernel
@@ -209,6 +221,7 @@ def test_load_target_packs_on_cpu_and_is_bitwise_the_row_major_target(tiny_hf_ll
     _, tied = tiny_hf_llama(tie=True, name="tied")  # tied: x @ E.T becomes a panel product (another sum order)
     pt, rt = load_target(tied, panels=True), load_target(tied, panels=False)
     assert pt.params["embed"].rows and pt.params["embed"].shape == rt.params["embed"].shape
+    np.testing.assert_array_equal(np.asarray(pt.params["embed"].table), np.asarray(rt.params["embed"]))
     np.testing.assert_allclose(np.asarray(pt.forward(tok, pos).logits), np.asarray(rt.forward(tok, pos).logits),
                                rtol=1e-5, atol=1e-5)
     gt = llama.forward(pt.params, pt.config, tok, pos, greedy=True)  # the tied projection: the same greedy kernel
