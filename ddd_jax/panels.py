@@ -14,10 +14,10 @@ the weight is unpacked by XLA for the product; gradients go through XLA too.
 
 `load_target(..., panels=None)` packs a float32 target's layer matrices and its output projection (a tied embedding
 as rows: the panels of its transpose, plus its row-major array for lookups) when the CPU kernel runs (the CPU
-backend, no mesh); `panels=False` keeps the row-major arrays. A draft head bound to a panel-major target packs its own matrices and draft-vocabulary rows for
-the decode loops too (`pack_head`, `Draft.packed`; float16 as stored). Wherever a float array is wanted (saving,
-the PyTorch counterpart, nnx modules) `unpack` / `unpack_params` (and `quant.as_float` / `quant.dequantize_tree`)
-give the logical weight back.
+backend, no mesh); `panels=False` keeps the row-major arrays. A draft head bound to a panel-major target packs its
+own matrices and draft-vocabulary rows for the decode loops too (`pack_head`, `Draft.packed`; float16 as stored).
+Wherever a float array is wanted (saving, the PyTorch counterpart, nnx modules) `unpack` / `unpack_params` (and
+`quant.as_float` / `quant.dequantize_tree`) give the logical weight back.
 """
 from __future__ import annotations
 
