@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from .. import hugepages
 from .. import io as dio
 from .. import quant
 from ..eagle import Draft
@@ -66,11 +67,14 @@ def load_target(path_or_name, dtype=None, mesh=None, gguf_blocks: bool = False, 
     panels: store the float32 layer matrices panel-major (`ddd_jax.panels`: bitwise the same products, read as
     contiguous streams by the CPU kernel). None (default): when the CPU kernel runs here (CPU backend) and there
     is no mesh; True insists (an error where it cannot apply); False keeps row-major arrays.
+    On Linux, the weights' large CPU buffers are then moved onto 2 MiB pages (`ddd_jax.hugepages`; same values,
+    fewer TLB misses per weight stream; `DDD_JAX_NO_HUGE_PAGES=1` skips it).
     """
     if panels not in (None, True, False):
         raise ValueError(f"panels must be None, True or False, not {panels!r}")
-    target = _load_target(path_or_name, dtype, mesh, gguf_blocks)
-    return _with_panels(target, panels)
+    target = _with_panels(_load_target(path_or_name, dtype, mesh, gguf_blocks), panels)
+    hugepages.collapse(target.params)
+    return target
 
 
 def _with_panels(target: Target, panels: bool | None) -> Target:
