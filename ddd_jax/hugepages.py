@@ -10,7 +10,8 @@ XLA owns the buffers, so they are not allocated on huge pages: `collapse` asks t
 large buffer that already exist into huge pages in place (`madvise(MADV_HUGEPAGE)`, then `MADV_COLLAPSE`, Linux
 6.1+; the contents do not change). It does what the system allows and nothing else: no Linux, THP disabled
 (`never`), an old kernel or a non-CPU array are skipped, and a failure leaves the 4 KiB pages. A buffer only gains
-the 2 MiB-aligned part inside it. `DDD_JAX_NO_HUGE_PAGES=1` turns it off (`load_target` and `load_draft` call it).
+the 2 MiB-aligned part inside it. `DDD_JAX_NO_HUGE_PAGES=1` turns it off. `load_target` calls it (a draft head's
+buffers are too small to gain).
 """
 from __future__ import annotations
 

@@ -26,6 +26,34 @@ CFG = ModelConfig(vocab_size=101, hidden_size=72, intermediate_size=100, num_hid
                   num_key_value_heads=2, head_dim=12, max_position_embeddings=256)
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def test_the_kernel_library_is_built_where_it_can_run():
+    """The install never fails on a kernel that does not compile (setup.py falls back to XLA, and `pip -q` hides
+    the compiler's error), and every kernel test then skips. So on an x86-64 Linux machine with a C++ compiler and
+    AVX2/FMA/F16C, a missing or unloadable library is a failure here, not a silent fallback."""
+    import shutil
+    if os.environ.get("DDD_JAX_NO_KERNELS", "") not in ("", "0") or os.environ.get("DDD_JAX_KERNELS_LIB"):
+        pytest.skip("kernels disabled or replaced through the environment")
+    if not sys.platform.startswith("linux") or not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("no x86-64 Linux CPU with AVX2/FMA/F16C")
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler: the install had nothing to build the kernel with")
+    assert kernels._library_path() is not None, (
+        "ddd_jax/_cpu_kernels*.so is missing: the kernel did not compile at install "
+        "(`python setup.py build_ext --inplace` shows the compiler's error)")
+    assert kernels.available(), "the kernel library is built but did not load (see the stderr line above)"
+
+
 def _product(x, w, layer, trans):
     return jax.jit(lambda x, w, l: layers.linear(x, w, l, transposed=trans))(x, w, layer)
 
