@@ -258,6 +258,7 @@ def environment() -> dict:
         # ddd_jax.kernels in use (CPU backend), or XLA only (DDD_JAX_NO_KERNELS=1, not built, other backends)
         "cpu_kernels": jax.default_backend() == "cpu" and kernels.available(),
         "cpu_kernels_avx512": jax.default_backend() == "cpu" and kernels.avx512(),
+        "cpu_kernels_l2_prefetch_rows": kernels.l2_prefetch_rows() if jax.default_backend() == "cpu" else None,
         "cpu_model": kernels.cpu_model(),
     }
 

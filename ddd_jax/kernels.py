@@ -13,7 +13,8 @@ the same product also returns each row's first maximum, `greedy_panels`). Everyt
 the library is missing, cannot be loaded or the CPU lacks AVX2/FMA/F16C, takes XLA (one stderr line when the
 library is missing or broken). `DDD_JAX_NO_KERNELS=1` disables them. On CPUs with AVX-512 (F/VL/BW/DQ), x @ W
 products of 3 to 85 rows (tree verification), GGUF-block products and attention use 16-wide vectors (`avx512()`;
-bit-identical results, `DDD_JAX_NO_AVX512=1` keeps AVX2).
+bit-identical results, `DDD_JAX_NO_AVX512=1` keeps AVX2; where they prefetch the next weight block,
+`l2_prefetch_rows()`, is speed only).
 
 Numerics: float32 arithmetic; every output element is reduced in one fixed order that depends on the reduced
 length only, so a row's result is bit-identical whatever the number of rows computed with it, and a tree node's
@@ -95,6 +96,23 @@ def avx512() -> bool:
     """True when x @ W of 3 to 85 rows, GGUF-block products and attention run the AVX-512 paths (this CPU has
     AVX-512 F/VL/BW/DQ and DDD_JAX_NO_AVX512 is unset; bit-identical to the AVX2 path, which runs everything else)."""
     return available() and bool(_state["lib"].ddd_avx512())
+
+
+def l2_prefetch_rows() -> int | None:
+    """From how many rows the AVX-512 products prefetch the next weight block into L2 rather than L1: 1 (always)
+    on AMD, 6 on Intel, `DDD_JAX_L2_PREFETCH_ROWS` when set (the .cc file has the measurements). Speed only: the
+    bits never depend on it. None without the AVX-512 paths."""
+    if not avx512():
+        return None
+    lib = _state["lib"]
+    lib.ddd_l2_prefetch_rows.restype = ctypes.c_int64
+    return int(lib.ddd_l2_prefetch_rows())
+
+
+def set_l2_prefetch_rows(n: int) -> None:
+    """Set `l2_prefetch_rows()` (n >= 1) for this process. For benchmarks."""
+    if available():
+        _state["lib"].ddd_set_l2_prefetch_rows(ctypes.c_int64(max(1, int(n))))
 
 
 def cpu_model() -> str | None:

@@ -315,15 +315,18 @@ def test_avx512_and_avx2_products_are_bitwise_equal(tmp_path):
     """On AVX-512 CPUs x @ W of 3 to 85 rows (float32 and float16 weights), GGUF blocks (dequantized 16 wide;
     multiplied two weight rows a vector, any number of rows), panel-major weights (float32 and float16, every row
     count) and attention take 16-wide vectors: the same fma chains per element, so the same bits as the AVX2 path
-    (DDD_JAX_NO_AVX512=1). Where the CPU has no AVX-512 both runs take AVX2."""
+    (DDD_JAX_NO_AVX512=1). Where the CPU has no AVX-512 both runs take AVX2. The AVX-512 path runs twice: with
+    every weight block prefetched into L2 (DDD_JAX_L2_PREFETCH_ROWS=1, the AMD default) and into L1 below 64 rows
+    (64): prefetching never changes a bit."""
     runs = {}
-    for flag in ("0", "1"):
-        path = tmp_path / f"p{flag}.npz"
+    for name, no512, l2 in (("avx2", "1", ""), ("avx512-l2", "0", "1"), ("avx512-l1", "0", "64")):
+        path = tmp_path / f"{name}.npz"
         r = subprocess.run([sys.executable, "-c", PATHS, str(path)], capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "DDD_JAX_NO_AVX512": flag})
+                           env={**os.environ, "DDD_JAX_NO_AVX512": no512, "DDD_JAX_L2_PREFETCH_ROWS": l2})
         assert r.returncode == 0, r.stderr
-        runs[flag] = dict(np.load(path))
-    assert not runs["1"].pop("avx512")  # the switch turns the path off
-    runs["0"].pop("avx512")
-    for key, got in runs["0"].items():
-        assert np.array_equal(got, runs["1"][key]), f"AVX-512 and AVX2 products differ at {key}"
+        runs[name] = dict(np.load(path))
+    assert not runs["avx2"].pop("avx512")  # the switch turns the path off
+    for name in ("avx512-l2", "avx512-l1"):
+        runs[name].pop("avx512")
+        for key, got in runs[name].items():
+            assert np.array_equal(got, runs["avx2"][key]), f"{name} and AVX2 products differ at {key}"

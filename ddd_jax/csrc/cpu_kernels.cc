@@ -186,10 +186,16 @@ DDD_AVX512 inline void nn_tile512(const float* x, int64_t ldx, const W* w, int64
 }
 
 // From this many rows on, the next K block is prefetched into L2 rather than L1: the rows' compute then covers the
-// L2 -> L1 trip, and the prefetched lines do not evict the accumulator tile and the rows of x from L1. Cost curve on
-// the 2-core Xeon VM (runs/s11, target forward at 256 cached tokens, two alternating runs each, L1 -> L2):
-// t(8) 31.9-32.2 -> 30.6-31.1 ms, t(16) 41.5-41.7 -> 39.0-39.5 ms; t(5), t(6) unchanged; t(4) 26.1-26.7 -> 27.4-27.8 ms.
-constexpr int64_t kL2PrefetchRows = 6;
+// L2 -> L1 trip, and the prefetched lines do not evict the accumulator tile and the rows of x from L1. Set at load
+// (ddd_cpu_supported): 6 on Intel, 1 (always L2) on AMD; DDD_JAX_L2_PREFETCH_ROWS=n overrides. Prefetches only:
+// the arithmetic, and so the bits, do not depend on it.
+// - The 2-core Xeon VM (runs/s11, before panels; target forward at 256 cached tokens, two alternating runs each,
+//   L1 -> L2): t(8) 31.9-32.2 -> 30.6-31.1 ms, t(16) 41.5-41.7 -> 39.0-39.5 ms; t(5), t(6) unchanged; t(4)
+//   26.1-26.7 -> 27.4-27.8 ms.
+// - The 2-core AMD EPYC (Zen 4) VM (runs/s16, panels; 8 interleaved rounds in one process, median ms, threshold
+//   6 -> 1): t(1) 23.6 -> 20.1, t(2) 22.3 -> 20.1, t(4) 27.1 -> 21.4; t(6), t(8), t(16) unchanged within noise. At
+//   one row the L1 prefetches (16 K rows ahead) lose even when a column block's panels fit L1.
+int64_t g_l2_prefetch_rows = 6;
 
 // All M rows of one panel of NV vectors: tiles of up to 8 rows (8 x 3 accumulators + 3 weights + 1 broadcast of
 // the 32 registers); the first tile prefetches the panel's next K block.
@@ -197,7 +203,7 @@ constexpr int64_t kL2PrefetchRows = 6;
 template <int NV, class W>
 DDD_AVX512 inline void nn_rows512(const float* x, int64_t ldx, const W* w, int64_t ldw, float* out, int64_t ldo,
                                   int64_t M, int64_t k0, int64_t k1, bool first, int64_t kmax, int64_t ahead) {
-  const bool l2 = M >= kL2PrefetchRows;
+  const bool l2 = M >= g_l2_prefetch_rows;
   for (int64_t m = 0; m < M; m += 8) {
     const int64_t pf = m == 0 ? ahead : 0;
     const float* xm = x + m * ldx;
@@ -1366,10 +1372,18 @@ __attribute__((visibility("default"))) int ddd_cpu_supported() {
   const char* no512 = std::getenv("DDD_JAX_NO_AVX512");
   g_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") && !(no512 && *no512 && std::strcmp(no512, "0") != 0);
+  const char* l2 = std::getenv("DDD_JAX_L2_PREFETCH_ROWS");
+  g_l2_prefetch_rows = l2 && *l2 ? std::max<int64_t>(1, std::atoll(l2)) : __builtin_cpu_is("amd") ? 1 : 6;
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 // 1 when the AVX-512 paths run (x @ W of 3 to 85 rows, GGUF blocks, attention).
 __attribute__((visibility("default"))) int ddd_avx512() { return g_avx512; }
+// The row count from which the AVX-512 products prefetch into L2 instead of L1 (see g_l2_prefetch_rows).
+__attribute__((visibility("default"))) int64_t ddd_l2_prefetch_rows() { return g_l2_prefetch_rows; }
+// Set it (n >= 1). For benchmarks.
+__attribute__((visibility("default"))) void ddd_set_l2_prefetch_rows(int64_t n) {
+  g_l2_prefetch_rows = std::max<int64_t>(1, n);
+}
 // Cap the threads a product uses (0: the XLA pool's size). For benchmarks.
 __attribute__((visibility("default"))) void ddd_set_max_threads(int64_t n) { g_max_threads = n; }
 }
