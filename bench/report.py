@@ -12,10 +12,13 @@ from ddd_jax.io import atomic_write_text
 
 
 def _kernels(env: dict) -> str:
-    """'CPU kernels, ' / 'CPU kernels (AVX-512), ' / '' for a run's environment record."""
+    """'CPU kernels, ' / 'CPU kernels (AVX-512[, L2 prefetch from n rows]), ' / '' for a run's environment record."""
     if not env.get("cpu_kernels"):
         return ""
-    return "CPU kernels (AVX-512), " if env.get("cpu_kernels_avx512") else "CPU kernels, "
+    if not env.get("cpu_kernels_avx512"):
+        return "CPU kernels, "
+    rows = env.get("cpu_kernels_l2_prefetch_rows")
+    return f"CPU kernels (AVX-512, L2 prefetch from {rows} row{'s' if rows != 1 else ''}), " if rows else "CPU kernels (AVX-512), "
 
 
 def _jsonable(x):
