@@ -294,6 +294,14 @@ DDD_AVX2 void nn_chunk(const float* x, const W* w, float* out, int64_t M, int64_
 constexpr int64_t kPanelAhead = 16;  // K rows a panel's first row tile prefetches ahead (AVX-512; 8/32: slower)
 constexpr int64_t kPanelRows = 64;   // rows per pass: 64 x 48 accumulators fit the tile
 
+// K rows of a panel swept per pass over a column block (AVX-512): the accumulator tile is loaded and stored once
+// per pass, which at 9+ rows costs more than the FMAs can hide. The 2-core AMD EPYC (Zen 4) VM, target forward at
+// 256 cached tokens, 8 interleaved rounds in one process (runs/s16), median ms with K blocks of 8 -> 16 -> 32:
+// 12 rows 27.9 -> 25.3 -> 27.3, 16 rows 37.0 -> 32.0 -> 33.9, 32 rows 74.5 -> 63.4 -> 63.0, 60 rows 142.7 -> 118.0
+// -> 111.3; 1 to 8 rows the same within noise (8 kept: with panels it won at one row on the Xeon VM). The fma chain
+// of every output element is the same whatever the blocking, so the bits are.
+inline int64_t panel_k_block(int64_t M) { return M <= 8 ? kKBlock : M <= 32 ? 16 : 32; }
+
 template <class W>
 DDD_AVX512 void np_block512(const float* x, int64_t K, const W* wc, float* tile, int64_t CB, int64_t M,
                             int64_t k0, int64_t k1, bool first, int64_t panels) {
@@ -308,13 +316,14 @@ DDD_AVX2 void np_chunk_rows(const float* x, const W* w, float* out, int64_t M, i
                             int64_t n0, int64_t n1) {  // M <= kPanelRows, n0 a multiple of 48
   const bool wide = g_avx512;
   const int64_t CB = std::max<int64_t>(kPanel512, (kTile / M) / kPanel512 * kPanel512);  // M x CB <= kTile
+  const int64_t KB = wide ? panel_k_block(M) : kKBlock;
   alignas(64) float tile[kTile];
   for (int64_t c0 = n0; c0 < n1; c0 += CB) {
     const int64_t cw = std::min(n1, c0 + CB) - c0;
     const int64_t panels = (cw + kPanel512 - 1) / kPanel512;  // the last may hold zero columns past N
     const W* wc = w + c0 * K;
-    for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
-      const int64_t k1 = std::min(K, k0 + kKBlock);
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+      const int64_t k1 = std::min(K, k0 + KB);
       const bool first = k0 == 0;
       if (wide) {
         np_block512<W>(x, K, wc, tile, CB, M, k0, k1, first, panels);
