@@ -367,6 +367,7 @@ def test_hlo_ops_parses_kernels_and_tuples():
     assert group(*ops["multiply_fusion.2"], 1.0, 2, 128, 32).startswith("other")
 
 
+@pytest.mark.slow  # two traced decode loops (~6 s); make test runs it
 def test_op_profile_splits_the_decode_loops(tiny, tmp_path):
     """Vanilla's and DDD's device loops traced op by op: every target layer's ops run num_hidden_layers times a call,
     the groups sum to the ops' total, DDD also spends time in the draft head; a host loop is refused."""

@@ -311,6 +311,7 @@ np.savez(sys.argv[1], **out)
 
 
 @needs_kernel
+@pytest.mark.slow  # three subprocesses (~12 s); make test runs it
 def test_avx512_and_avx2_products_are_bitwise_equal(tmp_path):
     """On AVX-512 CPUs x @ W of 3 to 85 rows (float32 and float16 weights), GGUF blocks (dequantized 16 wide;
     multiplied two weight rows a vector, any number of rows), panel-major weights (float32 and float16, every row

@@ -153,6 +153,7 @@ def _flags():
             "--ddd-max-depth", str(DDD.max_depth), "--max-new-tokens", str(MAX_NEW), "--no-progress"]
 
 
+@pytest.mark.slow  # the whole CLI (~10 s); make test runs it
 def test_cli_lazy_eval_writes_the_contract(tmp_path, capsys):
     tdir, hdir = _word_target(tmp_path)
     q = _questions(tmp_path / "q.jsonl")
