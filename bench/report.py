@@ -18,7 +18,9 @@ def _kernels(env: dict) -> str:
     if not env.get("cpu_kernels_avx512"):
         return "CPU kernels, "
     rows = env.get("cpu_kernels_l2_prefetch_rows")
-    return f"CPU kernels (AVX-512, L2 prefetch from {rows} row{'s' if rows != 1 else ''}), " if rows else "CPU kernels (AVX-512), "
+    if not rows:  # records written before the threshold was recorded
+        return "CPU kernels (AVX-512), "
+    return f"CPU kernels (AVX-512, L2 prefetch from {rows} row{'s' if rows != 1 else ''}), "
 
 
 def _jsonable(x):

@@ -64,6 +64,7 @@ def _load() -> bool:
         lib = ctypes.cdll.LoadLibrary(path)
         if not lib.ddd_cpu_supported():
             return False  # no AVX2/FMA: XLA's dot, silently (nothing to fix)
+        lib.ddd_l2_prefetch_rows.restype = ctypes.c_int64
         for name, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except Exception as e:  # noqa: BLE001  (any failure here must leave the XLA path working)
@@ -104,9 +105,7 @@ def l2_prefetch_rows() -> int | None:
     bits never depend on it. None without the AVX-512 paths."""
     if not avx512():
         return None
-    lib = _state["lib"]
-    lib.ddd_l2_prefetch_rows.restype = ctypes.c_int64
-    return int(lib.ddd_l2_prefetch_rows())
+    return int(_state["lib"].ddd_l2_prefetch_rows())
 
 
 def set_l2_prefetch_rows(n: int) -> None:
