@@ -27,6 +27,9 @@ import jax
 
 LOOPS = {"vanilla": "_vanilla_loop"}  # every other method runs _spec_loop
 WRAPPERS = ("ThunkExecutor", "while", "conditional", "call", "ThreadpoolListener")
+# Control flow whose event spans the ops it runs, which have events of their own: summing both counted a branch
+# twice (a `lax.switch`'s conditional is named cond.N, which the event-name filter above does not catch).
+WRAPPER_OPCODES = ("conditional", "while", "call")
 _OP = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\([^)]*\)|\S+) (\S+?)\(")  # name = shape (or a tuple) opcode(
 _TARGET = re.compile(r'custom_call_target="([\w.\-]+)"')
 
@@ -43,6 +46,18 @@ def hlo_ops(hlo_text: str) -> dict:
         t = _TARGET.search(line)
         ops[name] = (t.group(1) if t else opcode, re.sub(r"\{[^}]*\}", "", shape))
     return ops
+
+
+def leaf_times(events, ops: dict):
+    """(total ns, runs) per op name of `events` ((op name, ns) pairs), leaving out the control-flow ops of `ops`
+    (`hlo_ops`) whose events span their branches' or bodies' own events."""
+    per_op, count = collections.Counter(), collections.Counter()
+    for name, ns in events:
+        if ops.get(name, ("",))[0] in WRAPPER_OPCODES:
+            continue
+        per_op[name] += ns
+        count[name] += 1
+    return per_op, count
 
 
 def _dims(shape: str) -> list:  # of the (first) array in an HLO shape
@@ -131,10 +146,7 @@ def op_profile(target, draft, prompt_ids: list, method: str, sync: str = "device
     found = sorted(glob.glob(str(Path(tdir) / "**" / "*.xplane.pb"), recursive=True))
     if not found:
         raise RuntimeError(f"op_profile: no trace written under {tdir}")
-    per_op, count = collections.Counter(), collections.Counter()
-    for name, ns in _events(found[-1], module):
-        per_op[name] += ns
-        count[name] += 1
+    per_op, count = leaf_times(_events(found[-1], module), ops)
     if not per_op:
         raise RuntimeError(f"op_profile: the trace has no events of {module}")
     cfg = target.config

@@ -367,6 +367,25 @@ def test_hlo_ops_parses_kernels_and_tuples():
     assert group(*ops["multiply_fusion.2"], 1.0, 2, 128, 32).startswith("other")
 
 
+def test_control_flow_events_are_not_counted_beside_their_branches():
+    """A conditional's trace event spans its branch's ops, which have events of their own: only the leaves count
+    (a `lax.switch` is named cond.N, so the event-name filter alone let it through)."""
+    from ddd_jax.bench.op_profile import hlo_ops, leaf_times
+    text = """
+  %cond.126 = (f32[1,256]{1,0}, s32[1]{0}) conditional(%i, %a, %b), branch_computations={%b0, %b1}
+  %while.3 = (s32[], f32[4]{0}) while(%t), condition=%c, body=%w
+  %copy.20 = f32[1,256]{1,0} copy(%k)
+  %ffi_call.7 = f32[2,64]{1,0} custom-call(%a, %b), custom_call_target="ddd_linear_panels", api_version=X
+"""
+    ops = hlo_ops(text)
+    assert ops["cond.126"][0] == "conditional" and ops["while.3"][0] == "while"
+    events = [("cond.126", 700), ("copy.20", 50), ("ffi_call.7", 600), ("while.3", 5000), ("copy.20", 40),
+              ("not_in_hlo.1", 3)]
+    per_op, count = leaf_times(events, ops)
+    assert per_op == {"copy.20": 90, "ffi_call.7": 600, "not_in_hlo.1": 3}
+    assert count == {"copy.20": 2, "ffi_call.7": 1, "not_in_hlo.1": 1}
+
+
 @pytest.mark.slow  # two traced decode loops (~6 s); make test runs it
 def test_op_profile_splits_the_decode_loops(tiny, tmp_path):
     """Vanilla's and DDD's device loops traced op by op: every target layer's ops run num_hidden_layers times a call,
