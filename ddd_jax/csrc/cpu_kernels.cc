@@ -291,32 +291,94 @@ DDD_AVX2 void nn_chunk(const float* x, const W* w, float* out, int64_t M, int64_
 // weight's, for every M. The seven products of 30 SmolLM2-sized layers streamed from memory on the 2-core Xeon VM
 // (two alternating runs): 1 row 19.5-19.8 -> 13.8-13.9 ms, 5 rows 20.6-20.7 -> 15.5-15.7 ms, 16 rows 26.7-27.0 ->
 // 19.6-20.0 ms.
-constexpr int64_t kPanelAhead = 16;  // K rows a panel's first row tile prefetches ahead (AVX-512; 8/32: slower)
-constexpr int64_t kPanelRows = 64;   // rows per pass: 64 x 48 accumulators fit the tile
+constexpr int64_t kPanelRows = 64;   // rows per pass (prefill in passes; the AVX2 path's tile holds 64 x 48)
 
-// K rows of a panel swept per pass over a column block (AVX-512): the accumulator tile is loaded and stored once
-// per pass, which at 9+ rows costs more than the FMAs can hide. The 2-core AMD EPYC (Zen 4) VM, target forward at
-// 256 cached tokens, 8 interleaved rounds in one process (runs/s16), median ms with K blocks of 8 -> 16 -> 32:
-// 12 rows 27.9 -> 25.3 -> 27.3, 16 rows 37.0 -> 32.0 -> 33.9, 32 rows 74.5 -> 63.4 -> 63.0, 60 rows 142.7 -> 118.0
-// -> 111.3; 1 to 8 rows the same within noise (8 kept: with panels it won at one row on the Xeon VM). The fma chain
-// of every output element is the same whatever the blocking, so the bits are.
-inline int64_t panel_k_block(int64_t M) { return M <= 8 ? kKBlock : M <= 32 ? 16 : 32; }
+// AVX-512: a row tile's accumulators stay in registers over all of K. Tile by tile (8 rows x 48 columns: 24
+// accumulators + 3 weights + 1 broadcast of the 32 registers), a panel is swept start to end: the first tile
+// streams it from memory, the later ones read it back from L2 (K x 192 bytes: 108 KiB at K = 576, 288 KiB at
+// K = 1536; 3 weight loads a k step against 24 FMAs). The blocked sweep this replaces (K blocks of 8 or 16 rows,
+// the accumulators stored and reloaded once a block) spent ~25% of a tile on its entry and exit: one core, a
+// 576 x 768 weight in L2, 16 rows: 85.6 -> 115.3 GFLOP/s of the 117 this core's FMAs peak at; streamed from
+// memory 74 -> 99 (runs/s17). Each output element is the same fma chain over k = 0, 1, ... as before, so the bits
+// are unchanged.
+// (The blocked sweep was kept on the Xeon VM, where K blocks up to 576 rows were tried inside it: not retried there.)
+// Target forward at 256 cached tokens on the Zen 4 VM, processes alternating, medians (runs/s17/ab.py): t(8)
+// 22.4 -> 18.6 ms, t(16) 34.9 -> 28.4, t(32) 69.0 -> 52.4; t(1) unchanged within noise.
+// The first tile prefetches each weight row g_panel_ahead rows (of 48 floats) ahead, on through the chunk's next
+// panels (one contiguous run). The same runs, t(16) with 0 / 16 / 32 / 64 rows ahead: 28.0-30.7 / 31.5 / 28.4-29.2
+// / 29.8 ms (16 also costs t(8) 2.4 ms: the hardware prefetchers follow the stream). Prefetches move no bits.
+int64_t g_panel_ahead = 32;
 
+template <int MT, class W>
+DDD_AVX512 inline void np_tile512(const float* x, int64_t ldx, const W* w, int64_t K, float* out, int64_t ldo,
+                                  const W* pf, int64_t n_pf, bool l2) {
+  __m512 acc[MT][3];
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_setzero_ps();
+  constexpr int kBytes = kPanel512 * sizeof(W);  // of one panel row
+  const W* wk = w;
+  for (int64_t k = 0; k < K; ++k, wk += kPanel512, pf += kPanel512) {
+    if (k < n_pf) {
+      const char* p = reinterpret_cast<const char*>(pf);
+      if (l2) {
+        DDD_UNROLL for (int b = 0; b < kBytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+      } else {
+        DDD_UNROLL for (int b = 0; b < kBytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+      }
+    }
+    __m512 wv[3];
+    DDD_UNROLL for (int v = 0; v < 3; ++v) wv[v] = load16(wk + 16 * v);
+    DDD_UNROLL for (int r = 0; r < MT; ++r) {
+      const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
+      DDD_UNROLL for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_fmadd_ps(b, wv[v], acc[r][v]);
+    }
+  }
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int v = 0; v < 3; ++v) _mm512_storeu_ps(out + r * ldo + 16 * v, acc[r][v]);
+}
+
+// Columns [n0, n1) of out (n0 a multiple of 48), all M rows, panel by panel.
 template <class W>
-DDD_AVX512 void np_block512(const float* x, int64_t K, const W* wc, float* tile, int64_t CB, int64_t M,
-                            int64_t k0, int64_t k1, bool first, int64_t panels) {
-  for (int64_t p = 0; p < panels; ++p)
-    nn_rows512<3, W>(x, K, wc + p * kPanel512 * K, kPanel512, tile + p * kPanel512, CB, M, k0, k1, first, K,
-                     kPanelAhead);
+DDD_AVX512 void np_chunk512(const float* x, const W* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
+                            int64_t n1) {
+  const bool l2 = M >= g_l2_prefetch_rows;
+  const W* end = w + (n1 + kPanel512 - 1) / kPanel512 * kPanel512 * K;  // past this chunk's last panel
+  alignas(64) float part[8 * kPanel512];  // the last panel's tiles when it holds fewer than 48 columns of out
+  for (int64_t c0 = n0; c0 < n1; c0 += kPanel512) {
+    const W* wp = w + c0 * K;
+    const int64_t cw = std::min<int64_t>(kPanel512, n1 - c0);
+    for (int64_t m = 0; m < M; m += 8) {
+      const int64_t rows = std::min<int64_t>(8, M - m);
+      // the first tile prefetches its rows' successors g_panel_ahead rows on, up to the chunk's end
+      const W* pf = wp + g_panel_ahead * kPanel512;
+      const int64_t n_pf = m == 0 && g_panel_ahead > 0 ? std::clamp<int64_t>((end - pf) / kPanel512, 0, K) : 0;
+      float* o = cw < kPanel512 ? part : out + m * N + c0;
+      const int64_t ldo = cw < kPanel512 ? kPanel512 : N;
+      const float* xm = x + m * K;
+      switch (rows) {
+        case 8: np_tile512<8, W>(xm, K, wp, K, o, ldo, pf, n_pf, l2); break;
+        case 7: np_tile512<7, W>(xm, K, wp, K, o, ldo, pf, n_pf, l2); break;
+        case 6: np_tile512<6, W>(xm, K, wp, K, o, ldo, pf, n_pf, l2); break;
+        case 5: np_tile512<5, W>(xm, K, wp, K, o, ldo, pf, n_pf, l2); break;
+        case 4: np_tile512<4, W>(xm, K, wp, K, o, ldo, pf, n_pf, l2); break;
+        case 3: np_tile512<3, W>(xm, K, wp, K, o, ldo, pf, n_pf, l2); break;
+        case 2: np_tile512<2, W>(xm, K, wp, K, o, ldo, pf, n_pf, l2); break;
+        default: np_tile512<1, W>(xm, K, wp, K, o, ldo, pf, n_pf, l2); break;
+      }
+      if (cw < kPanel512)
+        for (int64_t r = 0; r < rows; ++r)
+          std::copy(part + r * kPanel512, part + r * kPanel512 + cw, out + (m + r) * N + c0);
+    }
+  }
 }
 
 // W: float, or uint16_t (float16 panels: a draft head's weight-only storage, widened exactly as they are read)
 template <class W>
 DDD_AVX2 void np_chunk_rows(const float* x, const W* w, float* out, int64_t M, int64_t K, int64_t N,
                             int64_t n0, int64_t n1) {  // M <= kPanelRows, n0 a multiple of 48
-  const bool wide = g_avx512;
+  if (g_avx512) return np_chunk512<W>(x, w, out, M, K, N, n0, n1);
   const int64_t CB = std::max<int64_t>(kPanel512, (kTile / M) / kPanel512 * kPanel512);  // M x CB <= kTile
-  const int64_t KB = wide ? panel_k_block(M) : kKBlock;
+  const int64_t KB = kKBlock;
   alignas(64) float tile[kTile];
   for (int64_t c0 = n0; c0 < n1; c0 += CB) {
     const int64_t cw = std::min(n1, c0 + CB) - c0;
@@ -325,10 +387,6 @@ DDD_AVX2 void np_chunk_rows(const float* x, const W* w, float* out, int64_t M, i
     for (int64_t k0 = 0; k0 < K; k0 += KB) {
       const int64_t k1 = std::min(K, k0 + KB);
       const bool first = k0 == 0;
-      if (wide) {
-        np_block512<W>(x, K, wc, tile, CB, M, k0, k1, first, panels);
-        continue;
-      }
       for (int64_t p = 0; p < panels; ++p) {  // AVX2: two 24-column halves a panel (16 ymm registers)
         const W* wp = wc + p * kPanel512 * K;
         nn_rows<3, W>(x, K, wp, kPanel512, tile + p * kPanel512, CB, M, k0, k1, first, K);
@@ -1393,6 +1451,8 @@ __attribute__((visibility("default"))) int64_t ddd_l2_prefetch_rows() { return g
 __attribute__((visibility("default"))) void ddd_set_l2_prefetch_rows(int64_t n) {
   g_l2_prefetch_rows = std::max<int64_t>(1, n);
 }
+// The rows ahead the AVX-512 panel products prefetch (g_panel_ahead; 0: none). For benchmarks.
+__attribute__((visibility("default"))) void ddd_set_panel_ahead(int64_t n) { g_panel_ahead = std::max<int64_t>(0, n); }
 // Cap the threads a product uses (0: the XLA pool's size). For benchmarks.
 __attribute__((visibility("default"))) void ddd_set_max_threads(int64_t n) { g_max_threads = n; }
 }
