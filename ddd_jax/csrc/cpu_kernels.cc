@@ -304,9 +304,14 @@ constexpr int64_t kPanelRows = 64;   // rows per pass (prefill in passes; the AV
 // (The blocked sweep was kept on the Xeon VM, where K blocks up to 576 rows were tried inside it: not retried there.)
 // Target forward at 256 cached tokens on the Zen 4 VM, processes alternating, medians (runs/s17/ab.py): t(8)
 // 22.4 -> 18.6 ms, t(16) 34.9 -> 28.4, t(32) 69.0 -> 52.4; t(1) unchanged within noise.
-// The first tile prefetches each weight row g_panel_ahead rows (of 48 floats) ahead, on through the chunk's next
-// panels (one contiguous run). The same runs, t(16) with 0 / 16 / 32 / 64 rows ahead: 28.0-30.7 / 31.5 / 28.4-29.2
-// / 29.8 ms (16 also costs t(8) 2.4 ms: the hardware prefetchers follow the stream). Prefetches move no bits.
+// At one or two rows (bound by memory) the tile prefetches each weight row g_panel_ahead rows (of 48 floats)
+// ahead, on through the chunk's next panels (one contiguous run); from three rows on nothing: the hardware
+// prefetchers follow the stream, and the prefetch instructions only take load slots. Target forward, 256 cached
+// tokens, processes alternating, 8 rounds each, medians: 0 / 32 rows ahead at every row count, t(1) 17.94 / 17.63
+// ms, t(7) 18.85 / 19.12, t(16) 28.58 / 29.07 (each within noise, but 32 won t(1) 5 of 8 rounds and lost t(7) 7 of
+// 8); 16 ahead cost t(8) 2.4 ms, 64 gained nothing. One core, 16 rows, a 576 x 768 weight streamed from memory:
+// no prefetches 96-97 GFLOP/s, 32 ahead into L2 93-94, into L1 81-85; prefetching the next panel from the second
+// tile on (so the first tile of the next finds it in L2) 86-87. Prefetches move no bits.
 int64_t g_panel_ahead = 32;
 
 template <int MT, class W>
@@ -349,9 +354,10 @@ DDD_AVX512 void np_chunk512(const float* x, const W* w, float* out, int64_t M, i
     const int64_t cw = std::min<int64_t>(kPanel512, n1 - c0);
     for (int64_t m = 0; m < M; m += 8) {
       const int64_t rows = std::min<int64_t>(8, M - m);
-      // the first tile prefetches its rows' successors g_panel_ahead rows on, up to the chunk's end
+      // one or two rows: prefetch each row's successor g_panel_ahead rows on, up to the chunk's end
       const W* pf = wp + g_panel_ahead * kPanel512;
-      const int64_t n_pf = m == 0 && g_panel_ahead > 0 ? std::clamp<int64_t>((end - pf) / kPanel512, 0, K) : 0;
+      const int64_t n_pf =
+          m == 0 && M <= 2 && g_panel_ahead > 0 ? std::clamp<int64_t>((end - pf) / kPanel512, 0, K) : 0;
       float* o = cw < kPanel512 ? part : out + m * N + c0;
       const int64_t ldo = cw < kPanel512 ? kPanel512 : N;
       const float* xm = x + m * K;
