@@ -142,9 +142,8 @@ def test_gradients_through_the_kernels_match_xla():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
-def _attention_inputs(seed, B=2, T=5, S=23, L=3):
+def _attention_inputs(seed, B=2, T=5, S=23, L=3, N=6, K=2, H=12):
     rng = np.random.default_rng(seed)
-    N, K, H = 6, 2, 12
     q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((L, B, S, K, H)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((L, B, S, K, H)), jnp.float32)
@@ -155,8 +154,12 @@ def _attention_inputs(seed, B=2, T=5, S=23, L=3):
 
 @needs_kernel
 @pytest.mark.parametrize("S", [23, 150])  # 150: rows sweep several slot blocks (kSlotBlock = 64)
-def test_attention_matches_xla_and_rows_are_independent(S):
-    q, k, v, mask = _attention_inputs(0, S=S)
+@pytest.mark.parametrize("shape", [(5, 6, 2, 12), (8, 9, 3, 64), (6, 20, 4, 32)])  # (T, N, K, H)
+def test_attention_matches_xla_and_rows_are_independent(S, shape):
+    """Each row of a multi-row call is bitwise the row alone. With H a multiple of 16 and 4+ rows a chunk, AVX-512
+    scores put 16 slots in the lanes of a vector (score_rows_lanes) where one row alone takes score8_heads512."""
+    T, N, K, H = shape
+    q, k, v, mask = _attention_inputs(0, S=S, T=T, N=N, K=K, H=H)
     att = jax.jit(lambda q, k, v, m, l: layers.attention(q, k, v, m, l))
     with kernels.enabled(True):
         got = np.asarray(att(q, k, v, mask, 1))

@@ -1262,6 +1262,148 @@ DDD_AVX2 void score_heads(const float* q, const float* k, const int32_t* idx, in
     for (int64_t j = j8; j < hi; ++j) e[g * ldo + j] = score1(q + g * H, k + idx[j] * ldk, H);
 }
 
+// ---- scores with the slots in the lanes (AVX-512; rows >= kLaneRows, H % 16 == 0)
+// score8_heads512 keeps each head dim's chain in a lane, so every score ends in a horizontal sum (24 of them per 8
+// slots and 3 heads, about as many shuffles and adds as FMAs). Here the 16 lanes are 16 slots instead: the keys of
+// a 16-slot group are transposed once per slot block (kt[h][lane]) and shared by every row of the chunk, and the
+// same numbers come out of vertical arithmetic only. Per score, exactly score1's chains and sums: chain c (0..15)
+// is fma(q[h], k[h], .) over h = c, c + 16, ... from zero; a_c = chain c + chain c + 8 (c < 8); the score is
+// ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)) -- hsum8_pairs. A row's scores are then written where its
+// attended slots sit (compress store by its slot mask), so the rows stay independent. The attention of 30
+// SmolLM2 layers (256 cached tokens, 9 query and 3 KV heads of 64 dims, one thread, runs/s17/abench.cc), per-row
+// scores -> slot lanes: 3 rows 1.74-1.87 -> 1.66-1.83 ms, 4 rows 2.21-2.28 -> 1.93-2.14, 8 rows 3.89 -> 3.09, 16
+// rows 6.76 -> 5.26; one row 1.21 -> 1.30-1.36 (the transposes are shared by too few rows), two rows mixed.
+constexpr int64_t kLaneRows = 3;
+
+// kt[h * 16 + i] = k[(s0 + i) * ldk + h] for i < n, zero for n <= i < 16; h < H (a multiple of 16).
+DDD_AVX512 inline void transpose_keys16(const float* k, int64_t ldk, int64_t n, int64_t H, float* kt) {
+  for (int64_t h0 = 0; h0 < H; h0 += 16) {
+    __m512 r[16], t[16];
+    if (n == 16) {
+      DDD_UNROLL for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(k + i * ldk + h0);
+    } else {
+      for (int i = 0; i < 16; ++i) r[i] = i < n ? _mm512_loadu_ps(k + i * ldk + h0) : _mm512_setzero_ps();
+    }
+    DDD_UNROLL for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    DDD_UNROLL for (int i = 0; i < 4; ++i) {
+      const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+      const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+      r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+      r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+      r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+      r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    // r[4i + j]: rows 4i..4i+3, in each 128-bit lane L the column 4L + j of those rows
+    DDD_UNROLL for (int j = 0; j < 4; ++j) {
+      t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);       // lanes 0, 2 of rows 0-3 | lanes 0, 2 of rows 4-7
+      t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);   // lanes 1, 3
+      t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+      t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+    }
+    DDD_UNROLL for (int j = 0; j < 4; ++j) {
+      _mm512_storeu_ps(kt + (h0 + j) * 16, _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88));          // column j
+      _mm512_storeu_ps(kt + (h0 + 4 + j) * 16, _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88));  // 4 + j
+      _mm512_storeu_ps(kt + (h0 + 8 + j) * 16, _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd));       // 8 + j
+      _mm512_storeu_ps(kt + (h0 + 12 + j) * 16, _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xdd)); // 12 + j
+    }
+  }
+}
+
+// The 16 scores of each of GT query heads (q + g * H) against a transposed 16-slot group kt, into s[g].
+template <int GT>
+DDD_AVX512 inline void score16_lanes(const float* q, int64_t H, const float* kt, __m512* s) {
+  __m512 prev[GT], p01[GT], p45[GT];
+  DDD_UNROLL for (int c = 0; c < 8; ++c) {
+    __m512 lo[GT], hi[GT];
+    DDD_UNROLL for (int g = 0; g < GT; ++g) lo[g] = hi[g] = _mm512_setzero_ps();
+    for (int64_t h = c; h < H; h += 16) {
+      __m512 kl = _mm512_loadu_ps(kt + h * 16), kh = _mm512_loadu_ps(kt + (h + 8) * 16);
+      asm("" : "+v"(kl), "+v"(kh));  // loaded once for the GT heads (not folded into each FMA)
+      DDD_UNROLL for (int g = 0; g < GT; ++g) {
+        lo[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * H + h]), kl, lo[g]);
+        hi[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * H + h + 8]), kh, hi[g]);
+      }
+    }
+    DDD_UNROLL for (int g = 0; g < GT; ++g) {
+      const __m512 a = _mm512_add_ps(lo[g], hi[g]);  // a_c
+      if (c == 0 || c == 2 || c == 4 || c == 6) prev[g] = a;
+      else if (c == 1) p01[g] = _mm512_add_ps(prev[g], a);
+      else if (c == 3) p01[g] = _mm512_add_ps(p01[g], _mm512_add_ps(prev[g], a));  // (a0 + a1) + (a2 + a3)
+      else if (c == 5) p45[g] = _mm512_add_ps(prev[g], a);
+      else s[g] = _mm512_add_ps(p01[g], _mm512_add_ps(p45[g], _mm512_add_ps(prev[g], a)));
+    }
+  }
+}
+
+// Scores of every row of a chunk (see attend_rows) on the slot-lane path, slot block by slot block.
+DDD_AVX512 void score_rows_lanes(const float* q, int64_t ldq, const float* k, int64_t ldk, int64_t S, int64_t G,
+                                 int64_t H, std::vector<RowSlots>& rows, int64_t R) {
+  constexpr int64_t kGroups = kSlotBlock / 16;
+  thread_local std::vector<float> kt_buf;
+  thread_local std::vector<uint16_t> masks;  // [R, kGroups]: the slots each row attends in each group
+  thread_local std::vector<int64_t> pos;     // [R]: scores written so far
+  kt_buf.resize(kSlotBlock * H);
+  masks.resize(R * kGroups);
+  pos.assign(R, 0);
+  float* kt = kt_buf.data();
+  for (int64_t r = 0; r < R; ++r) rows[r].cur = 0;
+  for (int64_t s0 = 0; s0 < S; s0 += kSlotBlock) {
+    const int64_t s1 = std::min(S, s0 + kSlotBlock);
+    uint16_t any[kGroups] = {};
+    for (int64_t r = 0; r < R; ++r) {
+      RowSlots& rs = rows[r];
+      uint16_t* m = masks.data() + r * kGroups;
+      std::fill(m, m + kGroups, 0);
+      if (rs.none) continue;
+      const int64_t lo = rs.cur;
+      const int64_t hi = std::lower_bound(rs.idx.begin() + lo, rs.idx.end(), static_cast<int32_t>(s1)) -
+                         rs.idx.begin();
+      rs.cur = hi;
+      if (hi - lo == s1 - s0) {  // every slot of the block
+        for (int64_t gi = 0; gi < kGroups; ++gi) {
+          const int64_t n = std::clamp<int64_t>(s1 - s0 - 16 * gi, 0, 16);
+          m[gi] = static_cast<uint16_t>((1u << n) - 1);
+        }
+      } else {
+        for (int64_t j = lo; j < hi; ++j) {
+          const int64_t off = rs.idx[j] - s0;
+          m[off >> 4] |= static_cast<uint16_t>(1u << (off & 15));
+        }
+      }
+      for (int64_t gi = 0; gi < kGroups; ++gi) any[gi] |= m[gi];
+    }
+    for (int64_t gi = 0; gi < kGroups; ++gi)
+      if (any[gi]) transpose_keys16(k + (s0 + 16 * gi) * ldk, ldk, std::min<int64_t>(16, S - s0 - 16 * gi), H,
+                                    kt + gi * H * 16);
+    for (int64_t r = 0; r < R; ++r) {
+      RowSlots& rs = rows[r];
+      if (rs.none) continue;
+      for (int64_t gi = 0; gi < kGroups; ++gi) {
+        const uint16_t m = masks[r * kGroups + gi];
+        if (!m) continue;
+        const int n = __builtin_popcount(m);
+        for (int64_t g0 = 0; g0 < G; g0 += 3) {
+          __m512 s[3];
+          const float* qg = q + r * ldq + g0 * H;
+          const int64_t gt = std::min<int64_t>(3, G - g0);
+          if (gt == 3) score16_lanes<3>(qg, H, kt + gi * H * 16, s);
+          else if (gt == 2) score16_lanes<2>(qg, H, kt + gi * H * 16, s);
+          else score16_lanes<1>(qg, H, kt + gi * H * 16, s);
+          for (int64_t g = 0; g < gt; ++g) {
+            float* dst = rs.e.data() + (g0 + g) * rs.padded + pos[r];
+            if (m == 0xffff) _mm512_storeu_ps(dst, s[g]);
+            else _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << n) - 1), _mm512_maskz_compress_ps(m, s[g]));
+          }
+        }
+        pos[r] += n;
+      }
+    }
+  }
+}
+
 // Softmax of one row's scaled scores e[0:n_att] in place (e: `padded` floats, a multiple of 8; the padding comes
 // back zero): max (exact in any order); p_j = exp8(e_j - max); sum: lane l adds j = l mod 8 in order, the lanes then
 // summed by hsum8_pairs; p_j / sum.
@@ -1315,10 +1457,13 @@ DDD_AVX2 void attend_rows(const float* q, const float* k, const float* v, const 
     rs.e.assign(G * rs.padded, 0.0f);
   }
   // scores, slot block by slot block
-  for_slot_blocks(rows, R, S, [&](int64_t r, RowSlots& rs, int64_t lo, int64_t hi) DDD_AVX2 {
-    if (rs.none) return;
-    score_heads(q + r * ldq, k, rs.idx.data(), lo, hi, ldk, G, H, rs.e.data(), rs.padded);
-  });
+  if (g_avx512 && H % 16 == 0 && R >= kLaneRows)
+    score_rows_lanes(q, ldq, k, ldk, S, G, H, rows, R);
+  else
+    for_slot_blocks(rows, R, S, [&](int64_t r, RowSlots& rs, int64_t lo, int64_t hi) DDD_AVX2 {
+      if (rs.none) return;
+      score_heads(q + r * ldq, k, rs.idx.data(), lo, hi, ldk, G, H, rs.e.data(), rs.padded);
+    });
   // softmax per row and head
   for (int64_t r = 0; r < R; ++r) {
     RowSlots& rs = rows[r];
