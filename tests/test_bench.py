@@ -406,3 +406,17 @@ def test_op_profile_splits_the_decode_loops(tiny, tmp_path):
         assert "ms per" in table(res)
     with pytest.raises(RuntimeError, match="never ran the device loop"):
         op_profile(target, draft, prompts[:1], "ddd", "host", MAX_NEW, warmup=0, tree=TREE, ddd=DDD)
+
+
+def test_kernel_ab_rejects_bad_input(tmp_path):
+    from ddd_jax.bench import kernel_ab
+    with pytest.raises(SystemExit, match="at least two builds"):
+        kernel_ab.main(["HEAD"])
+    with pytest.raises(SystemExit, match="must be integers"):
+        kernel_ab.main(["HEAD", "HEAD", "--sizes", "1,x"])
+    with pytest.raises(SystemExit, match="at most 512"):
+        kernel_ab.main(["HEAD", "HEAD", "--sizes", "300", "--context", "256"])
+    with pytest.raises(SystemExit, match="no library"):
+        kernel_ab.build(str(tmp_path / "missing.so"), str(tmp_path))
+    with pytest.raises(SystemExit, match="has no ddd_jax/csrc/cpu_kernels.cc"):
+        kernel_ab.build("no-such-revision-xyz", str(tmp_path))

@@ -1,0 +1,132 @@
+"""Two builds of the CPU kernel library head to head on the target forward, in alternating processes.
+
+    python bench/kernel_ab.py BUILD BUILD [BUILD ...] [--sizes 1,7,16] [--rounds 6] [--context 256] [--reps 15]
+    e.g. python bench/kernel_ab.py 23b57b9 HEAD --sizes 1,8,16,32
+
+Each argument is a built library (a path ending in .so) or a git revision whose `ddd_jax/csrc/cpu_kernels.cc` is
+compiled with setup.py's flags into a temporary library. A kernel change is C++, not a runtime switch, so the two
+builds cannot share one process: each round starts one process per build (in alternating order, round by round)
+that loads the SmolLM2 target with that library (`DDD_JAX_KERNELS_LIB`) and times the target forward of each size
+(tokens at positions `context`.. in a 512-slot cache, causal among themselves: what `ddd-jax bench --cost-curve`
+times), median of `reps` calls, three passes over the sizes. Prints every round's numbers, then per build the
+median over rounds [min-max] in ms. The VM's memory speed drifts between minutes (README, "memory phases"): read
+the rounds side by side, not one build's number alone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-Wno-attributes", "-Wno-return-type"]  # setup.py's
+
+
+def build(rev: str, out_dir: str) -> str:
+    """A library path: `rev` itself when it is a .so, else the kernels of git revision `rev` compiled."""
+    if rev.endswith(".so"):
+        if not os.path.exists(rev):
+            raise SystemExit(f"kernel_ab: no library {rev}")
+        return rev
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:ddd_jax/csrc/cpu_kernels.cc"],
+                         capture_output=True, text=True)
+    if src.returncode != 0:
+        raise SystemExit(f"kernel_ab: git revision {rev!r} has no ddd_jax/csrc/cpu_kernels.cc ({src.stderr.strip()})")
+    import jax.ffi  # the FFI headers, as setup.py finds them
+    cc = Path(out_dir) / f"{rev.replace('/', '_')}.cc"
+    so = cc.with_suffix(".so")
+    cc.write_text(src.stdout)
+    r = subprocess.run(["g++", *FLAGS, "-fPIC", "-shared", f"-I{jax.ffi.include_dir()}", str(cc), "-o", str(so),
+                        "-lpthread"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"kernel_ab: building {rev} failed:\n{r.stderr[-2000:]}")
+    return str(so)
+
+
+def child(sizes: list, context: int, reps: int) -> None:
+    """One build's timings (the library comes from DDD_JAX_KERNELS_LIB): one JSON line {size: ms}."""
+    import time
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    import ddd_jax as dj
+    from ddd_jax import kernels, llama
+    from ddd_jax.cache import with_length
+    from ddd_jax.bench.cost import _target_step
+    from ddd_jax.layers import causal_mask
+
+    if not kernels.available():
+        raise SystemExit("kernel_ab: the kernel library did not load")
+    t = dj.load_target("smollm2-135m-instruct")
+    cfg = t.config
+    cache = with_length(llama.new_cache(cfg, 1, 512, jnp.float32), jnp.full((1,), context, jnp.int32))
+    args = {n: (jnp.asarray(np.arange(n, dtype=np.int32)[None]), context + jnp.arange(n, dtype=jnp.int32)[None],
+                causal_mask(1, n)) for n in sizes}
+
+    def timed(n, k):
+        nonlocal cache
+        ts = []
+        for _ in range(k):
+            t0 = time.perf_counter()
+            logits, cache = _target_step(t.params, cfg, cache, *args[n])
+            logits.block_until_ready()
+            ts.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(ts)
+
+    for n in sizes:  # compile and warm up
+        timed(n, 3)
+    passes = {n: [timed(n, reps) for _ in range(3)] for n in sizes}
+    print(json.dumps({n: statistics.median(v) for n, v in passes.items()}))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("builds", nargs="*", help="git revisions or built .so paths")
+    ap.add_argument("--sizes", default="1,7,16", help="tokens per forward, comma-separated")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--context", type=int, default=256, help="tokens already in the cache (< 448)")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    try:
+        sizes = [int(s) for s in a.sizes.split(",")]
+    except ValueError:
+        raise SystemExit(f"kernel_ab: --sizes must be integers, got {a.sizes!r}")
+    if any(s < 1 for s in sizes) or a.context < 0 or a.context + max(sizes) > 512:
+        raise SystemExit("kernel_ab: sizes must be >= 1 and context + the largest size at most 512 (the cache)")
+    if a.child:
+        child(sizes, a.context, a.reps)
+        return 0
+    if len(a.builds) < 2:
+        raise SystemExit("kernel_ab: name at least two builds (git revisions or .so paths)")
+    if a.rounds < 1:
+        raise SystemExit("kernel_ab: --rounds must be at least 1")
+    with tempfile.TemporaryDirectory(prefix="ddd_jax_kernel_ab_") as tmp:
+        libs = [build(b, tmp) for b in a.builds]
+        res = {b: {n: [] for n in sizes} for b in a.builds}
+        for rnd in range(a.rounds):
+            order = list(zip(a.builds, libs))
+            for b, lib in (order if rnd % 2 == 0 else order[::-1]):
+                r = subprocess.run([sys.executable, __file__, "--child", "--sizes", a.sizes, "--context",
+                                    str(a.context), "--reps", str(a.reps)],
+                                   env={**os.environ, "DDD_JAX_KERNELS_LIB": lib}, capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise SystemExit(f"kernel_ab: the run of {b} failed:\n{r.stderr[-2000:]}")
+                got = json.loads(r.stdout.strip().splitlines()[-1])
+                print(f"round {rnd} {b}: " + " ".join(f"t({n})={got[str(n)]:.2f}" for n in sizes), flush=True)
+                for n in sizes:
+                    res[b][n].append(got[str(n)])
+    for b in a.builds:
+        print(f"{b}: " + " ".join(f"t({n}) {statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]"
+                                  for n, v in res[b].items()) + " ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
