@@ -100,8 +100,9 @@ def avx512() -> bool:
 
 
 def l2_prefetch_rows() -> int | None:
-    """From how many rows the AVX-512 products prefetch the next weight block into L2 rather than L1: 1 (always)
-    on AMD, 6 on Intel, `DDD_JAX_L2_PREFETCH_ROWS` when set (the .cc file has the measurements). Speed only: the
+    """From how many rows the AVX-512 products prefetch weights into L2 rather than L1: 1 (always) on AMD, 6 on
+    Intel, `DDD_JAX_L2_PREFETCH_ROWS` when set (the .cc file has the measurements). Panel-major products prefetch at
+    one or two rows only (from three rows on the hardware prefetchers follow each panel's stream). Speed only: the
     bits never depend on it. None without the AVX-512 paths."""
     if not avx512():
         return None

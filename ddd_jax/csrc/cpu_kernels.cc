@@ -187,7 +187,8 @@ DDD_AVX512 inline void nn_tile512(const float* x, int64_t ldx, const W* w, int64
 
 // From this many rows on, the next K block is prefetched into L2 rather than L1: the rows' compute then covers the
 // L2 -> L1 trip, and the prefetched lines do not evict the accumulator tile and the rows of x from L1. Set at load
-// (ddd_cpu_supported): 6 on Intel, 1 (always L2) on AMD; DDD_JAX_L2_PREFETCH_ROWS=n overrides. Prefetches only:
+// (ddd_cpu_supported): 6 on Intel, 1 (always L2) on AMD; DDD_JAX_L2_PREFETCH_ROWS=n overrides (panel-major
+// products prefetch at one or two rows only: np_chunk512). Prefetches only:
 // the arithmetic, and so the bits, do not depend on it.
 // - The 2-core Xeon VM (runs/s11, before panels; target forward at 256 cached tokens, two alternating runs each,
 //   L1 -> L2): t(8) 31.9-32.2 -> 30.6-31.1 ms, t(16) 41.5-41.7 -> 39.0-39.5 ms; t(5), t(6) unchanged; t(4)
