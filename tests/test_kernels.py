@@ -157,7 +157,7 @@ def _attention_inputs(seed, B=2, T=5, S=23, L=3, N=6, K=2, H=12):
 @pytest.mark.parametrize("S,shape", [(23, (5, 6, 2, 12)), (150, (5, 6, 2, 12)), (150, (8, 9, 3, 64)),
                                      (23, (6, 20, 4, 32))])
 def test_attention_matches_xla_and_rows_are_independent(S, shape):
-    """Each row of a multi-row call is bitwise the row alone. With H a multiple of 16 and 4+ rows a chunk, AVX-512
+    """Each row of a multi-row call is bitwise the row alone. With H a multiple of 16 and 3+ rows a chunk, AVX-512
     scores put 16 slots in the lanes of a vector (score_rows_lanes) where one row alone takes score8_heads512."""
     T, N, K, H = shape
     q, k, v, mask = _attention_inputs(0, S=S, T=T, N=N, K=K, H=H)

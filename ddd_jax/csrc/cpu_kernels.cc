@@ -47,6 +47,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -1135,6 +1136,13 @@ struct RowSlots {
   int64_t cur = 0;           // cursor into idx while sweeping slot blocks (for_slot_blocks)
 };
 
+// The row's entries [lo, hi) of idx below slot s1, from its cursor on; moves the cursor to hi (idx ascends).
+inline std::pair<int64_t, int64_t> next_slots(RowSlots& rs, int64_t s1) {
+  const int64_t lo = rs.cur;
+  rs.cur = std::lower_bound(rs.idx.begin() + lo, rs.idx.end(), static_cast<int32_t>(s1)) - rs.idx.begin();
+  return {lo, rs.cur};
+}
+
 // Calls fn(r, rs, lo, hi) for every slot block [s0, s0 + kSlotBlock) and every row r, with [lo, hi) the row's
 // entries of idx inside that block (blocks in ascending order, rows in order within a block).
 template <class Fn>
@@ -1143,12 +1151,8 @@ inline void for_slot_blocks(std::vector<RowSlots>& rows, int64_t R, int64_t S, F
   for (int64_t s0 = 0; s0 < S; s0 += kSlotBlock) {
     const int64_t s1 = std::min(S, s0 + kSlotBlock);
     for (int64_t r = 0; r < R; ++r) {
-      RowSlots& rs = rows[r];
-      const int64_t lo = rs.cur;
-      const int64_t hi = std::lower_bound(rs.idx.begin() + lo, rs.idx.end(), static_cast<int32_t>(s1)) -
-                         rs.idx.begin();  // idx ascends
-      rs.cur = hi;
-      fn(r, rs, lo, hi);
+      const auto [lo, hi] = next_slots(rows[r], s1);
+      fn(r, rows[r], lo, hi);
     }
   }
 }
@@ -1359,10 +1363,7 @@ DDD_AVX512 void score_rows_lanes(const float* q, int64_t ldq, const float* k, in
       uint16_t* m = masks.data() + r * kGroups;
       std::fill(m, m + kGroups, 0);
       if (rs.none) continue;
-      const int64_t lo = rs.cur;
-      const int64_t hi = std::lower_bound(rs.idx.begin() + lo, rs.idx.end(), static_cast<int32_t>(s1)) -
-                         rs.idx.begin();
-      rs.cur = hi;
+      const auto [lo, hi] = next_slots(rs, s1);
       if (hi - lo == s1 - s0) {  // every slot of the block
         for (int64_t gi = 0; gi < kGroups; ++gi) {
           const int64_t n = std::clamp<int64_t>(s1 - s0 - 16 * gi, 0, 16);
