@@ -7,10 +7,10 @@ Each argument is a built library (a path ending in .so) or a git revision whose 
 compiled with setup.py's flags into a temporary library. A kernel change is C++, not a runtime switch, so the two
 builds cannot share one process: each round starts one process per build (in alternating order, round by round)
 that loads the SmolLM2 target with that library (`DDD_JAX_KERNELS_LIB`) and times the target forward of each size
-(tokens at positions `context`.. in a 512-slot cache, causal among themselves: what `ddd-jax bench --cost-curve`
-times), median of `reps` calls, three passes over the sizes. Prints every round's numbers, then per build the
-median over rounds [min-max] in ms. The VM's memory speed drifts between minutes (README, "memory phases"): read
-the rounds side by side, not one build's number alone.
+(`bench.cost.cost_curve`, what `ddd-jax bench --cost-curve` times: tokens at positions `context`.. in a
+512-slot cache, causal among themselves), median of `reps` calls, three passes over the sizes. Prints every
+round's numbers, then per build the median over rounds [min-max] in ms. The VM's memory speed drifts between
+minutes (README, "memory phases"): read the rounds side by side, not one build's number alone.
 """
 from __future__ import annotations
 
@@ -49,40 +49,17 @@ def build(rev: str, out_dir: str) -> str:
 
 
 def child(sizes: list, context: int, reps: int) -> None:
-    """One build's timings (the library comes from DDD_JAX_KERNELS_LIB): one JSON line {size: ms}."""
-    import time
-
-    import jax.numpy as jnp
-    import numpy as np
-
+    """One build's timings (the library comes from DDD_JAX_KERNELS_LIB): one JSON line {size: ms}, the median of
+    three `cost_curve` passes (each a median of `reps` forwards)."""
     import ddd_jax as dj
-    from ddd_jax import kernels, llama
-    from ddd_jax.cache import with_length
-    from ddd_jax.bench.cost import _target_step
-    from ddd_jax.layers import causal_mask
+    from ddd_jax import kernels
+    from ddd_jax.bench.cost import cost_curve
 
     if not kernels.available():
         raise SystemExit("kernel_ab: the kernel library did not load")
-    t = dj.load_target("smollm2-135m-instruct")
-    cfg = t.config
-    cache = with_length(llama.new_cache(cfg, 1, 512, jnp.float32), jnp.full((1,), context, jnp.int32))
-    args = {n: (jnp.asarray(np.arange(n, dtype=np.int32)[None]), context + jnp.arange(n, dtype=jnp.int32)[None],
-                causal_mask(1, n)) for n in sizes}
-
-    def timed(n, k):
-        nonlocal cache
-        ts = []
-        for _ in range(k):
-            t0 = time.perf_counter()
-            logits, cache = _target_step(t.params, cfg, cache, *args[n])
-            logits.block_until_ready()
-            ts.append(time.perf_counter() - t0)
-        return 1e3 * statistics.median(ts)
-
-    for n in sizes:  # compile and warm up
-        timed(n, 3)
-    passes = {n: [timed(n, reps) for _ in range(3)] for n in sizes}
-    print(json.dumps({n: statistics.median(v) for n, v in passes.items()}))
+    target = dj.load_target("smollm2-135m-instruct")
+    passes = [cost_curve(target, None, sizes, context=context, capacity=512, repeat=reps)["rows"] for _ in range(3)]
+    print(json.dumps({n: statistics.median(p[i]["target_ms"] for p in passes) for i, n in enumerate(sizes)}))
 
 
 def main(argv=None) -> int:
