@@ -48,7 +48,8 @@ kernels = Extension(
     "ddd_jax._cpu_kernels",
     sources=["ddd_jax/csrc/cpu_kernels.cc"],
     language="c++",
-    # no -march flags: the kernels carry target("avx2,fma") themselves and the library checks the CPU at load
+    # no -march flags: the kernels carry target("avx2,fma") themselves and the library checks the CPU at load;
+    # bench/kernel_ab.py compiles other revisions with these same flags (FLAGS there)
     extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", "-Wno-attributes", "-Wno-return-type"],
     optional=True,
 )
