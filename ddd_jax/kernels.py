@@ -36,7 +36,7 @@ from .panels import pack, unpack_array
 
 TARGETS = {"ddd_linear": "DddLinear", "ddd_linear_f16": "DddLinearF16", "ddd_linear_blocks": "DddLinearBlocks",
            "ddd_linear_panels": "DddLinearPanels", "ddd_linear_panels_f16": "DddLinearPanelsF16",
-           "ddd_linear_panels_greedy": "DddLinearPanelsGreedy",
+           "ddd_linear_panels_greedy": "DddLinearPanelsGreedy", "ddd_linear_qpanels": "DddLinearQPanels",
            "ddd_attention": "DddAttention"}
 WEIGHT_DTYPES = (jnp.float32, jnp.float16)  # float16: weight-only storage, widened exactly to float32 on load
 MAX_ROWS = 128  # beyond this (prefill, training) XLA's GEMM is the better product
@@ -271,6 +271,46 @@ def product_panels(x, data, n: int, layer=None):
     K = x.shape[-1]
     impl = _panels if available() and x.dtype == jnp.float32 else _panels_xla
     out = impl(x.reshape(-1, K).astype(jnp.float32), w4, layer, n)
+    return out.reshape(*x.shape[:-1], n)
+
+
+# ----------------------------------------------------------------------------------------------- quantized panels
+def _qpanels_call(x2, w4, layer, static):
+    from .quant import KINDS
+    kind, n = static
+    call = jax.ffi.ffi_call("ddd_linear_qpanels", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
+    return call(x2, w4, layer, kind=np.int64(KINDS[kind][0]))
+
+
+def _qpanels_layer(w4, layer, kind, n):
+    """Layer `layer` of stacked quantized panels w4 [L, P, nb, .] dequantized, as output rows: [n, K] float32."""
+    from .quant import _from_panels, dequantize_blocks
+    return dequantize_blocks(_from_panels(jax.lax.dynamic_index_in_dim(w4, layer, 0, keepdims=False), kind, n), kind)
+
+
+def _qpanels_xla(x2, w4, layer, static):
+    return jnp.einsum("mk,nk->mn", x2, _qpanels_layer(w4, layer, *static), preferred_element_type=jnp.float32)
+
+
+def _qpanels_bwd(static, res, g):  # d/dx only: the blocks are constants
+    _, w4, layer = res
+    return jnp.dot(g, _qpanels_layer(w4, layer, *static), preferred_element_type=jnp.float32), None, None
+
+
+_qpanels = _kernel_product(_qpanels_call, _qpanels_xla, _qpanels_bwd)
+
+
+def product_qpanels(x, data, kind: str, n: int, layer=None):
+    """x [..., K] @ W for W GGUF blocks of `kind` stored panel-major (`quant.BlockPanels`): data [P, K/32, 48 *
+    block bytes] or stacked [L, P, K/32, .] with `layer` (an int32 scalar, may be traced); n the output width N.
+    Returns [..., N] float32, bitwise `product_panels` of the dequantized weight. Float32 x of any number of rows
+    runs the kernel (on CPU, when available); anything else dequantizes with XLA."""
+    w4 = data if data.ndim == 4 else data[None]
+    layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+    K = x.shape[-1]
+    impl = _qpanels if available() and x.dtype == jnp.float32 else _qpanels_xla
+    out = impl(x.reshape(-1, K).astype(jnp.float32), w4, layer, (kind, n))
     return out.reshape(*x.shape[:-1], n)
 
 

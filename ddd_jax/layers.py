@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from . import kernels
 from .config import ModelConfig
 from .panels import PanelWeight
-from .quant import BlockWeight, take_rows
+from .quant import BlockPanels, BlockWeight, take_rows
 
 NEG_INF = -1e30  # large finite negative: fully-masked rows stay NaN-free
 
@@ -26,7 +26,8 @@ def linear(x, w, layer=None, *, transposed: bool = False, f32: bool = False):
 
     w may also be a `quant.BlockWeight` (GGUF Q4_1 / Q8_0 / Q4_0 blocks, weight-only): on CPU the block kernel, which
     dequantizes exactly and is bitwise the transposed float32 kernel's product of the dequantized weight; or a
-    `panels.PanelWeight` (float32, panel-major: the same product, bitwise, read as contiguous streams).
+    `panels.PanelWeight` (float32, panel-major: the same product, bitwise, read as contiguous streams); or a
+    `quant.BlockPanels` (GGUF blocks panel-major: bitwise the PanelWeight product of the dequantized weight).
 
     layer: w is stacked [L, K, N] / [L, N, K] and `layer` (an int, may be traced) picks one; the CPU kernel reads
     it in place, so a layer scan never copies a weight. On CPU, float32 products of at most `kernels.MAX_ROWS`
@@ -38,6 +39,11 @@ def linear(x, w, layer=None, *, transposed: bool = False, f32: bool = False):
             raise ValueError(f"a {'rows-layout' if w.rows else '[K, N]'} PanelWeight used as "
                              f"{'rows' if transposed else 'x @ w'}: its layout does not match the product")
         return kernels.product_panels(x, w.data, w.n, layer)
+    if isinstance(w, BlockPanels):  # GGUF blocks panel-major: x @ w, or x @ rows.T for a rows-layout one
+        if transposed != w.rows:
+            raise ValueError(f"a {'rows-layout' if w.rows else '[K, N]'} BlockPanels used as "
+                             f"{'rows' if transposed else 'x @ w'}: its layout does not match the product")
+        return kernels.product_qpanels(x, w.data, w.kind, w.n, layer)
     if isinstance(w, BlockWeight):  # GGUF blocks: rows are outputs, so the product is always x @ rows.T
         if transposed == w.transposed:
             raise ValueError(f"a {'transposed' if w.transposed else 'row-layout'} BlockWeight used as "
@@ -59,6 +65,8 @@ def embed(w, ids):
     row by row, or a rows-layout `panels.PanelWeight`, gathered out of its panels): [..., D]."""
     if isinstance(w, BlockWeight):
         return take_rows(w, ids)
+    if isinstance(w, BlockPanels):
+        return w.take(ids)
     if isinstance(w, PanelWeight):
         return w.take(ids)
     return jnp.take(w, ids, axis=0)

@@ -32,7 +32,7 @@ from . import layers as L
 from .cache import KVCache, init_cache
 from .config import ModelConfig
 from .panels import PanelWeight
-from .quant import BlockWeight
+from .quant import BlockPanels, BlockWeight
 from .verify import greedy_token
 
 
@@ -202,7 +202,9 @@ def output_embedding(params, cfg: ModelConfig):
     if cfg.tie_word_embeddings:
         return params["embed"]
     w = params["lm_head"]
-    return BlockWeight(w.blocks, w.kind, transposed=False) if isinstance(w, BlockWeight) else w.T
+    if isinstance(w, BlockWeight):
+        return BlockWeight(w.blocks, w.kind, transposed=False)
+    return w.T  # an array, or BlockPanels / PanelWeight (the same panels as rows)
 
 
 def lm_head(params, cfg: ModelConfig, hidden):

@@ -22,6 +22,7 @@ is dequantized by XLA.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +93,159 @@ class BlockWeight:
         return jnp.swapaxes(w, -1, -2) if self.transposed else w
 
 
+PANEL = 48  # output columns of a quantized panel (the float32 panels' width: `ddd_jax.panels.PANEL`)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclass(frozen=True, eq=False)  # identity: its arrays have no truth value
+class BlockPanels:
+    """GGUF blocks stored panel-major: the layout the CPU kernel streams (`pack_blocks`; the C++ file's
+    "quantized panels"). The same bytes as a BlockWeight, regrouped so that a product reads each panel's K rows as
+    one contiguous run, dequantizes them in registers and reduces every output element in the float32 panels'
+    order: a product is bitwise the float32 product of the dequantized weight (for a GGUF target: its float32
+    load's product), for every number of rows, from ~1/6 of the bytes.
+
+    data: [..., P, K // 32, 48 * block bytes] uint8 -- panel p, K block b: the blocks of output columns
+        [48p, 48p + 48) over K rows [32b, 32b + 32) (zero blocks past n), as 48 float16 d, (q4_1) 48 float16 m,
+        then the quants K row by K row: [16][48] bytes (q4_*: byte (j, c) holds rows j and 16 + j of column c in its
+        low and high nibble, as in a GGUF block) or [32][48] int8 (q8_0).
+    kind: "q4_1" | "q8_0" | "q4_0"; n: the output width N; rows: the logical layout -- False [..., K, N] (x @ w:
+        decoder matrices, an untied lm_head), True [..., N, K] (output rows: a tied embedding, used as x @ w.T);
+        all static.
+    table: None, or (rows layout, unstacked) the same matrix as a row-layout BlockWeight, for lookups.
+    """
+
+    data: jax.Array
+    kind: str
+    n: int
+    rows: bool = False
+    table: "BlockWeight | None" = None
+
+    def tree_flatten(self):
+        return (self.data, self.table), (self.kind, self.n, self.rows)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux, table=children[1])
+
+    @property
+    def block_bytes(self) -> int:
+        return KINDS[self.kind][1]
+
+    @property
+    def in_features(self) -> int:
+        return self.data.shape[-2] * BLOCK
+
+    @property
+    def shape(self) -> tuple:
+        """The logical float shape (as the float32 weight it stands for)."""
+        lead, K = tuple(self.data.shape[:-3]), self.in_features
+        return lead + ((self.n, K) if self.rows else (K, self.n))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype(self):
+        return jnp.dtype(jnp.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.data.shape)) + (0 if self.table is None else self.table.nbytes)
+
+    @property
+    def T(self) -> "BlockPanels":
+        """The same panels as the transposed logical matrix (no copy)."""
+        return BlockPanels(self.data, self.kind, self.n, not self.rows)
+
+    def blocks(self) -> BlockWeight:
+        """The GGUF blocks back in their row layout (a BlockWeight: outputs as rows)."""
+        return BlockWeight(_from_panels(self.data, self.kind, self.n), self.kind, transposed=not self.rows)
+
+    def dequantize(self) -> jax.Array:
+        """The float32 weight in its logical layout (`shape`)."""
+        return self.blocks().dequantize()
+
+    def take(self, ids):
+        """Rows `ids` [...] of an unstacked rows-layout weight [N, K], dequantized: [..., K] float32 (from its
+        table if it keeps one, else gathered out of the panels: the same values)."""
+        if not self.rows or self.data.ndim != 3:
+            raise ValueError("BlockPanels.take needs an unstacked rows-layout weight (an embedding)")
+        if self.table is not None:
+            return take_rows(self.table, ids)
+        ids = jnp.asarray(ids, jnp.int32)
+        c = (ids % PANEL)[..., None, None]
+        hdr, nq = _panel_header(self.kind)
+        d = 2 * c + jnp.arange(2)
+        offs = [d, d + 2 * PANEL] if self.kind == "q4_1" else [d]
+        offs.append(hdr + jnp.arange(nq) * PANEL + c)
+        offs = jnp.concatenate([jnp.broadcast_to(o, ids.shape + (1, o.shape[-1])) for o in offs], -1)
+        got = jnp.take_along_axis(self.data[ids // PANEL], offs, axis=-1)  # [..., nb, block bytes]
+        return dequantize_blocks(got.reshape(*ids.shape, -1), self.kind)
+
+
+def _panel_header(kind: str) -> tuple[int, int]:
+    """(bytes before a panel block's quants, quant bytes per column)."""
+    return (4 * PANEL if kind == "q4_1" else 2 * PANEL), KINDS[kind][1] - (4 if kind == "q4_1" else 2)
+
+
+@partial(jax.jit, static_argnames=("kind",))
+def _to_panels(blocks, kind: str):
+    """[..., R, nb * bytes] GGUF rows -> [..., P, nb, 48 * bytes] panels (see BlockPanels)."""
+    nbytes = KINDS[kind][1]
+    lead, R, nb = blocks.shape[:-2], blocks.shape[-2], blocks.shape[-1] // nbytes
+    P = -(-R // PANEL)
+    b = jnp.pad(blocks, [(0, 0)] * len(lead) + [(0, P * PANEL - R), (0, 0)])
+    b = jnp.swapaxes(b.reshape(*lead, P, PANEL, nb, nbytes), -3, -2)  # [..., P, nb, 48, bytes]
+    hdr = 4 if kind == "q4_1" else 2
+    parts = [b[..., 0:2].reshape(*b.shape[:-2], 2 * PANEL)]
+    if kind == "q4_1":
+        parts.append(b[..., 2:4].reshape(*b.shape[:-2], 2 * PANEL))
+    parts.append(jnp.swapaxes(b[..., hdr:], -1, -2).reshape(*b.shape[:-2], -1))  # [..., nq, 48]
+    return jnp.concatenate(parts, -1)
+
+
+@partial(jax.jit, static_argnames=("kind", "n"))
+def _from_panels(data, kind: str, n: int):
+    """The inverse of _to_panels: [..., P, nb, 48 * bytes] -> [..., n, nb * bytes]."""
+    hdr, nq = _panel_header(kind)
+    lead, P, nb = data.shape[:-3], data.shape[-3], data.shape[-2]
+    parts = [data[..., 0:2 * PANEL].reshape(*data.shape[:-1], PANEL, 2)]
+    if kind == "q4_1":
+        parts.append(data[..., 2 * PANEL:4 * PANEL].reshape(*data.shape[:-1], PANEL, 2))
+    parts.append(jnp.swapaxes(data[..., hdr:].reshape(*data.shape[:-1], nq, PANEL), -1, -2))
+    b = jnp.concatenate(parts, -1)  # [..., P, nb, 48, bytes]
+    b = jnp.swapaxes(b, -3, -2).reshape(*lead, P * PANEL, -1)
+    return b[..., :n, :]
+
+
+def pack_blocks(w: BlockWeight, table: bool = False) -> BlockPanels:
+    """A BlockWeight as BlockPanels (the same bytes, panel-major). table=True (an unstacked row-layout weight: an
+    embedding) keeps the BlockWeight for lookups (`BlockPanels.take`)."""
+    if isinstance(w, BlockPanels):
+        return w
+    if not isinstance(w, BlockWeight):
+        raise ValueError(f"pack_blocks takes a BlockWeight, not {type(w).__name__}")
+    if table and (w.transposed or w.ndim != 2):
+        raise ValueError("pack_blocks: a lookup table goes with an unstacked row-layout BlockWeight (an embedding)")
+    n = w.blocks.shape[-2]
+    return BlockPanels(_to_panels(jnp.asarray(w.blocks), w.kind), w.kind, n, rows=not w.transposed,
+                       table=w if table else None)
+
+
+def pack_block_params(params: dict, tied: bool) -> dict:
+    """A target's params with every BlockWeight panel-major (`BlockPanels`): the stacked layer matrices, an untied
+    lm_head, and a tied embedding (which keeps its BlockWeight as the lookup table). Anything else as it is."""
+    out = dict(params)
+    out["layers"] = {k: pack_blocks(v) if is_block(v) else v for k, v in params["layers"].items()}
+    if "lm_head" in params and is_block(params["lm_head"]):
+        out["lm_head"] = pack_blocks(params["lm_head"])
+    if tied and is_block(params["embed"]):
+        out["embed"] = pack_blocks(params["embed"], table=True)
+    return out
+
+
 def check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"unknown block kind {kind!r}; known: {sorted(KINDS)}")
@@ -145,7 +299,8 @@ def take_rows(w: BlockWeight, idx):
 
 
 def is_block(x) -> bool:
-    return isinstance(x, BlockWeight)
+    """A weight kept as GGUF blocks: a BlockWeight or BlockPanels."""
+    return isinstance(x, (BlockWeight, BlockPanels))
 
 
 def has_blocks(tree) -> bool:

@@ -287,12 +287,18 @@ for trans in (False, True):
             f = jax.jit(lambda x, w: kernels.product(x, w, 1, trans))
             out[f"{trans}-{K}-{N}-{M}"] = np.asarray(f(x, w))
             out[f"{trans}-{K}-{N}-{M}-f16"] = np.asarray(f(x, w.astype(jnp.float16)))
+from ddd_jax import quant
 from ddd_jax.quant import quantize
 for kind in ("q4_1", "q8_0", "q4_0"):  # GGUF blocks: dequantized 16 wide, multiplied two weight rows a vector
     bw = quantize(jnp.asarray(rng.standard_normal((2, 576, 200)), jnp.float32), kind, transposed=True)
     for M in (1, 3, 5, 8, 13):
         x = jnp.asarray(rng.standard_normal((M, 576)), jnp.float32)
         out[f"{kind}-{M}"] = np.asarray(jax.jit(lambda x, b: kernels.product_blocks(x, b, kind, 1))(x, bw.blocks))
+    bp = quant.pack_blocks(bw)  # the same blocks panel-major: dequantized in registers up to 8 rows, else into L2
+    for M in (1, 2, 3, 8, 9, 16, 70):
+        x = jnp.asarray(rng.standard_normal((M, 576)), jnp.float32)
+        out[f"qpanels-{kind}-{M}"] = np.asarray(jax.jit(lambda x, d: kernels.product_qpanels(x, d, kind, 200, 1))(
+            x, bp.data))
 from ddd_jax import layers
 for H, N, Kh in ((64, 9, 3), (24, 8, 2), (13, 4, 1), (64, 20, 4)):  # p @ V: 64 dims a vector sweep, 16 / 8 / tails
     for T, S in ((1, 40), (5, 150), (16, 300)):
@@ -318,8 +324,8 @@ np.savez(sys.argv[1], **out)
 @pytest.mark.slow  # three subprocesses (~12 s); make test runs it
 def test_avx512_and_avx2_products_are_bitwise_equal(tmp_path):
     """On AVX-512 CPUs x @ W of 3 to 85 rows (float32 and float16 weights), GGUF blocks (dequantized 16 wide;
-    multiplied two weight rows a vector, any number of rows), panel-major weights (float32 and float16, every row
-    count) and attention take 16-wide vectors: the same fma chains per element, so the same bits as the AVX2 path
+    multiplied two weight rows a vector, any number of rows; panel-major, dequantized in registers), panel-major
+    weights (float32 and float16, every row count) and attention take 16-wide vectors: the same fma chains per element, so the same bits as the AVX2 path
     (DDD_JAX_NO_AVX512=1). Where the CPU has no AVX-512 both runs take AVX2. The AVX-512 path runs twice: with
     every weight block prefetched into L2 (DDD_JAX_L2_PREFETCH_ROWS=1, the AMD default) and into L1 below 64 rows
     (64): prefetching never changes a bit."""

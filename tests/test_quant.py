@@ -58,6 +58,48 @@ def test_block_kernel_is_the_float_kernel_of_the_dequantized_weight(kind):
     np.testing.assert_allclose(xla, x @ w_rows[1].T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not kernels.available(), reason="CPU kernel library not available")
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_0"])
+def test_block_panels_are_the_float_panels_of_the_dequantized_weight(kind):
+    from ddd_jax import panels
+    L_, N, K = 2, 100, 96  # N: a last panel of 4 columns; K: three blocks
+    bw = quant.BlockWeight(jnp.asarray(blocks_of(random_rows((L_, N, K), seed=6), kind)), kind, transposed=True)
+    bp = quant.pack_blocks(bw)
+    assert bp.shape == bw.shape == (L_, K, N) and not bp.rows
+    assert bp.nbytes == L_ * 144 * (K // 32) * bw.block_bytes  # 100 columns padded to three panels
+    np.testing.assert_array_equal(np.asarray(bp.blocks().blocks), np.asarray(bw.blocks))  # the same bytes
+    pw = panels.pack(bw.dequantize())  # the float32 panels of the same values
+    f_q = jax.jit(lambda x, i: L.linear(x, bp, i))
+    f_f = jax.jit(lambda x, i: L.linear(x, pw, i))
+    x = random_rows((130, K), seed=7)
+    for m in (1, 2, 3, 8, 9, 16, 130):  # in registers up to 8 rows, else dequantized into a float panel
+        got = np.asarray(f_q(jnp.asarray(x[:m]), 1))
+        np.testing.assert_array_equal(got, np.asarray(f_f(jnp.asarray(x[:m]), 1)), err_msg=f"{m} rows")
+        np.testing.assert_array_equal(got, np.asarray(f_q(jnp.asarray(x), 1))[:m])  # rows are independent
+    with kernels.enabled(False):  # the XLA fallback dequantizes the same blocks
+        xla = np.asarray(jax.jit(lambda x: L.linear(x, bp, 0))(jnp.asarray(x[:5])))
+    np.testing.assert_allclose(xla, x[:5] @ np.asarray(bw.dequantize()[0]), rtol=1e-5, atol=1e-5)
+    g = jax.grad(lambda x: jnp.sum(jnp.tanh(L.linear(x, bp, 1))))(jnp.asarray(x[:3]))
+    g_ref = jax.grad(lambda x: jnp.sum(jnp.tanh(x @ bw.dequantize()[1])))(jnp.asarray(x[:3]))
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-5, atol=1e-6)
+    # rows layout (a tied embedding): x @ rows.T, and lookups with or without the row table
+    e = quant.BlockWeight(jnp.asarray(blocks_of(random_rows((N, K), seed=8), kind)), kind)
+    ep, et = quant.pack_blocks(e), quant.pack_blocks(e, table=True)
+    assert ep.rows and ep.shape == (N, K) and et.table is e
+    np.testing.assert_array_equal(np.asarray(L.linear(jnp.asarray(x[:5]), ep, transposed=True)),
+                                  np.asarray(L.linear(jnp.asarray(x[:5]), panels.pack(e.dequantize(), rows=True),
+                                                      transposed=True)))
+    ids = jnp.asarray([[0, 47, 48], [99, 5, 50]])
+    for w in (ep, et):
+        np.testing.assert_array_equal(np.asarray(L.embed(w, ids)), np.asarray(quant.take_rows(e, ids)))
+    with pytest.raises(ValueError, match="layout does not match"):
+        L.linear(jnp.ones((1, K)), ep)  # rows used as x @ w
+    with pytest.raises(ValueError, match="lookup table"):
+        quant.pack_blocks(bw, table=True)
+    with pytest.raises(ValueError, match="takes a BlockWeight"):
+        quant.pack_blocks(jnp.ones((K, N)))
+
+
 def test_gradient_with_respect_to_activations():
     b = blocks_of(random_rows((24, 64), seed=3), "q4_1")
     blk = quant.BlockWeight(jnp.asarray(b), "q4_1")  # rows [V, D], as a tied embedding
@@ -108,6 +150,28 @@ def test_blocks_target_matches_its_float_twin(small):
     uf = Target("untied-float", cfg, quant.dequantize_tree(ub.params))
     np.testing.assert_allclose(np.asarray(ub.forward(toks, pos).logits), np.asarray(uf.forward(toks, pos).logits),
                                rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="CPU kernel library not available")
+def test_block_panels_target_is_bitwise_its_float_panels_twin(small):
+    """Panel-major blocks (what load_target makes of gguf_blocks=True on CPU) reduce in the float32 panels' order:
+    the same logits, bit for bit, as the float twin stored panel-major, and speculative decoding over them decodes
+    vanilla's tokens."""
+    from ddd_jax import panels
+    from spec_helpers import prompts
+    tf, tb, draft = small
+    tq = dataclasses.replace(tb, params=quant.pack_block_params(tb.params, tied=True))
+    tp = dataclasses.replace(tf, params=panels.pack_params(tf.params))
+    assert isinstance(tq.params["embed"], quant.BlockPanels) and quant.describe(tq.params) == "gguf blocks q4_1+q8_0"
+    toks = np.random.RandomState(5).randint(0, 90, (2, 11)).astype(np.int32)
+    pos = np.broadcast_to(np.arange(11), toks.shape)
+    np.testing.assert_array_equal(np.asarray(tq.forward(toks, pos).logits), np.asarray(tp.forward(toks, pos).logits))
+    ps = prompts(4, seed=7, vocab=90)
+    ref = generate(tp, None, ps, max_new_tokens=24)
+    assert generate(tq, None, ps, max_new_tokens=24).tokens == ref.tokens
+    got = generate(tq, Draft(draft.config, draft.params, tq), ps, max_new_tokens=24, method="ddd",
+                   tree=TreeConfig(top_k=3, total_tokens=8, depth=3))
+    assert got.tokens == ref.tokens
 
 
 @pytest.mark.parametrize("method,sync", [pytest.param("eagle2", "device", marks=pytest.mark.slow), ("ddd", "device"),
@@ -182,6 +246,15 @@ def test_smollm2_blocks_are_the_float_weights_and_decode_alike(smollm2):
     a = generate(smollm2, None, ids, max_new_tokens=24).tokens
     b = generate(tb, None, ids, max_new_tokens=24).tokens
     assert a == b  # summation orders differ (the float layers use the x @ w kernel); greedy tokens agree here
+    if kernels.available():  # load_target keeps them panel-major: the float32 panels' products, bit for bit
+        from ddd_jax import load_target
+        tq = load_target("smollm2-135m-instruct", gguf_blocks=True)
+        assert isinstance(tq.params["layers"]["wq"], quant.BlockPanels)
+        toks = np.asarray(ids, np.int32)
+        pos = np.arange(toks.shape[1])[None]
+        np.testing.assert_array_equal(np.asarray(tq.forward(toks, pos).logits),
+                                      np.asarray(smollm2.forward(toks, pos).logits))
+        assert generate(tq, None, ids, max_new_tokens=24).tokens == a
     with pytest.raises(ValueError, match="dtype"):
         load_gguf_target(GGUF, dtype="float16", gguf_blocks=True)
 

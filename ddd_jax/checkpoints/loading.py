@@ -65,7 +65,8 @@ def load_target(path_or_name, dtype=None, mesh=None, gguf_blocks: bool = False, 
     the same float32 values and arithmetic, ~1/6 of the bytes a forward reads; the CPU kernel dequantizes them
     exactly. Matrices of other types (K-quants, float16) are dequantized to float32, with a warning naming them.
     panels: store the float32 layer matrices panel-major (`ddd_jax.panels`: bitwise the same products, read as
-    contiguous streams by the CPU kernel). None (default): when the CPU kernel runs here (CPU backend) and there
+    contiguous streams by the CPU kernel), and GGUF blocks too (`quant.BlockPanels`: bitwise the float32 panels'
+    products of their dequantized values, so a GGUF target decodes the same tokens with or without gguf_blocks). None (default): when the CPU kernel runs here (CPU backend) and there
     is no mesh; True insists (an error where it cannot apply); False keeps row-major arrays.
     On Linux, the weights' large CPU buffers are then moved onto 2 MiB pages (`ddd_jax.hugepages`; same values,
     fewer TLB misses per weight stream; `DDD_JAX_NO_HUGE_PAGES=1` skips it).
@@ -83,7 +84,6 @@ def _with_panels(target: Target, panels: bool | None) -> Target:
     if panels is False:
         return target
     why = ("it is sharded over a mesh" if target.mesh is not None else
-           "it keeps GGUF blocks" if quant.has_blocks(target.params["layers"]) else
            "its weights are not float32" if jnp.dtype(target.params["embed"].dtype) != jnp.float32 else None)
     if why is not None:
         if panels:
@@ -91,7 +91,9 @@ def _with_panels(target: Target, panels: bool | None) -> Target:
         return target
     if panels is None and not P.auto():
         return target
-    return dataclasses.replace(target, params=P.pack_params(target.params))
+    # GGUF blocks (gguf_blocks=True) become quantized panels (`quant.BlockPanels`), float32 matrices float panels
+    params = quant.pack_block_params(target.params, tied=target.config.tie_word_embeddings)
+    return dataclasses.replace(target, params=P.pack_params(params))
 
 
 def _load_target(path_or_name, dtype, mesh, gguf_blocks: bool) -> Target:

@@ -919,6 +919,162 @@ ffi::Error LinearPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------- x @ W, W panel-major GGUF blocks ("quantized panels")
+// The panels of np_chunk_rows, holding a GGUF file's blocks instead of floats (ddd_jax.quant.BlockPanels): panel p,
+// K block b (32 rows of K) is the 48 GGUF blocks of output columns [48p, 48p + 48) over those K rows, regrouped so
+// that one K row of the panel is one contiguous run of bytes:
+//   q4_1 (960 bytes): 48 float16 d, 48 float16 m, then qs [16][48] -- byte (j, c) is column c's GGUF byte j: its
+//                     low nibble is K row 32b + j, its high nibble K row 32b + 16 + j;
+//   q4_0 (864 bytes): 48 float16 d, qs [16][48] as q4_1's;
+//   q8_0 (1632 bytes): 48 float16 d, qs [32][48] int8 -- byte (j, c) is column c's K row 32b + j.
+// A weight is dequantized exactly as the GGUF row kernels do (fma(d, q, m); d * (q - 8); q * d: exact, see
+// dequant_q4_1) and each output element is the same fma chain over k = 0, 1, ... as np_chunk_rows's, so the product
+// is bitwise the float32 panels' product of the dequantized weight -- the float32 target's product, for a GGUF
+// target -- for every M, while a forward reads ~1/6 of the bytes.
+// AVX-512, at most 8 rows: one tile a panel, dequantized in registers as the K rows go by. Otherwise each panel is
+// dequantized once into a float panel in L1 / L2 and np_chunk_rows runs over it.
+constexpr int64_t qp_bytes(int64_t kind) { return kPanel512 * kind_bytes(kind); }  // a panel's K block
+constexpr int64_t qp_qs(int64_t kind) { return kind == kQ4_1 ? 4 * kPanel512 : 2 * kPanel512; }  // qs offset
+
+template <int MT, int64_t KIND>
+DDD_AVX512 inline void qp_tile512(const float* x, int64_t ldx, const uint8_t* wp, int64_t nb, float* out,
+                                  int64_t ldo) {
+  __m512 acc[MT][3];
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_setzero_ps();
+  const __m512i nib = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
+  for (int64_t b = 0; b < nb; ++b, wp += qp_bytes(KIND)) {
+    __m512 d[3], m[3];
+    DDD_UNROLL for (int v = 0; v < 3; ++v) {
+      d[v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * v)));
+      m[v] = KIND == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 96 + 32 * v)))
+                           : _mm512_setzero_ps();
+    }
+    const uint8_t* qs = wp + qp_qs(KIND);
+    const float* xb = x + b * kQK;
+    constexpr int kHalves = KIND == kQ8_0 ? 1 : 2, kRows = KIND == kQ8_0 ? 32 : 16;
+    DDD_UNROLL for (int h = 0; h < kHalves; ++h) {
+      for (int j = 0; j < kRows; ++j) {
+        __m512 wv[3];
+        DDD_UNROLL for (int v = 0; v < 3; ++v) {
+          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + j * kPanel512 + 16 * v));
+          if (KIND == kQ8_0) {
+            wv[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), d[v]);
+          } else {
+            __m512i q = _mm512_cvtepu8_epi32(raw);
+            q = h ? _mm512_srli_epi32(q, 4) : _mm512_and_si512(q, nib);
+            wv[v] = KIND == kQ4_1 ? _mm512_fmadd_ps(d[v], _mm512_cvtepi32_ps(q), m[v])
+                                  : _mm512_mul_ps(d[v], _mm512_cvtepi32_ps(_mm512_sub_epi32(q, eight)));
+          }
+        }
+        const int64_t k = h * 16 + j;
+        DDD_UNROLL for (int r = 0; r < MT; ++r) {
+          const __m512 bx = _mm512_set1_ps(xb[r * ldx + k]);
+          DDD_UNROLL for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_fmadd_ps(bx, wv[v], acc[r][v]);
+        }
+      }
+    }
+  }
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int v = 0; v < 3; ++v) _mm512_storeu_ps(out + r * ldo + 16 * v, acc[r][v]);
+}
+
+// One panel (nb K blocks) into dst [K][48] float32: the floats the tile above computes in registers.
+template <int64_t KIND>
+DDD_AVX2 void qp_dequant_panel(const uint8_t* wp, int64_t nb, float* dst) {
+  const __m256i nib = _mm256_set1_epi32(0x0F), eight = _mm256_set1_epi32(8);
+  for (int64_t b = 0; b < nb; ++b, wp += qp_bytes(KIND)) {
+    __m256 d[6], m[6];
+    DDD_UNROLL for (int v = 0; v < 6; ++v) {
+      d[v] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16 * v)));
+      m[v] = KIND == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 96 + 16 * v)))
+                           : _mm256_setzero_ps();
+    }
+    const uint8_t* qs = wp + qp_qs(KIND);
+    constexpr int kHalves = KIND == kQ8_0 ? 1 : 2, kRows = KIND == kQ8_0 ? 32 : 16;
+    for (int h = 0; h < kHalves; ++h)
+      for (int j = 0; j < kRows; ++j, dst += kPanel512)
+        DDD_UNROLL for (int v = 0; v < 6; ++v) {
+          const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + j * kPanel512 + 8 * v));
+          __m256 w;
+          if (KIND == kQ8_0) {
+            w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d[v]);
+          } else {
+            __m256i q = _mm256_cvtepu8_epi32(raw);
+            q = h ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, nib);
+            w = KIND == kQ4_1 ? _mm256_fmadd_ps(d[v], _mm256_cvtepi32_ps(q), m[v])
+                              : _mm256_mul_ps(d[v], _mm256_cvtepi32_ps(_mm256_sub_epi32(q, eight)));
+          }
+          _mm256_storeu_ps(dst + 8 * v, w);
+        }
+  }
+}
+
+// Columns [n0, n1) of out (n0 a multiple of 48), all M rows, panel by panel.
+template <int64_t KIND>
+DDD_AVX2 void qp_chunk(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
+                       int64_t n1) {
+  const int64_t nb = K / kQK;
+  thread_local std::vector<float> panel;
+  alignas(64) float part[8 * kPanel512];  // the last panel's tile when it holds fewer than 48 columns of out
+  for (int64_t c0 = n0; c0 < n1; c0 += kPanel512) {
+    const uint8_t* wp = w + (c0 / kPanel512) * nb * qp_bytes(KIND);
+    const int64_t cw = std::min<int64_t>(kPanel512, n1 - c0);
+    if (g_avx512 && M <= 8) {
+      float* o = cw < kPanel512 ? part : out + c0;
+      const int64_t ldo = cw < kPanel512 ? kPanel512 : N;
+      switch (M) {
+        case 8: qp_tile512<8, KIND>(x, K, wp, nb, o, ldo); break;
+        case 7: qp_tile512<7, KIND>(x, K, wp, nb, o, ldo); break;
+        case 6: qp_tile512<6, KIND>(x, K, wp, nb, o, ldo); break;
+        case 5: qp_tile512<5, KIND>(x, K, wp, nb, o, ldo); break;
+        case 4: qp_tile512<4, KIND>(x, K, wp, nb, o, ldo); break;
+        case 3: qp_tile512<3, KIND>(x, K, wp, nb, o, ldo); break;
+        case 2: qp_tile512<2, KIND>(x, K, wp, nb, o, ldo); break;
+        default: qp_tile512<1, KIND>(x, K, wp, nb, o, ldo); break;
+      }
+      if (cw < kPanel512)
+        for (int64_t r = 0; r < M; ++r) std::copy(part + r * kPanel512, part + r * kPanel512 + cw, out + r * N + c0);
+      continue;
+    }
+    if (static_cast<int64_t>(panel.size()) < K * kPanel512) panel.resize(K * kPanel512);
+    qp_dequant_panel<KIND>(wp, nb, panel.data());
+    for (int64_t m0 = 0; m0 < M; m0 += kPanelRows)  // this one panel: out + c0 as columns [0, cw)
+      np_chunk_rows<float>(x + m0 * K, panel.data(), out + m0 * N + c0, std::min(kPanelRows, M - m0), K, N, 0, cw);
+  }
+}
+
+// x [..., K] float32 @ w [L, P, K / 32, 48 * block bytes] (quantized panels of `kind`) at `layer` -> out [..., N],
+// 48 (P - 1) < N <= 48 P. Every M.
+ffi::Error LinearQPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                         ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t kind) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto od = out->dimensions();
+  if (kind != kQ4_1 && kind != kQ8_0 && kind != kQ4_0)
+    return ffi::Error::InvalidArgument("ddd_linear_qpanels: unknown kind");
+  if (wd.size() != 4 || wd[3] != qp_bytes(kind) || xd.size() < 1 || od.size() < 1)
+    return ffi::Error::InvalidArgument("ddd_linear_qpanels: w must be [L, P, K / 32, 48 * block bytes]");
+  const int64_t K = xd.back();
+  const int64_t M = K ? x.element_count() / K : 0;
+  const int64_t P = wd[1], N = od.back();
+  if (K % kQK != 0 || wd[2] != K / kQK) return ffi::Error::InvalidArgument("ddd_linear_qpanels: K mismatch");
+  if (N > P * kPanel512 || N <= (P - 1) * kPanel512 || out->element_count() != M * N)
+    return ffi::Error::InvalidArgument("ddd_linear_qpanels: the output's columns do not match the panels");
+  const float* xp = x.typed_data();
+  const uint8_t* wp = w.typed_data() + layer_index(layer, wd[0]) * P * wd[2] * wd[3];
+  float* o = out->typed_data();
+  for_column_chunks(pool, M, K, N, kPanel512, o, [=](int64_t n0, int64_t n1) {
+    if (kind == kQ4_1)
+      qp_chunk<kQ4_1>(xp, wp, o, M, K, N, n0, n1);
+    else if (kind == kQ4_0)
+      qp_chunk<kQ4_0>(xp, wp, o, M, K, N, n0, n1);
+    else
+      qp_chunk<kQ8_0>(xp, wp, o, M, K, N, n0, n1);
+  });
+  return ffi::Error::Success();
+}
+
 // The same product (bitwise: the same chunks), plus each row's greedy token: the index of its first maximum, V - 1
 // for a row holding a NaN -- what `verify.greedy_token` computes from the logits. Each chunk scans its columns
 // while they are still in cache; the chunks' answers are merged in column order (a later chunk wins only when
@@ -1565,6 +1721,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearPanelsF16, LinearPanels<ffi::F16>,
                                   .Arg<ffi::Buffer<ffi::F16>>()   // w [L, P, K, 48], panel-major float16
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [..., N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearQPanels, LinearQPanels,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [..., K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // w [L, P, K/32, 48 * block bytes]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [..., N]
+                                  .Attr<int64_t>("kind"));        // 0: Q4_1, 1: Q8_0, 2: Q4_0
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearPanelsGreedy, LinearPanelsGreedy,
                               ffi::Ffi::Bind()
