@@ -294,7 +294,7 @@ for kind in ("q4_1", "q8_0", "q4_0"):  # GGUF blocks: dequantized 16 wide, multi
     for M in (1, 3, 5, 8, 13):
         x = jnp.asarray(rng.standard_normal((M, 576)), jnp.float32)
         out[f"{kind}-{M}"] = np.asarray(jax.jit(lambda x, b: kernels.product_blocks(x, b, kind, 1))(x, bw.blocks))
-    bp = quant.pack_blocks(bw)  # the same blocks panel-major: dequantized in registers up to 8 rows, else into L2
+    bp = quant.pack_blocks(bw)  # the same blocks panel-major: dequantized in registers up to 24 rows, else into L2
     for M in (1, 2, 3, 8, 9, 16, 70):
         x = jnp.asarray(rng.standard_normal((M, 576)), jnp.float32)
         out[f"qpanels-{kind}-{M}"] = np.asarray(jax.jit(lambda x, d: kernels.product_qpanels(x, d, kind, 200, 1))(

@@ -72,7 +72,7 @@ def test_block_panels_are_the_float_panels_of_the_dequantized_weight(kind):
     f_q = jax.jit(lambda x, i: L.linear(x, bp, i))
     f_f = jax.jit(lambda x, i: L.linear(x, pw, i))
     x = random_rows((130, K), seed=7)
-    for m in (1, 2, 3, 8, 9, 16, 130):  # in registers up to 8 rows, else dequantized into a float panel
+    for m in (1, 2, 3, 8, 9, 16, 130):  # in registers up to 24 rows (8-row tiles), else dequantized into a float panel
         got = np.asarray(f_q(jnp.asarray(x[:m]), 1))
         np.testing.assert_array_equal(got, np.asarray(f_f(jnp.asarray(x[:m]), 1)), err_msg=f"{m} rows")
         np.testing.assert_array_equal(got, np.asarray(f_q(jnp.asarray(x), 1))[:m])  # rows are independent

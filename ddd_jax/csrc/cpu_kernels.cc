@@ -931,8 +931,8 @@ ffi::Error LinearPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 // dequant_q4_1) and each output element is the same fma chain over k = 0, 1, ... as np_chunk_rows's, so the product
 // is bitwise the float32 panels' product of the dequantized weight -- the float32 target's product, for a GGUF
 // target -- for every M, while a forward reads ~1/6 of the bytes.
-// AVX-512, at most 8 rows: one tile a panel, dequantized in registers as the K rows go by. Otherwise each panel is
-// dequantized once into a float panel in L1 / L2 and np_chunk_rows runs over it.
+// AVX-512, up to g_qp_tile_rows rows: tiles of 8 rows, each dequantizing the panel in registers as the K rows go by.
+// Otherwise (and on AVX2) each panel is dequantized once into a float panel in L2 and np_chunk_rows runs over it.
 constexpr int64_t qp_bytes(int64_t kind) { return kPanel512 * kind_bytes(kind); }  // a panel's K block
 constexpr int64_t qp_qs(int64_t kind) { return kind == kQ4_1 ? 4 * kPanel512 : 2 * kPanel512; }  // qs offset
 
@@ -1010,6 +1010,12 @@ DDD_AVX2 void qp_dequant_panel(const uint8_t* wp, int64_t nb, float* dst) {
   }
 }
 
+// AVX-512: up to this many rows, 8-row tiles dequantize in registers (each tile its own copy); more rows dequantize
+// each panel once into L2. SmolLM2 over Q4_1 panels at 256 cached tokens, 6 interleaved rounds in one process,
+// medians (runs/s18/qpt.py): in registers up to 8 / 16 rows, t(12) 28.9 / 26.0 ms, t(16) 35.2 / 31.5; up to 16 /
+// 32 / 64 rows, t(24) 43.9 / 42.7 / 41.2, t(32) 56.2 / 57.1 / 56.9, t(64) 107 / 110 / 111.
+int64_t g_qp_tile_rows = 24;
+
 // Columns [n0, n1) of out (n0 a multiple of 48), all M rows, panel by panel.
 template <int64_t KIND>
 DDD_AVX2 void qp_chunk(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
@@ -1020,21 +1026,26 @@ DDD_AVX2 void qp_chunk(const float* x, const uint8_t* w, float* out, int64_t M, 
   for (int64_t c0 = n0; c0 < n1; c0 += kPanel512) {
     const uint8_t* wp = w + (c0 / kPanel512) * nb * qp_bytes(KIND);
     const int64_t cw = std::min<int64_t>(kPanel512, n1 - c0);
-    if (g_avx512 && M <= 8) {
-      float* o = cw < kPanel512 ? part : out + c0;
-      const int64_t ldo = cw < kPanel512 ? kPanel512 : N;
-      switch (M) {
-        case 8: qp_tile512<8, KIND>(x, K, wp, nb, o, ldo); break;
-        case 7: qp_tile512<7, KIND>(x, K, wp, nb, o, ldo); break;
-        case 6: qp_tile512<6, KIND>(x, K, wp, nb, o, ldo); break;
-        case 5: qp_tile512<5, KIND>(x, K, wp, nb, o, ldo); break;
-        case 4: qp_tile512<4, KIND>(x, K, wp, nb, o, ldo); break;
-        case 3: qp_tile512<3, KIND>(x, K, wp, nb, o, ldo); break;
-        case 2: qp_tile512<2, KIND>(x, K, wp, nb, o, ldo); break;
-        default: qp_tile512<1, KIND>(x, K, wp, nb, o, ldo); break;
+    if (g_avx512 && M <= g_qp_tile_rows) {
+      for (int64_t m = 0; m < M; m += 8) {
+        const int64_t rows = std::min<int64_t>(8, M - m);
+        float* o = cw < kPanel512 ? part : out + m * N + c0;
+        const int64_t ldo = cw < kPanel512 ? kPanel512 : N;
+        const float* xm = x + m * K;
+        switch (rows) {
+          case 8: qp_tile512<8, KIND>(xm, K, wp, nb, o, ldo); break;
+          case 7: qp_tile512<7, KIND>(xm, K, wp, nb, o, ldo); break;
+          case 6: qp_tile512<6, KIND>(xm, K, wp, nb, o, ldo); break;
+          case 5: qp_tile512<5, KIND>(xm, K, wp, nb, o, ldo); break;
+          case 4: qp_tile512<4, KIND>(xm, K, wp, nb, o, ldo); break;
+          case 3: qp_tile512<3, KIND>(xm, K, wp, nb, o, ldo); break;
+          case 2: qp_tile512<2, KIND>(xm, K, wp, nb, o, ldo); break;
+          default: qp_tile512<1, KIND>(xm, K, wp, nb, o, ldo); break;
+        }
+        if (cw < kPanel512)
+          for (int64_t r = 0; r < rows; ++r)
+            std::copy(part + r * kPanel512, part + r * kPanel512 + cw, out + (m + r) * N + c0);
       }
-      if (cw < kPanel512)
-        for (int64_t r = 0; r < M; ++r) std::copy(part + r * kPanel512, part + r * kPanel512 + cw, out + r * N + c0);
       continue;
     }
     if (static_cast<int64_t>(panel.size()) < K * kPanel512) panel.resize(K * kPanel512);
@@ -1771,6 +1782,8 @@ __attribute__((visibility("default"))) void ddd_set_l2_prefetch_rows(int64_t n) 
 }
 // The rows ahead the AVX-512 panel products prefetch (g_panel_ahead; 0: none). For benchmarks.
 __attribute__((visibility("default"))) void ddd_set_panel_ahead(int64_t n) { g_panel_ahead = std::max<int64_t>(0, n); }
+// Rows up to which quantized panels dequantize in registers, tile by tile (else once into L2). For benchmarks.
+__attribute__((visibility("default"))) void ddd_set_qp_tile_rows(int64_t n) { g_qp_tile_rows = n; }
 // Cap the threads a product uses (0: the XLA pool's size). For benchmarks.
 __attribute__((visibility("default"))) void ddd_set_max_threads(int64_t n) { g_max_threads = n; }
 }
