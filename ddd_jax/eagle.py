@@ -178,8 +178,8 @@ class Draft:
             self.lm_sub = quant.quantize(rows, wd) if wd in quant.KINDS else rows.astype(wd)
             if mesh is not None:
                 self.lm_sub = sharding.put(self.lm_sub, sharding.named(mesh, DRAFT_AXES["lm_sub"]))
-        if (self.config.head_type == "eagle1" and mesh is None and not quant.has_blocks(self.params)
-                and panels.has_panels(self.target.params)):
+        target_panels = panels.has_panels(self.target.params) or quant.has_block_panels(self.target.params)
+        if self.config.head_type == "eagle1" and mesh is None and not quant.has_blocks(self.params) and target_panels:
             self.packed = panels.pack_head(self.params)
             if self.lm_sub is not None:  # rows: the panels of its transpose, as the target's tied embedding
                 packable = jnp.dtype(self.lm_sub.dtype) in panels.DTYPES  # (not bfloat16)

@@ -15,6 +15,11 @@ BlockWeight equals that kernel's product with the dequantized weight, and a row'
 other rows (decoding and tree verification stay token-identical). What changes is the bytes a forward streams:
 SmolLM2-135M's Q4_1 layers and Q8_0 embedding are ~96 MB against 540 MB of float32.
 
+On CPU, `load_target` stores them panel-major instead (`BlockPanels`, `pack_blocks`): the kernel
+(`kernels.product_qpanels`) dequantizes a panel's K rows in registers and reduces in the float32 panel kernel's
+order, so a product is bitwise the float32 panels' product of the dequantized weight (a GGUF target's logits are
+its float32 load's, bit for bit).
+
 `layers.linear` and `layers.embed` take a BlockWeight wherever they take an array; off CPU, for more than
 `kernels.MAX_ROWS` rows, and for gradients (with respect to the activations only; blocks are constants) the weight
 is dequantized by XLA.
@@ -307,6 +312,11 @@ def has_blocks(tree) -> bool:
     return any(is_block(x) for x in jax.tree.leaves(tree, is_leaf=is_block))
 
 
+def has_block_panels(tree) -> bool:
+    """Whether any weight of `tree` is GGUF blocks stored panel-major (`BlockPanels`)."""
+    return any(isinstance(x, BlockPanels) for x in jax.tree.leaves(tree, is_leaf=is_block))
+
+
 def as_float(w):
     """A float array for w: a BlockWeight dequantized, a `panels.PanelWeight` unpacked (logical layout), anything
     else as it is."""
@@ -320,10 +330,12 @@ def dequantize_tree(tree):
 
 
 def describe(tree) -> str:
-    """'float32' (the float dtype of plain weights), or e.g. 'gguf blocks q4_1+q8_0' when any weight is blocks."""
-    kinds = sorted({x.kind for x in jax.tree.leaves(tree, is_leaf=is_block) if is_block(x)})
-    if kinds:
-        return "gguf blocks " + "+".join(kinds)
+    """'float32' (the float dtype of plain weights; ' (panels)' when panel-major), or e.g. 'gguf blocks q4_1+q8_0'
+    when any weight is blocks (' (panels)' when they are BlockPanels)."""
+    blocks = [x for x in jax.tree.leaves(tree, is_leaf=is_block) if is_block(x)]
+    if blocks:
+        layout = " (panels)" if any(isinstance(x, BlockPanels) for x in blocks) else ""
+        return "gguf blocks " + "+".join(sorted({x.kind for x in blocks})) + layout
     floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
     layout = " (panels)" if has_panels(tree) else ""
     return str(floats[0].dtype) + layout if floats else "none"

@@ -59,7 +59,8 @@ def test_block_kernel_is_the_float_kernel_of_the_dequantized_weight(kind):
 
 
 @pytest.mark.skipif(not kernels.available(), reason="CPU kernel library not available")
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", ["q4_1", pytest.param("q8_0", marks=pytest.mark.slow),
+                                  pytest.param("q4_0", marks=pytest.mark.slow)])
 def test_block_panels_are_the_float_panels_of_the_dequantized_weight(kind):
     from ddd_jax import panels
     L_, N, K = 2, 100, 96  # N: a last panel of 4 columns; K: three blocks
@@ -162,15 +163,17 @@ def test_block_panels_target_is_bitwise_its_float_panels_twin(small):
     tf, tb, draft = small
     tq = dataclasses.replace(tb, params=quant.pack_block_params(tb.params, tied=True))
     tp = dataclasses.replace(tf, params=panels.pack_params(tf.params))
-    assert isinstance(tq.params["embed"], quant.BlockPanels) and quant.describe(tq.params) == "gguf blocks q4_1+q8_0"
+    assert isinstance(tq.params["embed"], quant.BlockPanels)
+    assert quant.describe(tq.params) == "gguf blocks q4_1+q8_0 (panels)"
     toks = np.random.RandomState(5).randint(0, 90, (2, 11)).astype(np.int32)
     pos = np.broadcast_to(np.arange(11), toks.shape)
     np.testing.assert_array_equal(np.asarray(tq.forward(toks, pos).logits), np.asarray(tp.forward(toks, pos).logits))
     ps = prompts(4, seed=7, vocab=90)
     ref = generate(tp, None, ps, max_new_tokens=24)
     assert generate(tq, None, ps, max_new_tokens=24).tokens == ref.tokens
-    got = generate(tq, Draft(draft.config, draft.params, tq), ps, max_new_tokens=24, method="ddd",
-                   tree=TreeConfig(top_k=3, total_tokens=8, depth=3))
+    d = Draft(draft.config, draft.params, tq)
+    assert d.packed is not None  # a head bound to quantized panels drafts from panels too
+    got = generate(tq, d, ps, max_new_tokens=24, method="ddd", tree=TreeConfig(top_k=3, total_tokens=8, depth=3))
     assert got.tokens == ref.tokens
 
 
