@@ -104,5 +104,6 @@ def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capa
         r["target_rel_1"] = r["target_ms"] / base if base else None
         # tokens a tree of this size must yield per call just to break even with vanilla (ignoring drafting)
         r["break_even_tau"] = r["target_rel_1"]
+    from ddd_jax.quant import describe
     return {"format": "ddd-jax-cost-curve", "target": target.name, "context": context, "capacity": capacity,
-            "repeat": repeat, "dtype": str(dtype), "rows": rows}
+            "repeat": repeat, "dtype": str(dtype), "weights": describe(target.params), "rows": rows}

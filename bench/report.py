@@ -126,6 +126,7 @@ def cost_table(result: dict) -> str:
         load = env.get("loadavg")
         extra = (f"; {_kernels(env) or 'CPU kernels off, '}{env.get('cpu_model') or ''}"
                  + (f", load {load[0]:.1f}" if load else ""))
-    return (f"cost curve: target `{result['target']}`, context {result['context']} in a cache of "
+    weights = f" ({result['weights']})" if result.get("weights") else ""
+    return (f"cost curve: target `{result['target']}`{weights}, context {result['context']} in a cache of "
             f"{result['capacity']} slots{extra}\n"
             + _table(["tokens", "target ms", "x one token (break-even tau)", "draft step ms (beam of n)"], rows))

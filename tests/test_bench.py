@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ddd_jax
-from ddd_jax import llama
+from ddd_jax import llama, quant
 from ddd_jax.config import DDDConfig, ModelConfig, TreeConfig
 from ddd_jax.settings import load_settings, save_settings, to_configs
 
@@ -300,6 +300,7 @@ def test_cost_curve(tiny, tmp_path):
     assert res["rows"][0]["target_rel_1"] == 1.0
     assert plots.plot_cost_curve(res, tmp_path / "cost.png", total_tokens=4).stat().st_size > 1000
     assert "break-even" in report.cost_table(res)
+    assert res["weights"] == quant.describe(target.params) and f"({res['weights']})" in report.cost_table(res)
 
 
 def test_mtbench_questions(tmp_path):

@@ -26,7 +26,8 @@ def n_checks(depth: int, checks) -> int:
     return sum(1 for s in checks if s <= depth)
 
 
-@pytest.mark.parametrize("sync", [pytest.param("host", marks=pytest.mark.slow), "callback"])  # host: slow lane (time)
+@pytest.mark.parametrize("sync", [pytest.param("host", marks=pytest.mark.slow),
+                                  pytest.param("callback", marks=pytest.mark.slow)])  # ~11 s each: make test runs them
 def test_concurrent_decodes_keep_their_own_policy_and_counts(sync):
     target, draft = tiny_target(), fitted_draft()
     p = prompts(1, seed=3, lo=6, hi=7)[0]
