@@ -9,7 +9,9 @@ so the result is the float32 product of the widened weights), and GGUF Q4_1 / Q8
 dequantized exactly into L1, four rows at a time (eight on AVX-512), then the float32 transposed product), and
 panel-major float32 weights (`ddd_jax.panels`: every panel one contiguous stream, any number of rows; bitwise the
 row-major product; float16 panels for a draft head bound to a panel-major target; for greedy decoding's lm_head
-the same product also returns each row's first maximum, `greedy_panels`). Everything else, and every machine where
+the same product also returns each row's first maximum, `greedy_panels`), and GGUF blocks stored panel-major
+(`quant.BlockPanels`, `product_qpanels`: dequantized in registers, bitwise `product_panels` of the dequantized
+weight). Everything else, and every machine where
 the library is missing, cannot be loaded or the CPU lacks AVX2/FMA/F16C, takes XLA (one stderr line when the
 library is missing or broken). `DDD_JAX_NO_KERNELS=1` disables them. On CPUs with AVX-512 (F/VL/BW/DQ), x @ W
 products of 3 to 85 rows (tree verification), GGUF-block products and attention use 16-wide vectors (`avx512()`;

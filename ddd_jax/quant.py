@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .panels import has_panels, is_panels, unpack
+from .panels import PANEL, has_panels, is_panels, unpack
 
 BLOCK = 32
 KINDS = {"q4_1": (0, 20), "q8_0": (1, 34), "q4_0": (2, 18)}  # name -> (the kernel's `kind` attribute, bytes a block)
@@ -96,9 +96,6 @@ class BlockWeight:
         """The float32 weight in its logical layout (`shape`)."""
         w = self.rows()
         return jnp.swapaxes(w, -1, -2) if self.transposed else w
-
-
-PANEL = 48  # output columns of a quantized panel (the float32 panels' width: `ddd_jax.panels.PANEL`)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -203,11 +200,11 @@ def _to_panels(blocks, kind: str):
     P = -(-R // PANEL)
     b = jnp.pad(blocks, [(0, 0)] * len(lead) + [(0, P * PANEL - R), (0, 0)])
     b = jnp.swapaxes(b.reshape(*lead, P, PANEL, nb, nbytes), -3, -2)  # [..., P, nb, 48, bytes]
-    hdr = 4 if kind == "q4_1" else 2
+    quants = nbytes - _panel_header(kind)[1]  # where a GGUF block's quants start (after d, m)
     parts = [b[..., 0:2].reshape(*b.shape[:-2], 2 * PANEL)]
     if kind == "q4_1":
         parts.append(b[..., 2:4].reshape(*b.shape[:-2], 2 * PANEL))
-    parts.append(jnp.swapaxes(b[..., hdr:], -1, -2).reshape(*b.shape[:-2], -1))  # [..., nq, 48]
+    parts.append(jnp.swapaxes(b[..., quants:], -1, -2).reshape(*b.shape[:-2], -1))  # [..., nq, 48]
     return jnp.concatenate(parts, -1)
 
 
@@ -215,7 +212,7 @@ def _to_panels(blocks, kind: str):
 def _from_panels(data, kind: str, n: int):
     """The inverse of _to_panels: [..., P, nb, 48 * bytes] -> [..., n, nb * bytes]."""
     hdr, nq = _panel_header(kind)
-    lead, P, nb = data.shape[:-3], data.shape[-3], data.shape[-2]
+    lead, P = data.shape[:-3], data.shape[-3]
     parts = [data[..., 0:2 * PANEL].reshape(*data.shape[:-1], PANEL, 2)]
     if kind == "q4_1":
         parts.append(data[..., 2 * PANEL:4 * PANEL].reshape(*data.shape[:-1], PANEL, 2))
