@@ -316,6 +316,22 @@ constexpr int64_t kPanelRows = 64;   // rows per pass (prefill in passes; the AV
 // tile on (so the first tile of the next finds it in L2) 86-87. Prefetches move no bits.
 int64_t g_panel_ahead = 32;
 
+// One K row of an MT x 48 tile: acc[r][v] = fma(x[r, k], w[v], acc[r][v]) -- the step every panel tile takes
+// (float32 / float16 panels, and quantized panels after dequantizing the row), so they share one summation order.
+template <int MT>
+DDD_AVX512 inline void tile_row512(__m512 (&acc)[MT][3], const float* x, int64_t ldx, int64_t k, const __m512 (&wv)[3]) {
+  DDD_UNROLL for (int r = 0; r < MT; ++r) {
+    const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
+    DDD_UNROLL for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_fmadd_ps(b, wv[v], acc[r][v]);
+  }
+}
+
+template <int MT>
+DDD_AVX512 inline void tile_store512(const __m512 (&acc)[MT][3], float* out, int64_t ldo) {
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int v = 0; v < 3; ++v) _mm512_storeu_ps(out + r * ldo + 16 * v, acc[r][v]);
+}
+
 template <int MT, class W>
 DDD_AVX512 inline void np_tile512(const float* x, int64_t ldx, const W* w, int64_t K, float* out, int64_t ldo,
                                   const W* pf, int64_t n_pf, bool l2) {
@@ -335,13 +351,9 @@ DDD_AVX512 inline void np_tile512(const float* x, int64_t ldx, const W* w, int64
     }
     __m512 wv[3];
     DDD_UNROLL for (int v = 0; v < 3; ++v) wv[v] = load16(wk + 16 * v);
-    DDD_UNROLL for (int r = 0; r < MT; ++r) {
-      const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
-      DDD_UNROLL for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_fmadd_ps(b, wv[v], acc[r][v]);
-    }
+    tile_row512<MT>(acc, x, ldx, k, wv);
   }
-  DDD_UNROLL for (int r = 0; r < MT; ++r)
-    DDD_UNROLL for (int v = 0; v < 3; ++v) _mm512_storeu_ps(out + r * ldo + 16 * v, acc[r][v]);
+  tile_store512<MT>(acc, out, ldo);
 }
 
 // Columns [n0, n1) of out (n0 a multiple of 48), all M rows, panel by panel.
@@ -967,16 +979,11 @@ DDD_AVX512 inline void qp_tile512(const float* x, int64_t ldx, const uint8_t* wp
                                   : _mm512_mul_ps(d[v], _mm512_cvtepi32_ps(_mm512_sub_epi32(q, eight)));
           }
         }
-        const int64_t k = h * 16 + j;
-        DDD_UNROLL for (int r = 0; r < MT; ++r) {
-          const __m512 bx = _mm512_set1_ps(xb[r * ldx + k]);
-          DDD_UNROLL for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_fmadd_ps(bx, wv[v], acc[r][v]);
-        }
+        tile_row512<MT>(acc, xb, ldx, h * 16 + j, wv);
       }
     }
   }
-  DDD_UNROLL for (int r = 0; r < MT; ++r)
-    DDD_UNROLL for (int v = 0; v < 3; ++v) _mm512_storeu_ps(out + r * ldo + 16 * v, acc[r][v]);
+  tile_store512<MT>(acc, out, ldo);
 }
 
 // One panel (nb K blocks) into dst [K][48] float32: the floats the tile above computes in registers.
