@@ -66,8 +66,9 @@ def load_target(path_or_name, dtype=None, mesh=None, gguf_blocks: bool = False, 
     exactly. Matrices of other types (K-quants, float16) are dequantized to float32, with a warning naming them.
     panels: store the float32 layer matrices panel-major (`ddd_jax.panels`: bitwise the same products, read as
     contiguous streams by the CPU kernel), and GGUF blocks too (`quant.BlockPanels`: bitwise the float32 panels'
-    products of their dequantized values, so a GGUF target decodes the same tokens with or without gguf_blocks). None (default): when the CPU kernel runs here (CPU backend) and there
-    is no mesh; True insists (an error where it cannot apply); False keeps row-major arrays.
+    products of their dequantized values, so a GGUF target decodes the same tokens with or without gguf_blocks).
+    None (default): when the CPU kernel runs here (CPU backend) and there is no mesh; True insists (an error where
+    it cannot apply); False keeps row-major arrays.
     On Linux, the weights' large CPU buffers are then moved onto 2 MiB pages (`ddd_jax.hugepages`; same values,
     fewer TLB misses per weight stream; `DDD_JAX_NO_HUGE_PAGES=1` skips it).
     """
