@@ -10,13 +10,13 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    k: jax.Array  # [L, B, K, S, H]  keys per layer / sequence / KV head / slot (head-major: a head's slots are one
-    v: jax.Array  # [L, B, K, S, H]  run of memory, which decoding reads head by head)
+    k: jax.Array  # [L, B, S, K, H]  keys per layer / sequence / slot
+    v: jax.Array  # [L, B, S, K, H]
     length: jax.Array  # [B] int32: slots [0, length) hold the committed prefix
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self.k.shape[2]
 
     @property
     def batch(self) -> int:
@@ -25,7 +25,7 @@ class KVCache:
 
 def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int,
                dtype=jnp.float32) -> KVCache:
-    shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
+    shape = (num_layers, batch, capacity, num_kv_heads, head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=jnp.zeros((batch,), jnp.int32))
 
 
@@ -50,17 +50,17 @@ def commit(cache: KVCache, start, accepted_slots, n) -> KVCache:
     dst = start[:, None] + jnp.arange(M, dtype=jnp.int32)[None]
     b = jnp.arange(cache.batch)[:, None]
 
-    def move(x):  # x: [L, B, K, S, H]
+    def move(x):  # x: [L, B, S, K, H]
         if cache.batch != 1:
-            return x.at[:, b, :, dst].set(x[:, b, :, src], mode="drop")  # (both index [B, M, L, K, H])
-        L, _, K, S, H = x.shape
+            return x.at[:, b, dst].set(x[:, b, src], mode="drop")
+        L, _, S, K, H = x.shape
 
         def one(i, x):
             d = jnp.minimum(dst[0, i], S - 1)
-            row = jax.lax.dynamic_slice(x, (0, 0, 0, src[0, i], 0), (L, 1, K, 1, H))
-            keep = jax.lax.dynamic_slice(x, (0, 0, 0, d, 0), (L, 1, K, 1, H))
+            row = jax.lax.dynamic_slice(x, (0, 0, src[0, i], 0, 0), (L, 1, 1, K, H))
+            keep = jax.lax.dynamic_slice(x, (0, 0, d, 0, 0), (L, 1, 1, K, H))
             row = jnp.where(dst[0, i] < S, row, keep)  # past the capacity: dropped, as the scatter's mode="drop"
-            return jax.lax.dynamic_update_slice(x, row, (0, 0, 0, d, 0))
+            return jax.lax.dynamic_update_slice(x, row, (0, 0, d, 0, 0))
 
         # a loop (unrolled, XLA copied the whole cache per entry) over the n real entries only: a cycle commits ~2
         return jax.lax.fori_loop(0, jnp.clip(n_[0], 0, M), one, x)

@@ -376,8 +376,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def attention(q, k, v, mask, layer, reference):
-    """Masked GQA attention through the kernel: q [B, T, N, H]; k, v [L, B, K, S, H] with `layer`
-    (or [B, K, S, H] when layer is None); mask [B, T, S] bool. Returns [B, T, N*H] float32. `reference` is the
+    """Masked GQA attention through the kernel: q [B, T, N, H]; k, v [L, B, S, K, H] with `layer`
+    (or [B, S, K, H] when layer is None); mask [B, T, S] bool. Returns [B, T, N*H] float32. `reference` is the
     XLA implementation with the same signature minus layer (used off CPU and for gradients)."""
     if layer is None:
         k, v, layer = k[None], v[None], 0

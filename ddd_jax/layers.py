@@ -146,8 +146,8 @@ def sliding_window_mask(q_positions, kv_positions, window: int):
 def attention(q, k, v, mask, layer=None):
     """Grouped-query attention.
 
-    q: [B, T, N, H]; k, v: [B, K, S, H] (head-major, as the caches), or stacked caches [L, B, K, S, H] with `layer`
-    (an int, may be traced: read in place on the kernel path); mask: [B, T, S] bool (True = may attend). Returns [B, T, N*H].
+    q: [B, T, N, H]; k, v: [B, S, K, H], or stacked caches [L, B, S, K, H] with `layer` (an int, may be traced:
+    read in place on the kernel path); mask: [B, T, S] bool (True = may attend). Returns [B, T, N*H].
     Softmax in float32. On CPU, float32 with at most `kernels.MAX_ROWS` query rows runs `ddd_jax.kernels`'
     attention: only the slots a row may attend, summed in slot order, so a row's output does not depend on the
     other rows (a tree node gets exactly what decoding its path one token at a time gives).
@@ -161,14 +161,14 @@ def attention(q, k, v, mask, layer=None):
 
 def _attention_xla(q, k, v, mask):
     B, T, N, H = q.shape
-    K = k.shape[1]
+    K = k.shape[2]
     G = N // K
     qg = q.reshape(B, T, K, G, H)
-    logits = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
     logits = logits * (1.0 / math.sqrt(H))
     logits = jnp.where(mask[:, None, None, :, :], logits, NEG_INF)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bksh->btkgh", probs, v)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
     return out.reshape(B, T, N * H)
 
 

@@ -174,8 +174,7 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
             p, i = xs
             aux = keep(aux, x, i)
             q, k, v = qkv(x, p, i)
-            kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, H], the caches' head-major layout
-            return (rest(x, p, i, L.attention(q, kh, vh, kv_mask)), aux), None
+            return (rest(x, p, i, L.attention(q, k, v, kv_mask)), aux), None
         (x, aux), _ = jax.lax.scan(body, (x, aux0), (small, layer_ids))
         return (x, None, jnp.stack(aux)) if aux_layers else (x, None)
 
@@ -187,10 +186,9 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
         p, i = xs
         aux = keep(aux, x, i)
         q, k, v = qkv(x, p, i)
-        # scatter straight into the carried [L, B, K, S, H] buffers (in place; the indexed view is [B, T, K, H]),
-        # then attend over layer i
-        kall = kall.at[i, b_idx, :, dst].set(k.astype(kall.dtype), mode="drop")
-        vall = vall.at[i, b_idx, :, dst].set(v.astype(vall.dtype), mode="drop")
+        # scatter straight into the carried [L, B, S, K, H] buffers (in place), then attend over layer i
+        kall = kall.at[i, b_idx, dst].set(k.astype(kall.dtype), mode="drop")
+        vall = vall.at[i, b_idx, dst].set(v.astype(vall.dtype), mode="drop")
         x = rest(x, p, i, L.attention(q, kall, vall, kv_mask, i))
         return (x, kall, vall, aux), None
 

@@ -3,7 +3,7 @@ alone (`jax.eval_shape`: nothing is allocated, no devices are needed).
 
 Counted per device (shard shapes by `ddd_jax.sharding.RULES`; the batch is padded to a multiple of "data"):
     weights        target params + the EAGLE head (one decoder layer + fc) in --dtype
-    kv_cache       target cache [L, B, K, S, H] x2 (k, v) + draft cache [1, B, K, S, H] x2, in --dtype
+    kv_cache       target cache [L, B, S, K, H] x2 (k, v) + draft cache [1, B, S, K, H] x2, in --dtype
     tree_buffers   one verify forward over the tree of T = total_tokens nodes: logits [B, T, V] float32,
                    hidden [B, T, D] in --dtype, tree mask [B, T, S] bool, one layer's attention scores [B, N, T, S]
                    float32 (XLA may fuse some of these away: an upper estimate of the largest transient buffers)

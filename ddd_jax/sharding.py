@@ -27,8 +27,8 @@ RULES = {
     "layers": None, "embed": None, "embed2": None, "draft_vocab": None, "seq": None, "head_dim": None,
 }
 
-# KV cache k / v [L, B, K, S, H]
-CACHE_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")
+# KV cache k / v [L, B, S, K, H]
+CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def pad_batch(n: int, mesh) -> int:
 
 
 def constrain_state(state, mesh):
-    """Sharding constraints for a decode `State` (inside jit): KV caches [L, B, K, S, H] over batch and KV heads,
+    """Sharding constraints for a decode `State` (inside jit): KV caches [L, B, S, K, H] over batch and KV heads,
     per-sequence fields over "data" on their batch axis ([C, B] histories on axis 1), scalars replicated."""
     from .cache import KVCache
     import dataclasses

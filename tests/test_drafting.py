@@ -121,5 +121,5 @@ def test_step0_on_fewer_rows_drafts_what_all_rows_draft():
         same(np.asarray(la), np.asarray(lb), err_msg=str(n))
         for b in range(B):  # the committed rows of the draft cache (past them: scratch)
             end = int(ca.length[b])
-            same(np.asarray(ca.k[:, b, :, :end]), np.asarray(cb.k[:, b, :, :end]), err_msg=f"{n} k {b}")
-            same(np.asarray(ca.v[:, b, :, :end]), np.asarray(cb.v[:, b, :, :end]), err_msg=f"{n} v {b}")
+            same(np.asarray(ca.k[:, b, :end]), np.asarray(cb.k[:, b, :end]), err_msg=f"{n} k {b}")
+            same(np.asarray(ca.v[:, b, :end]), np.asarray(cb.v[:, b, :end]), err_msg=f"{n} v {b}")

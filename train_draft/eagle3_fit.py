@@ -145,8 +145,8 @@ def ttt_loss(params, d2t, dcfg: DraftConfig, fcfg: Fit3Config, tparams, tcfg, id
     p_all = jax.lax.stop_gradient(jax.nn.softmax(full[..., d2t], axis=-1))  # [B, L, V'] target_p
     embed = tparams["embed"]
     dp = {**params, "d2t": d2t}
-    cache = KVCache(k=jnp.zeros((1, B, dcfg.num_key_value_heads, K * L, dcfg.head_dim), aux.dtype),
-                    v=jnp.zeros((1, B, dcfg.num_key_value_heads, K * L, dcfg.head_dim), aux.dtype),
+    cache = KVCache(k=jnp.zeros((1, B, K * L, dcfg.num_key_value_heads, dcfg.head_dim), aux.dtype),
+                    v=jnp.zeros((1, B, K * L, dcfg.num_key_value_heads, dcfg.head_dim), aux.dtype),
                     length=jnp.zeros((B,), jnp.int32))
     eye = jnp.broadcast_to(jnp.eye(L, dtype=bool), (B, L, L))
     h = eagle3.project_features(dp, dcfg, aux)
