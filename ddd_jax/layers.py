@@ -19,6 +19,14 @@ from .quant import BlockPanels, BlockWeight, take_rows
 NEG_INF = -1e30  # large finite negative: fully-masked rows stay NaN-free
 
 
+def _check_layout(w, rows: bool, transposed: bool) -> None:
+    """A stored weight whose logical layout is output rows (`rows`) serves x @ w.T (transposed) only, and a
+    [K, N] one x @ w only."""
+    if transposed != rows:
+        raise ValueError(f"a {'rows-layout' if rows else '[K, N]'} {type(w).__name__} used as "
+                         f"{'rows' if transposed else 'x @ w'}: its layout does not match the product")
+
+
 def linear(x, w, layer=None, *, transposed: bool = False, f32: bool = False):
     """The one matrix product of the model: x [..., K] @ w [K, N] -> [..., N], or with transposed=True
     x @ w.T for w [N, K] (output-embedding rows: lm_head, the draft vocabulary; float32 result). f32: a float32
@@ -35,19 +43,13 @@ def linear(x, w, layer=None, *, transposed: bool = False, f32: bool = False):
     whatever M; anything else is XLA's dot.
     """
     if isinstance(w, PanelWeight):  # panel-major float32: x @ w, or x @ rows.T for a rows-layout one
-        if transposed != w.rows:
-            raise ValueError(f"a {'rows-layout' if w.rows else '[K, N]'} PanelWeight used as "
-                             f"{'rows' if transposed else 'x @ w'}: its layout does not match the product")
+        _check_layout(w, w.rows, transposed)
         return kernels.product_panels(x, w.data, w.n, layer)
-    if isinstance(w, BlockPanels):  # GGUF blocks panel-major: x @ w, or x @ rows.T for a rows-layout one
-        if transposed != w.rows:
-            raise ValueError(f"a {'rows-layout' if w.rows else '[K, N]'} BlockPanels used as "
-                             f"{'rows' if transposed else 'x @ w'}: its layout does not match the product")
+    if isinstance(w, BlockPanels):  # GGUF blocks panel-major: the same two layouts
+        _check_layout(w, w.rows, transposed)
         return kernels.product_qpanels(x, w.data, w.kind, w.n, layer)
     if isinstance(w, BlockWeight):  # GGUF blocks: rows are outputs, so the product is always x @ rows.T
-        if transposed == w.transposed:
-            raise ValueError(f"a {'transposed' if w.transposed else 'row-layout'} BlockWeight used as "
-                             f"{'rows' if transposed else 'x @ w'}: its layout does not match the product")
+        _check_layout(w, not w.transposed, transposed)
         return kernels.product_blocks(x, w.blocks, w.kind, layer)
     if kernels.usable(x, w):
         return kernels.product(x, w, layer, trans=transposed)
