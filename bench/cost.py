@@ -51,59 +51,80 @@ def _draft_step(dparams, dcfg, tparams, tcfg, cache, tokens, feats, positions, m
     return draft_logits(dparams, tparams, tcfg, h, dcfg), with_length(new, cache.length)
 
 
-class _Looper:
-    """Calls step(cache) -> (out, cache) repeatedly, threading the donated cache through."""
-
-    def __init__(self, step, cache):
-        self.step, self.cache = step, cache
-
-    def __call__(self):
-        out, self.cache = self.step(self.cache)
-        return out
-
-
 def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capacity: int | None = None,
                repeat: int = 5, progress: bool = False) -> dict:
     """Median wall time of one target forward over n new tokens (tree-masked like verification) for n in
     `sizes`, with `context` tokens already in a cache of `capacity` slots (default: context + 256, rounded
-    up to 256 like the benchmark's shared capacity). With a draft, also one draft step over a beam of n tokens."""
+    up to 256 like the benchmark's shared capacity). With a draft, also one draft step over a beam of n tokens.
+
+    Every size is compiled and run once first; then `repeat` rounds each time every size once, in order, so all
+    sizes see the same stretch of the machine (a CPU VM's memory speed drifts over tens of seconds: timing the
+    sizes one after another put t(1) and t(16) in different phases and moved their ratio by ~10%). Each row
+    also gets `target_rel_1_rounds`: t(n) / t(1) within each round."""
     cfg = target.config
     capacity = capacity or -(-(context + 256) // 256) * 256
     if context + max(sizes) > capacity:
         raise ValueError(f"context={context} + {max(sizes)} tokens exceed capacity={capacity}")
+    if repeat < 1:
+        raise ValueError(f"repeat={repeat}: need at least one timed round")
     dtype = target.params["embed"].dtype
     length = lambda: jnp.full((1,), context, jnp.int32)  # noqa: E731  (a fresh buffer each: caches are donated)
-    cache = with_length(llama.new_cache(cfg, 1, capacity, dtype), length())
-    dcache = with_length(new_draft_cache(draft.config, 1, capacity, dtype), length()) if draft is not None else None
-    rows = []
-    it = sizes
-    if progress:
-        from tqdm.auto import tqdm
-        it = tqdm(sizes, desc="cost curve", unit="size")
-    for n in it:
+    # one target cache and one draft cache, threaded through every call (donated, handed back at `context`)
+    caches = {"target": with_length(llama.new_cache(cfg, 1, capacity, dtype), length())}
+    if draft is not None:
+        caches["draft"] = with_length(new_draft_cache(draft.config, 1, capacity, dtype), length())
+        dparams = draft.decode_params()
+
+    def calls(n):
         toks = jnp.asarray(np.arange(n, dtype=np.int32)[None] % cfg.vocab_size)
         pos = context + jnp.arange(n, dtype=jnp.int32)[None]
         mask = causal_mask(1, n)
-        run = _Looper(lambda c: _target_step(target.params, cfg, c, toks, pos, mask), cache)
-        first, times = _time(run, repeat)
-        cache = run.cache
-        row = {"tokens": n, "target_ms": 1e3 * statistics.median(times), "target_ms_min": 1e3 * min(times),
-               "target_ms_all": [1e3 * t for t in times], "target_compile_s": first}
+
+        def target_call():
+            out, caches["target"] = _target_step(target.params, cfg, caches["target"], toks, pos, mask)
+            return out
+
+        out = {"target": target_call}
         if draft is not None:
             feats = jnp.zeros((1, n, draft.config.hidden_size), dtype)  # beam features: the head's own width
-            dparams = draft.decode_params()
-            run = _Looper(lambda c: _draft_step(dparams, draft.config, target.params, cfg, c, toks, feats, pos,
-                                                mask), dcache)
-            first, times = _time(run, repeat)
-            dcache = run.cache
-            row.update(draft_ms=1e3 * statistics.median(times), draft_ms_min=1e3 * min(times),
-                       draft_ms_all=[1e3 * t for t in times], draft_compile_s=first)
+
+            def draft_call():
+                out, caches["draft"] = _draft_step(dparams, draft.config, target.params, cfg, caches["draft"], toks,
+                                                   feats, pos, mask)
+                return out
+
+            out["draft"] = draft_call
+        return out
+
+    fns = {n: calls(n) for n in sizes}
+    first = {n: {k: _time(f, 0)[0] for k, f in fns[n].items()} for n in sizes}  # compile + one run each
+    times = {n: {k: [] for k in fns[n]} for n in sizes}
+    rounds = range(repeat)
+    if progress:
+        from tqdm.auto import tqdm
+        rounds = tqdm(rounds, desc="cost curve", unit="round")
+    for _ in rounds:
+        for n in sizes:
+            for k, f in fns[n].items():
+                times[n][k].append(_time(f, 1)[1][0])
+    rows = []
+    for n in sizes:
+        t = times[n]["target"]
+        row = {"tokens": n, "target_ms": 1e3 * statistics.median(t), "target_ms_min": 1e3 * min(t),
+               "target_ms_all": [1e3 * x for x in t], "target_compile_s": first[n]["target"]}
+        if draft is not None:
+            d = times[n]["draft"]
+            row.update(draft_ms=1e3 * statistics.median(d), draft_ms_min=1e3 * min(d),
+                       draft_ms_all=[1e3 * x for x in d], draft_compile_s=first[n]["draft"])
         rows.append(row)
-    base = rows[0]["target_ms"] if rows and rows[0]["tokens"] == 1 else None
+    one = rows[0] if rows and rows[0]["tokens"] == 1 else None
     for r in rows:
-        r["target_rel_1"] = r["target_ms"] / base if base else None
+        r["target_rel_1"] = r["target_ms"] / one["target_ms"] if one else None
+        r["target_rel_1_rounds"] = ([a / b for a, b in zip(r["target_ms_all"], one["target_ms_all"])]
+                                    if one else None)
         # tokens a tree of this size must yield per call just to break even with vanilla (ignoring drafting)
         r["break_even_tau"] = r["target_rel_1"]
     from ddd_jax.quant import describe
     return {"format": "ddd-jax-cost-curve", "target": target.name, "context": context, "capacity": capacity,
-            "repeat": repeat, "dtype": str(dtype), "weights": describe(target.params), "rows": rows}
+            "repeat": repeat, "interleaved": True, "dtype": str(dtype), "weights": describe(target.params),
+            "rows": rows}

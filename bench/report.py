@@ -119,7 +119,12 @@ def tune_table(result: dict) -> str:
 
 
 def cost_table(result: dict) -> str:
-    rows = [[r["tokens"], _f(r["target_ms"]), _f(r["target_rel_1"]), _f(r.get("draft_ms"))] for r in result["rows"]]
+    def spread(r):  # t(n) / t(1) within each interleaved round: min-max
+        v = r.get("target_rel_1_rounds")
+        return f"{min(v):.2f}-{max(v):.2f}" if v else ""
+
+    rows = [[r["tokens"], _f(r["target_ms"]), _f(r["target_rel_1"]), spread(r), _f(r.get("draft_ms"))]
+            for r in result["rows"]]
     env = result.get("env") or {}
     extra = ""
     if env:
@@ -129,4 +134,5 @@ def cost_table(result: dict) -> str:
     weights = f" ({result['weights']})" if result.get("weights") else ""
     return (f"cost curve: target `{result['target']}`{weights}, context {result['context']} in a cache of "
             f"{result['capacity']} slots{extra}\n"
-            + _table(["tokens", "target ms", "x one token (break-even tau)", "draft step ms (beam of n)"], rows))
+            + _table(["tokens", "target ms", "x one token (break-even tau)", "x one token, per round",
+                      "draft step ms (beam of n)"], rows))

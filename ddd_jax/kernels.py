@@ -244,7 +244,7 @@ def _panels_call(x2, w4, layer, n):
 
 
 def _panels_layer(w4, layer, n):
-    """Layer `layer` of stacked panels w4 [L, P, K, PANEL], unpacked (and widened): [K, n] float32."""
+    """Layer `layer` of stacked panels w4 [L, P, K, W], unpacked (and widened): [K, n] float32."""
     return unpack_array(jax.lax.dynamic_index_in_dim(w4, layer, 0, keepdims=False), n).astype(jnp.float32)
 
 
@@ -255,7 +255,7 @@ def _panels_xla(x2, w4, layer, n):
 def _panels_bwd(n, res, g):
     x2, w4, layer = res
     gx = jnp.dot(g, _panels_layer(w4, layer, n).T, preferred_element_type=jnp.float32)
-    gw4 = jnp.zeros_like(w4).at[layer].set(pack(x2.T @ g).data.astype(w4.dtype))
+    gw4 = jnp.zeros_like(w4).at[layer].set(pack(x2.T @ g, width=w4.shape[-1]).data.astype(w4.dtype))
     return gx, gw4, None
 
 
@@ -264,7 +264,8 @@ _panels = _kernel_product(_panels_call, _panels_xla, _panels_bwd)
 
 def product_panels(x, data, n: int, layer=None):
     """x [..., K] @ W for W a panel-major float32 (or float16: a draft head's) weight (`ddd_jax.panels`): data
-    [P, K, PANEL] or stacked [L, P, K, PANEL] with `layer` (an int32 scalar, may be traced); n the logical width N.
+    [P, K, W] or stacked [L, P, K, W] (W: 16 or 48 columns a panel) with `layer` (an int32 scalar, may be traced);
+    n the logical width N.
     Returns [..., N] float32, bitwise the row-major kernel's product. Float32 x of any number of rows runs the
     kernel (on CPU, when available: in passes of 64 rows, so prefill never unpacks); anything else unpacks with
     XLA."""

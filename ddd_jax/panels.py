@@ -1,7 +1,9 @@
 """Panel-major float32 weights (and a float16 draft head's): the layout the CPU kernel streams fastest.
 
-A decoder matrix [..., K, N] (x @ w: wq, wk, wv, wo, w_gate, w_up, w_down) is stored as [..., P, K, PANEL] with
-P = ceil(N / PANEL): panel p holds columns [PANEL p, PANEL p + PANEL) row by row, zeros past N. A product then reads
+A decoder matrix [..., K, N] (x @ w: wq, wk, wv, wo, w_gate, w_up, w_down) is stored as [..., P, K, W] with
+P = ceil(N / W): panel p holds columns [W p, W p + W) row by row, zeros past N. The width W is 16 on AVX-512 hosts
+(one vector: the kernel then verifies 9 or more rows with 16-row tiles that read each weight from memory once) and
+48 elsewhere (`default_width`; `DDD_JAX_PANEL_WIDTH` overrides it, and the kernel reads either). A product then reads
 each panel's K rows as one contiguous run of memory -- a few sequential streams the hardware prefetchers follow --
 where the row-major [K, N] layout is read as KB rows N floats apart. On the 2-core Xeon VM the products of 30
 SmolLM2-sized layers streamed from memory take 19.5-19.8 -> 13.8-13.9 ms at one row and 26.7-27.0 -> 19.6-20.0 ms at
@@ -28,7 +30,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-PANEL = 48  # columns of a panel: three 16-float AVX-512 vectors (the kernel's register tile)
+PANEL = 48  # columns of a panel off AVX-512 hosts: three 16-float vectors (six 8-float AVX2 ones)
+PANEL16 = 16  # on AVX-512 hosts: one vector
+WIDTHS = (PANEL16, PANEL)
+
+
+def default_width() -> int:
+    """The panel width `pack` uses: `DDD_JAX_PANEL_WIDTH` (16 or 48) when set, else 16 where the kernel library runs
+    its AVX-512 paths and 48 otherwise. Either width gives the same bits."""
+    import os
+    env = os.environ.get("DDD_JAX_PANEL_WIDTH")
+    if env:
+        if env not in ("16", "48"):
+            raise ValueError(f"DDD_JAX_PANEL_WIDTH={env!r}: panels are 16 or 48 columns wide")
+        return int(env)
+    from . import kernels
+    return PANEL16 if kernels.avx512() else PANEL
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16))  # float16: a draft head's weight-only storage
 
 
@@ -37,13 +54,14 @@ DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16))  # float16: a draft he
 class PanelWeight:
     """A float32 (or float16) matrix stored panel-major.
 
-    data: [..., P, K, PANEL] float32 or float16 -- P = ceil(N / PANEL) panels (a leading layer axis when stacked).
+    data: [..., P, K, W] float32 or float16 -- P = ceil(N / W) panels of W (`width`: 16 or 48) columns (a leading
+        layer axis when stacked).
     n: (static) N, the product's output width (the last panel's columns past it are zeros).
     rows: (static) the logical layout: False -- [..., K, N], used as x @ w (decoder matrices, an untied lm_head
         [D, V]); True -- [..., N, K], output rows used as x @ w.T (a tied embedding [V, D], whose lookups gather
         its rows back out of the panels).
     table: None, or (rows layout, unstacked) the same matrix row-major [N, K], kept for lookups: a row out of the
-        panels touches one cache line per float (K lines, PANEL floats apart), out of the table one per 16 floats.
+        panels touches one cache line per float (K lines, W floats apart), out of the table one per 16 floats.
         A tied embedding keeps one (`pack_params`): its 7 lookups of a tree verification took 0.05 ms from the
         panels on the 2-core Xeon VM, for 4 bytes more per weight.
     """
@@ -65,6 +83,11 @@ class PanelWeight:
         """The logical shape, [..., K, N] (or [..., N, K] for rows), of the array it stands for."""
         K = self.data.shape[-2]
         return tuple(self.data.shape[:-3]) + ((self.n, K) if self.rows else (K, self.n))
+
+    @property
+    def width(self) -> int:
+        """Columns of one panel (16 or 48)."""
+        return int(self.data.shape[-1])
 
     @property
     def ndim(self) -> int:
@@ -98,35 +121,42 @@ class PanelWeight:
         ids = jnp.asarray(ids, jnp.int32)
         if self.table is not None:
             return jnp.take(self.table, ids, axis=0)
-        return self.data[ids // PANEL, :, ids % PANEL]
+        W = self.width
+        return self.data[ids // W, :, ids % W]
 
 
 @partial(jax.jit, static_argnames=("n",))
 def unpack_array(data, n: int):
-    """[..., P, K, PANEL] -> [..., K, n]."""
-    w = jnp.moveaxis(data, -3, -2)  # [..., K, P, PANEL]
+    """[..., P, K, W] -> [..., K, n]."""
+    w = jnp.moveaxis(data, -3, -2)  # [..., K, P, W]
     return w.reshape(*w.shape[:-2], -1)[..., :n]
 
 
-@jax.jit
-def _pack_array(w):
+@partial(jax.jit, static_argnames=("width",))
+def _pack_array(w, width: int):
     K, N = w.shape[-2:]
-    P = -(-N // PANEL)
-    w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, P * PANEL - N)])
-    return jnp.moveaxis(w.reshape(*w.shape[:-1], P, PANEL), -2, -3)  # [..., P, K, PANEL]
+    P = -(-N // width)
+    w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, P * width - N)])
+    return jnp.moveaxis(w.reshape(*w.shape[:-1], P, width), -2, -3)  # [..., P, K, width]
 
 
-def pack(w, rows: bool = False, table: bool = False) -> PanelWeight:
+def pack(w, rows: bool = False, table: bool = False, width: int | None = None) -> PanelWeight:
     """A float32 matrix as a PanelWeight (the same values, panel-major): [..., K, N] used as x @ w, or with
     rows=True [..., N, K] output rows used as x @ w.T (a tied embedding). table=True (rows, unstacked) keeps the
-    row-major matrix too, for lookups (`PanelWeight.table`)."""
+    row-major matrix too, for lookups (`PanelWeight.table`). width: columns a panel, 16 or 48 (default
+    `default_width()`); a PanelWeight of another width is repacked."""
     if table and (not rows or w.ndim != 2):
         raise ValueError(f"pack: a lookup table goes with an unstacked rows-layout matrix (a tied embedding [V, D]); "
                          f"got rows={rows}, shape {tuple(w.shape)}")
+    width = default_width() if width is None else width
+    if width not in WIDTHS:
+        raise ValueError(f"pack: width={width}: panels are 16 or 48 columns wide")
     if isinstance(w, PanelWeight):
         if w.rows != rows:
             raise ValueError(f"a {'rows' if w.rows else 'x @ w'} PanelWeight asked for as "
                              f"{'rows' if rows else 'x @ w'}")
+        if w.width != width:
+            return pack(w.unpack(), rows, table or w.table is not None, width)
         if table and w.table is None:
             return PanelWeight(w.data, w.n, True, table=w.unpack())
         return w
@@ -135,8 +165,9 @@ def pack(w, rows: bool = False, table: bool = False) -> PanelWeight:
                          f"{tuple(w.shape)}")
     if rows:
         w = jnp.asarray(w)
-        return PanelWeight(_pack_array(jnp.swapaxes(w, -1, -2)), int(w.shape[-2]), True, table=w if table else None)
-    return PanelWeight(_pack_array(w), int(w.shape[-1]))
+        return PanelWeight(_pack_array(jnp.swapaxes(w, -1, -2), width), int(w.shape[-2]), True,
+                           table=w if table else None)
+    return PanelWeight(_pack_array(w, width), int(w.shape[-1]))
 
 
 def unpack(w):

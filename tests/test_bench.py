@@ -298,6 +298,12 @@ def test_cost_curve(tiny, tmp_path):
     assert [r["tokens"] for r in res["rows"]] == [1, 4]
     assert all(r["target_ms"] > 0 and r["draft_ms"] > 0 for r in res["rows"])
     assert res["rows"][0]["target_rel_1"] == 1.0
+    # interleaved rounds: every size timed once a round, and its ratio to t(1) taken within the round
+    assert res["interleaved"] and all(len(r["target_ms_all"]) == len(r["draft_ms_all"]) == 2 for r in res["rows"])
+    four, one = res["rows"][1], res["rows"][0]
+    assert four["target_rel_1_rounds"] == [a / b for a, b in zip(four["target_ms_all"], one["target_ms_all"])]
+    with pytest.raises(ValueError, match="repeat=0"):
+        cost_curve(target, draft, sizes=(1,), context=16, repeat=0)
     assert plots.plot_cost_curve(res, tmp_path / "cost.png", total_tokens=4).stat().st_size > 1000
     assert "break-even" in report.cost_table(res)
     assert res["weights"] == quant.describe(target.params) and f"({res['weights']})" in report.cost_table(res)

@@ -307,15 +307,17 @@ for H, N, Kh in ((64, 9, 3), (24, 8, 2), (13, 4, 1), (64, 20, 4)):  # p @ V: 64 
         mask = jnp.asarray(rng.random((2, T, S)) < 0.7)
         out[f"att-{H}-{N}-{T}-{S}"] = np.asarray(jax.jit(lambda q, k, v, m: layers.attention(q, k, v, m, 1))(
             q, k, v, mask))
-from ddd_jax import panels  # panel-major weights: 8 x 48 tiles on AVX-512, two 24-column halves on AVX2
-for K, N in ((576, 1536), (1536, 576), (576, 192), (33, 200), (100, 37)):
-    w = jnp.asarray(rng.standard_normal((2, K, N)), jnp.float32)
-    pw, ph = panels.pack(w), panels.pack(w.astype(jnp.float16))  # float16: a draft head's panels
-    for M in (1, 2, 3, 5, 8, 13, 64, 100):
-        x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
-        f = jax.jit(lambda x, d: kernels.product_panels(x, d, N, 1))
-        out[f"panels-{K}-{N}-{M}"] = np.asarray(f(x, pw.data))
-        out[f"panels-{K}-{N}-{M}-f16"] = np.asarray(f(x, ph.data))
+from ddd_jax import panels  # panel-major weights, 48 columns (8 x 48 tiles on AVX-512, two 24-column halves on
+# AVX2) and 16 (three-panel tiles below 9 rows, 16-row tiles from 9 on; AVX2: 16-column halves of its tiles)
+for width in (48, 16):
+    for K, N in ((576, 1536), (1536, 576), (576, 192), (33, 200), (100, 37)):
+        w = jnp.asarray(rng.standard_normal((2, K, N)), jnp.float32)
+        pw, ph = panels.pack(w, width=width), panels.pack(w.astype(jnp.float16), width=width)  # float16: a head's
+        for M in (1, 2, 3, 5, 8, 9, 13, 16, 17, 64, 100):
+            x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+            f = jax.jit(lambda x, d: kernels.product_panels(x, d, N, 1))
+            out[f"panels{width}-{K}-{N}-{M}"] = np.asarray(f(x, pw.data))
+            out[f"panels{width}-{K}-{N}-{M}-f16"] = np.asarray(f(x, ph.data))
 np.savez(sys.argv[1], **out)
 """
 
@@ -325,7 +327,8 @@ np.savez(sys.argv[1], **out)
 def test_avx512_and_avx2_products_are_bitwise_equal(tmp_path):
     """On AVX-512 CPUs x @ W of 3 to 85 rows (float32 and float16 weights), GGUF blocks (dequantized 16 wide;
     multiplied two weight rows a vector, any number of rows; panel-major, dequantized in registers), panel-major
-    weights (float32 and float16, every row count) and attention take 16-wide vectors: the same fma chains per element, so the same bits as the AVX2 path
+    weights (float32 and float16, 48- and 16-column panels, every row count) and attention take 16-wide vectors: the
+    same fma chains per element, so the same bits as the AVX2 path
     (DDD_JAX_NO_AVX512=1). Where the CPU has no AVX-512 both runs take AVX2. The AVX-512 path runs twice: with
     every weight block prefetched into L2 (DDD_JAX_L2_PREFETCH_ROWS=1, the AMD default) and into L1 below 64 rows
     (64): prefetching never changes a bit."""

@@ -17,16 +17,34 @@ needs_kernel = pytest.mark.skipif(not kernels.available(), reason="CPU kernel li
 SHAPES = [(576, 576), (576, 192), (1536, 576), (13, 100), (100, 47), (64, 96), (7, 1)]  # (K, N); N % 48 != 0 pads
 
 
+@pytest.mark.parametrize("width", panels.WIDTHS)
 @pytest.mark.parametrize("K,N", SHAPES)
-def test_pack_round_trip_and_logical_shape(K, N):
+def test_pack_round_trip_and_logical_shape(K, N, width):
     w = jnp.asarray(np.random.default_rng(0).standard_normal((3, K, N)), jnp.float32)
-    pw = panels.pack(w)
-    P = -(-N // panels.PANEL)
-    assert pw.data.shape == (3, P, K, panels.PANEL) and pw.shape == (3, K, N) and pw.ndim == 3
+    pw = panels.pack(w, width=width)
+    P = -(-N // width)
+    assert pw.data.shape == (3, P, K, width) and pw.shape == (3, K, N) and pw.ndim == 3 and pw.width == width
     np.testing.assert_array_equal(np.asarray(pw.unpack()), np.asarray(w))
-    np.testing.assert_array_equal(np.asarray(pw.data[:, -1, :, N - (P - 1) * panels.PANEL:]), 0.0)  # padding
+    np.testing.assert_array_equal(np.asarray(pw.data[:, -1, :, N - (P - 1) * width:]), 0.0)  # padding
     leaves, tree = jax.tree.flatten(pw)  # a pytree: jit and tree maps see its one array
     assert len(leaves) == 1 and jax.tree.unflatten(tree, leaves).n == N
+    other = panels.pack(pw, width=sum(panels.WIDTHS) - width)  # repacked to the other width: the same matrix
+    assert other.width != width and other.n == N
+    np.testing.assert_array_equal(np.asarray(other.unpack()), np.asarray(w))
+
+
+def test_default_width_follows_the_cpu_and_the_environment(monkeypatch):
+    """16 columns where the kernel runs its AVX-512 paths, 48 elsewhere; DDD_JAX_PANEL_WIDTH overrides it and a
+    width that is neither is refused by name."""
+    monkeypatch.delenv("DDD_JAX_PANEL_WIDTH", raising=False)
+    assert panels.default_width() == (16 if kernels.avx512() else 48)
+    monkeypatch.setenv("DDD_JAX_PANEL_WIDTH", "48")
+    assert panels.default_width() == 48 and panels.pack(jnp.ones((4, 20))).data.shape == (1, 4, 48)
+    monkeypatch.setenv("DDD_JAX_PANEL_WIDTH", "32")
+    with pytest.raises(ValueError, match="DDD_JAX_PANEL_WIDTH='32'"):
+        panels.default_width()
+    with pytest.raises(ValueError, match="width=24"):
+        panels.pack(jnp.ones((4, 20)), width=24)
 
 
 def test_pack_rejects_what_it_cannot_hold():
@@ -74,14 +92,15 @@ def test_rows_layout_a_tied_embedding():
 
 
 @needs_kernel
+@pytest.mark.parametrize("width", panels.WIDTHS)
 @pytest.mark.parametrize("K,N", SHAPES)
-def test_product_is_bitwise_the_row_major_kernels(K, N):
+def test_product_is_bitwise_the_row_major_kernels(K, N, width):
     rng = np.random.default_rng(1)
     w = jnp.asarray(rng.standard_normal((2, K, N)), jnp.float32)
-    pw = panels.pack(w)
+    pw = panels.pack(w, width=width)
     f_rows = jax.jit(lambda x, w: layers.linear(x, w, 1))
     f_pan = jax.jit(lambda x, d: kernels.product_panels(x, d, N, 1))
-    for M in (1, 2, 3, 5, 8, 9, 16, 17, 64, 65, 86, 128):
+    for M in (1, 2, 3, 5, 8, 9, 12, 16, 17, 33, 64, 65, 86, 128):
         x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
         got = np.asarray(f_pan(x, pw.data))
         np.testing.assert_array_equal(got, np.asarray(f_rows(x, w)), err_msg=f"M={M}")
@@ -137,10 +156,11 @@ def test_float16_panels_are_bitwise_the_float16_row_major_kernels():
     rng = np.random.default_rng(11)
     w = jnp.asarray(rng.standard_normal((1, 576, 200)), jnp.float16)  # a padded last panel
     pw = panels.pack(w)
-    assert pw.dtype == jnp.float16 and pw.data.shape == (1, 5, 576, panels.PANEL)
+    W = panels.default_width()
+    assert pw.dtype == jnp.float16 and pw.data.shape == (1, -(-200 // W), 576, W)
     f_rows = jax.jit(lambda x, w: layers.linear(x, w, 0))
     f_pan = jax.jit(lambda x, p: layers.linear(x, p, 0))
-    for M in (1, 4, 8, 9, 70):
+    for M in (1, 4, 8, 9, 16, 70):
         x = jnp.asarray(rng.standard_normal((M, 576)), jnp.float32)
         got = np.asarray(f_pan(x, pw))
         np.testing.assert_array_equal(got, np.asarray(f_rows(x, w)), err_msg=f"M={M}")

@@ -392,28 +392,191 @@ DDD_AVX512 void np_chunk512(const float* x, const W* w, float* out, int64_t M, i
   }
 }
 
-// W: float, or uint16_t (float16 panels: a draft head's weight-only storage, widened exactly as they are read)
+// W: float, or uint16_t (float16 panels: a draft head's weight-only storage, widened exactly as they are read).
+// pw: the panel width, 48 or 16 (kPanel16; on AVX-512 those take p16_chunk instead).
 template <class W>
 DDD_AVX2 void np_chunk_rows(const float* x, const W* w, float* out, int64_t M, int64_t K, int64_t N,
-                            int64_t n0, int64_t n1) {  // M <= kPanelRows, n0 a multiple of 48
-  if (g_avx512) return np_chunk512<W>(x, w, out, M, K, N, n0, n1);
+                            int64_t n0, int64_t n1, int64_t pw = kPanel512) {  // M <= kPanelRows, n0 % 48 == 0
+  if (g_avx512 && pw == kPanel512) return np_chunk512<W>(x, w, out, M, K, N, n0, n1);
   const int64_t CB = std::max<int64_t>(kPanel512, (kTile / M) / kPanel512 * kPanel512);  // M x CB <= kTile
   const int64_t KB = kKBlock;
   alignas(64) float tile[kTile];
   for (int64_t c0 = n0; c0 < n1; c0 += CB) {
     const int64_t cw = std::min(n1, c0 + CB) - c0;
-    const int64_t panels = (cw + kPanel512 - 1) / kPanel512;  // the last may hold zero columns past N
+    const int64_t panels = (cw + pw - 1) / pw;  // the last may hold zero columns past N
     const W* wc = w + c0 * K;
     for (int64_t k0 = 0; k0 < K; k0 += KB) {
       const int64_t k1 = std::min(K, k0 + KB);
       const bool first = k0 == 0;
-      for (int64_t p = 0; p < panels; ++p) {  // AVX2: two 24-column halves a panel (16 ymm registers)
-        const W* wp = wc + p * kPanel512 * K;
-        nn_rows<3, W>(x, K, wp, kPanel512, tile + p * kPanel512, CB, M, k0, k1, first, K);
-        nn_rows<3, W>(x, K, wp + 24, kPanel512, tile + p * kPanel512 + 24, CB, M, k0, k1, first, K);
+      for (int64_t p = 0; p < panels; ++p) {
+        const W* wp = wc + p * pw * K;
+        if (pw == kPanel512) {  // AVX2: two 24-column halves a panel (16 ymm registers)
+          nn_rows<3, W>(x, K, wp, kPanel512, tile + p * kPanel512, CB, M, k0, k1, first, K);
+          nn_rows<3, W>(x, K, wp + 24, kPanel512, tile + p * kPanel512 + 24, CB, M, k0, k1, first, K);
+        } else {
+          nn_rows<2, W>(x, K, wp, pw, tile + p * pw, CB, M, k0, k1, first, K);
+        }
       }
     }
     for (int64_t m = 0; m < M; ++m) std::copy(tile + m * CB, tile + m * CB + cw, out + m * N + c0);
+  }
+}
+
+// ------------------------------------------------------------- x @ W, W panel-major [P, K, 16] (AVX-512 hosts)
+// The same product over 16-column panels (`ddd_jax.panels` packs them on AVX-512 hosts): one panel is one vector
+// wide, so a tile can hold 16 rows of it -- 16 FMAs for every weight vector loaded, each weight read from memory
+// once for all 16 rows -- where the 48-column tile holds 8 rows and a 16-row product streams each panel from memory
+// for its first 8 rows (bound by memory there: 4 FMAs a weight byte) and reads it back from L2 for the next 8.
+//   - Fewer than g_p16_tall_rows rows: MT x 48 tiles over three consecutive panels (three streams K x 16 floats
+//     apart; the 48-column tile's arithmetic); at one or two rows each stream is prefetched g_p16_ahead K rows
+//     ahead into L2.
+//   - From g_p16_tall_rows rows: 16-row x 16-column tiles over x packed k-major (xp [ceil(M / 16), K, 16]: one
+//     cache line of x per K row), each panel prefetched g_p16_tall_ahead K rows ahead into L2 by its first tile.
+// Every output element is the same fma chain over k = 0, 1, ... from zero as np_chunk512's, so the product is
+// bitwise the 48-column panels' (and the row-major weight's), for every M and either path.
+// Both cores, 40 weights streamed from memory, interleaved rounds (runs/s19/t16c.cc, medians, GFLOP/s, 48 -> 16
+// columns): 576 x 1536 at 16 rows 104-134 -> 117-175, 12 rows 79-119 -> 129-159; 1536 x 576 at 16 rows 90-132
+// -> 115-178; 576 x 49152 (the lm_head) at 16 rows 151 -> 179; one row 12-18 -> 12-19 (within noise).
+constexpr int64_t kPanel16 = 16;
+int64_t g_p16_tall_rows = 9;
+int64_t g_p16_ahead = 32;
+int64_t g_p16_tall_ahead = 64;
+
+// Columns [c0, c0 + cw) of out's MT rows from acc (cw <= 16 NS): the vectors past cw masked off.
+template <int MT, int NS>
+DDD_AVX512 inline void p16_store(const __m512 (&acc)[MT][NS], float* out, int64_t ldo, int64_t cw) {
+  DDD_UNROLL for (int v = 0; v < NS; ++v) {
+    const int64_t n = std::clamp<int64_t>(cw - 16 * v, 0, 16);
+    if (n == 16) {
+      DDD_UNROLL for (int r = 0; r < MT; ++r) _mm512_storeu_ps(out + r * ldo + 16 * v, acc[r][v]);
+    } else if (n > 0) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+      DDD_UNROLL for (int r = 0; r < MT; ++r) _mm512_mask_storeu_ps(out + r * ldo + 16 * v, mask, acc[r][v]);
+    }
+  }
+}
+
+// MT rows x NS panels (streams K x 16 apart); the first n_pf K rows prefetch each stream g_p16_ahead rows ahead.
+template <int MT, int NS, class W>
+DDD_AVX512 inline void p16_tile(const float* x, int64_t ldx, const W* w, int64_t K, float* out, int64_t ldo,
+                                int64_t cw, int64_t n_pf) {
+  __m512 acc[MT][NS];
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int v = 0; v < NS; ++v) acc[r][v] = _mm512_setzero_ps();
+  const W* ws[NS];
+  DDD_UNROLL for (int v = 0; v < NS; ++v) ws[v] = w + v * K * kPanel16;
+  const int64_t ahead = g_p16_ahead * kPanel16;
+  for (int64_t k = 0; k < K; ++k) {
+    if (k < n_pf) {
+      DDD_UNROLL for (int v = 0; v < NS; ++v) _mm_prefetch(reinterpret_cast<const char*>(ws[v] + ahead), _MM_HINT_T1);
+    }
+    __m512 wv[NS];
+    DDD_UNROLL for (int v = 0; v < NS; ++v) {
+      wv[v] = load16(ws[v]);
+      ws[v] += kPanel16;
+    }
+    DDD_UNROLL for (int r = 0; r < MT; ++r) {
+      const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
+      DDD_UNROLL for (int v = 0; v < NS; ++v) acc[r][v] = _mm512_fmadd_ps(b, wv[v], acc[r][v]);
+    }
+  }
+  p16_store<MT, NS>(acc, out, ldo, cw);
+}
+
+// MT (<= 16) rows of x packed k-major (xp[k * 16 + r]) x one panel; the first n_pf K rows prefetch the panel
+// g_p16_tall_ahead rows ahead.
+template <int MT, class W>
+DDD_AVX512 inline void p16_tall(const float* xp, const W* w, int64_t K, float* out, int64_t ldo, int64_t cw,
+                                int64_t n_pf) {
+  __m512 acc[MT][1];
+  DDD_UNROLL for (int r = 0; r < MT; ++r) acc[r][0] = _mm512_setzero_ps();
+  const int64_t ahead = g_p16_tall_ahead * kPanel16;
+  const W* wk = w;
+  const float* xk = xp;
+  for (int64_t k = 0; k < K; ++k, wk += kPanel16, xk += kPanel16) {
+    if (k < n_pf) _mm_prefetch(reinterpret_cast<const char*>(wk + ahead), _MM_HINT_T1);
+    const __m512 wv = load16(wk);
+    DDD_UNROLL for (int r = 0; r < MT; ++r) acc[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(xk[r]), wv, acc[r][0]);
+  }
+  p16_store<MT, 1>(acc, out, ldo, cw);
+}
+
+DDD_AVX512 inline void transpose_keys16(const float* k, int64_t ldk, int64_t n, int64_t H, float* kt);
+
+// xp [ceil(M / 16), K, 16]: xp[(g K + k) 16 + i] = x[(16 g + i) K + k], zeros for rows past M (16 x 16 transposes;
+// K % 16 columns one at a time).
+DDD_AVX512 void pack_x16(const float* x, int64_t M, int64_t K, float* xp) {
+  const int64_t K16 = K & ~int64_t(15);
+  for (int64_t g = 0; g * 16 < M; ++g) {
+    const int64_t n = std::min<int64_t>(16, M - 16 * g);
+    const float* xg = x + 16 * g * K;
+    float* pg = xp + g * K * 16;
+    if (K16) transpose_keys16(xg, K, n, K16, pg);
+    for (int64_t k = K16; k < K; ++k)
+      for (int64_t i = 0; i < 16; ++i) pg[k * 16 + i] = i < n ? xg[i * K + k] : 0.0f;
+  }
+}
+
+template <int NS, class W>
+DDD_AVX512 inline void p16_rows(const float* x, int64_t K, const W* wp, float* out, int64_t N, int64_t M, int64_t cw,
+                                int64_t n_pf) {
+  for (int64_t m = 0; m < M; m += 8) {
+    const float* xm = x + m * K;
+    float* o = out + m * N;
+    const int64_t pf = m == 0 ? n_pf : 0;
+    switch (std::min<int64_t>(8, M - m)) {
+      case 8: p16_tile<8, NS, W>(xm, K, wp, K, o, N, cw, pf); break;
+      case 7: p16_tile<7, NS, W>(xm, K, wp, K, o, N, cw, pf); break;
+      case 6: p16_tile<6, NS, W>(xm, K, wp, K, o, N, cw, pf); break;
+      case 5: p16_tile<5, NS, W>(xm, K, wp, K, o, N, cw, pf); break;
+      case 4: p16_tile<4, NS, W>(xm, K, wp, K, o, N, cw, pf); break;
+      case 3: p16_tile<3, NS, W>(xm, K, wp, K, o, N, cw, pf); break;
+      case 2: p16_tile<2, NS, W>(xm, K, wp, K, o, N, cw, pf); break;
+      default: p16_tile<1, NS, W>(xm, K, wp, K, o, N, cw, pf); break;
+    }
+  }
+}
+
+// Columns [n0, n1) of out (n0 a multiple of 16), all M rows; xp: x packed by pack_x16 (read from
+// g_p16_tall_rows rows on).
+template <class W>
+DDD_AVX512 void p16_chunk(const float* x, const float* xp, const W* w, float* out, int64_t M, int64_t K, int64_t N,
+                          int64_t n0, int64_t n1) {
+  const W* end = w + (n1 + kPanel16 - 1) / kPanel16 * kPanel16 * K;  // past this chunk's last panel
+  if (M < g_p16_tall_rows) {
+    for (int64_t c0 = n0; c0 < n1; c0 += 3 * kPanel16) {
+      const int64_t cw = std::min<int64_t>(3 * kPanel16, n1 - c0);
+      const int64_t ns = (cw + kPanel16 - 1) / kPanel16;
+      const W* wp = w + c0 * K;
+      // one or two rows: while the last stream's prefetches stay inside the chunk
+      const int64_t n_pf = M <= 2 && g_p16_ahead > 0
+                               ? std::clamp<int64_t>((end - (wp + (ns - 1) * K * kPanel16)) / kPanel16 - g_p16_ahead,
+                                                     0, K)
+                               : 0;
+      float* o = out + c0;
+      if (ns == 3) p16_rows<3, W>(x, K, wp, o, N, M, cw, n_pf);
+      else if (ns == 2) p16_rows<2, W>(x, K, wp, o, N, M, cw, n_pf);
+      else p16_rows<1, W>(x, K, wp, o, N, M, cw, n_pf);
+    }
+    return;
+  }
+  for (int64_t c0 = n0; c0 < n1; c0 += kPanel16) {
+    const int64_t cw = std::min<int64_t>(kPanel16, n1 - c0);
+    const W* wp = w + c0 * K;
+    const int64_t n_pf = g_p16_tall_ahead > 0 ? std::clamp<int64_t>((end - wp) / kPanel16 - g_p16_tall_ahead, 0, K) : 0;
+    for (int64_t m = 0; m < M; m += 16) {
+      const float* xm = xp + (m / 16) * K * kPanel16;
+      float* o = out + m * N + c0;
+      const int64_t pf = m == 0 ? n_pf : 0;
+      switch (std::min<int64_t>(16, M - m)) {
+#define DDD_TALL(R) \
+  case R: p16_tall<R, W>(xm, wp, K, o, N, cw, pf); break;
+        DDD_TALL(16) DDD_TALL(15) DDD_TALL(14) DDD_TALL(13) DDD_TALL(12) DDD_TALL(11) DDD_TALL(10) DDD_TALL(9)
+        DDD_TALL(8) DDD_TALL(7) DDD_TALL(6) DDD_TALL(5) DDD_TALL(4) DDD_TALL(3) DDD_TALL(2)
+#undef DDD_TALL
+        default: p16_tall<1, W>(xm, wp, K, o, N, cw, pf); break;
+      }
+    }
   }
 }
 
@@ -809,9 +972,11 @@ int64_t layer_index(ffi::Buffer<ffi::S32>& layer, int64_t L) {
   return std::clamp<int64_t>(l, 0, std::max<int64_t>(L - 1, 0));
 }
 
-// out[M, N] by column chunks [n0, n1) (fn(n0, n1)): a few chunks per thread (load balance on a busy machine), each a
-// multiple of `align` columns; one thread for small products (not worth waking one: ~10 us). Empty outputs return
-// at once, K = 0 gives zeros.
+// out[M, N] by column chunks [n0, n1) (fn(n0, n1)), each a multiple of `align` columns, handed out in order and
+// shrinking: each takes 1 / (2 * threads) of the columns still left (at least `align`), so the thread that finishes
+// first waits at most about one small chunk for the others at the end -- guided self-scheduling -- and a preempted
+// helper still leaves the rest to the caller. One thread for small products (not worth waking one: ~10 us). Empty
+// outputs return at once, K = 0 gives zeros. Chunks only split columns: every output is the same fma chain.
 template <class Fn>
 void for_column_chunks(ffi::ThreadPool& pool, int64_t M, int64_t K, int64_t N, int64_t align, float* out, Fn fn) {
   if (M == 0 || N == 0) return;
@@ -821,13 +986,22 @@ void for_column_chunks(ffi::ThreadPool& pool, int64_t M, int64_t K, int64_t N, i
   }
   int64_t threads = pool_threads(pool);
   if (M * K * N < (int64_t(1) << 16)) threads = 1;
-  int64_t n_chunks = std::max<int64_t>(1, std::min<int64_t>(threads * 4, (N + align - 1) / align));
-  int64_t chunk = (N + n_chunks - 1) / n_chunks;
-  chunk = (chunk + align - 1) / align * align;
-  n_chunks = (N + chunk - 1) / chunk;
+  const int64_t units = (N + align - 1) / align;
+  if (threads == 1 || units == 1) {
+    fn(0, N);
+    return;
+  }
+  constexpr int64_t kMaxChunks = 64;
+  int64_t starts[kMaxChunks + 1];  // chunk c: columns [starts[c], starts[c + 1]) (in units of align)
+  int64_t n_chunks = 0;
+  for (int64_t u = 0; u < units; ++n_chunks) {
+    starts[n_chunks] = u;
+    const int64_t left = units - u;
+    u += n_chunks + 1 == kMaxChunks ? left : std::max<int64_t>(1, (left + 2 * threads - 1) / (2 * threads));
+  }
+  starts[n_chunks] = units;
   parallel_chunks(threads, n_chunks, [=](int64_t c) {
-    const int64_t n0 = c * chunk;
-    fn(n0, std::min(N, n0 + chunk));
+    fn(starts[c] * align, std::min(N, starts[c + 1] * align));
   });
 }
 
@@ -888,13 +1062,15 @@ ffi::Error LinearBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 // [..., N], 48 (P - 1) < N <= 48 P. Every M (rows in passes of kPanelRows).
 template <class W>
 struct PanelProduct {
-  int64_t M = 0, K = 0, N = 0, P = 0;
+  int64_t M = 0, K = 0, N = 0, P = 0, pw = kPanel512;  // pw: the panel width, 48 or 16
   const float* x = nullptr;
-  const W* w = nullptr;  // the layer's panels
+  const float* xp = nullptr;  // 16-column panels on AVX-512 from g_p16_tall_rows rows: x packed by pack_x16
+  const W* w = nullptr;       // the layer's panels
   float* out = nullptr;
   void columns(int64_t n0, int64_t n1) const {  // columns [n0, n1) of every row
+    if (pw == kPanel16 && g_avx512) return p16_chunk<W>(x, xp, w, out, M, K, N, n0, n1);
     for (int64_t m0 = 0; m0 < M; m0 += kPanelRows)
-      np_chunk_rows<W>(x + m0 * K, w, out + m0 * N, std::min(kPanelRows, M - m0), K, N, n0, n1);
+      np_chunk_rows<W>(x + m0 * K, w, out + m0 * N, std::min(kPanelRows, M - m0), K, N, n0, n1, pw);
   }
 };
 
@@ -904,18 +1080,25 @@ ffi::Error panel_product(const std::string& name, ffi::Buffer<ffi::F32>& x, ffi:
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto od = out->dimensions();
-  if (wd.size() != 4 || wd[3] != kPanel512 || xd.size() < 1 || od.size() < 1)
-    return ffi::Error::InvalidArgument(name + ": w must be [L, P, K, 48]");
+  if (wd.size() != 4 || (wd[3] != kPanel512 && wd[3] != kPanel16) || xd.size() < 1 || od.size() < 1)
+    return ffi::Error::InvalidArgument(name + ": w must be [L, P, K, 48] or [L, P, K, 16]");
+  p->pw = wd[3];
   p->K = xd.back();
   p->M = p->K ? x.element_count() / p->K : 0;
   p->P = wd[1];
   p->N = od.back();
   if (wd[2] != p->K) return ffi::Error::InvalidArgument(name + ": K mismatch");
-  if (p->N > p->P * kPanel512 || p->N <= (p->P - 1) * kPanel512 || out->element_count() != p->M * p->N)
+  if (p->N > p->P * p->pw || p->N <= (p->P - 1) * p->pw || out->element_count() != p->M * p->N)
     return ffi::Error::InvalidArgument(name + ": the output's columns do not match the panels");
   p->x = x.typed_data();
-  p->w = w.typed_data() + layer_index(layer, wd[0]) * p->P * p->K * kPanel512;
+  p->w = w.typed_data() + layer_index(layer, wd[0]) * p->P * p->K * p->pw;
   p->out = out->typed_data();
+  if (p->pw == kPanel16 && g_avx512 && p->M >= g_p16_tall_rows && p->K > 0) {
+    thread_local std::vector<float> xp;  // the calling thread's; read by the helpers only during this call
+    xp.resize(static_cast<size_t>((p->M + 15) / 16 * 16 * p->K));
+    pack_x16(p->x, p->M, p->K, xp.data());
+    p->xp = xp.data();
+  }
   return ffi::Error::Success();
 }
 
@@ -1791,6 +1974,13 @@ __attribute__((visibility("default"))) void ddd_set_l2_prefetch_rows(int64_t n) 
 __attribute__((visibility("default"))) void ddd_set_panel_ahead(int64_t n) { g_panel_ahead = std::max<int64_t>(0, n); }
 // Rows up to which quantized panels dequantize in registers, tile by tile (else once into L2). For benchmarks.
 __attribute__((visibility("default"))) void ddd_set_qp_tile_rows(int64_t n) { g_qp_tile_rows = n; }
+// 16-column panels (p16_chunk): the rows from which 16-row tiles run, and the K rows ahead each path prefetches
+// (one or two rows; 16-row tiles). For benchmarks.
+__attribute__((visibility("default"))) void ddd_set_p16(int64_t tall_rows, int64_t ahead, int64_t tall_ahead) {
+  g_p16_tall_rows = std::max<int64_t>(1, tall_rows);
+  g_p16_ahead = std::max<int64_t>(0, ahead);
+  g_p16_tall_ahead = std::max<int64_t>(0, tall_ahead);
+}
 // Cap the threads a product uses (0: the XLA pool's size). For benchmarks.
 __attribute__((visibility("default"))) void ddd_set_max_threads(int64_t n) { g_max_threads = n; }
 }
