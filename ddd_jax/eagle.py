@@ -180,10 +180,11 @@ class Draft:
                 self.lm_sub = sharding.put(self.lm_sub, sharding.named(mesh, DRAFT_AXES["lm_sub"]))
         target_panels = panels.has_panels(self.target.params) or quant.has_block_panels(self.target.params)
         if self.config.head_type == "eagle1" and mesh is None and not quant.has_blocks(self.params) and target_panels:
-            self.packed = panels.pack_head(self.params)
+            width = panels.width_of(self.target.params)  # the target's panel width (None: quantized panels)
+            self.packed = panels.pack_head(self.params, width)
             if self.lm_sub is not None:  # rows: the panels of its transpose, as the target's tied embedding
                 packable = jnp.dtype(self.lm_sub.dtype) in panels.DTYPES  # (not bfloat16)
-                self.packed["lm_sub"] = panels.pack(self.lm_sub, rows=True) if packable else self.lm_sub
+                self.packed["lm_sub"] = panels.pack(self.lm_sub, rows=True, width=width) if packable else self.lm_sub
 
     @property
     def mesh(self):

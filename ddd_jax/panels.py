@@ -1,9 +1,12 @@
 """Panel-major float32 weights (and a float16 draft head's): the layout the CPU kernel streams fastest.
 
 A decoder matrix [..., K, N] (x @ w: wq, wk, wv, wo, w_gate, w_up, w_down) is stored as [..., P, K, W] with
-P = ceil(N / W): panel p holds columns [W p, W p + W) row by row, zeros past N. The width W is 16 on AVX-512 hosts
-(one vector: the kernel then verifies 9 or more rows with 16-row tiles that read each weight from memory once) and
-48 elsewhere (`default_width`; `DDD_JAX_PANEL_WIDTH` overrides it, and the kernel reads either). A product then reads
+P = ceil(N / W): panel p holds columns [W p, W p + W) row by row, zeros past N. The width W is 48 by default and 16
+on request (`load_target(..., panels=16)`, `pack(..., width=16)`, or `DDD_JAX_PANEL_WIDTH=16` for every default):
+on AVX-512 hosts 16-column panels let the kernel run 9 or more rows as 16-row tiles that read each weight from
+memory once (9-18% off a 12- or 16-token forward on the Zen 4 VM), but its 3- to 8-row tiles then read three
+panels as three streams, 3-5% slower than one 48-column stream -- and the tuned CPU trees verify 8 tokens or
+fewer (README, "16-column panels"). The kernel reads either width, with the same bits. A product then reads
 each panel's K rows as one contiguous run of memory -- a few sequential streams the hardware prefetchers follow --
 where the row-major [K, N] layout is read as KB rows N floats apart. On the 2-core Xeon VM the products of 30
 SmolLM2-sized layers streamed from memory take 19.5-19.8 -> 13.8-13.9 ms at one row and 26.7-27.0 -> 19.6-20.0 ms at
@@ -36,16 +39,24 @@ WIDTHS = (PANEL16, PANEL)
 
 
 def default_width() -> int:
-    """The panel width `pack` uses: `DDD_JAX_PANEL_WIDTH` (16 or 48) when set, else 16 where the kernel library runs
-    its AVX-512 paths and 48 otherwise. Either width gives the same bits."""
+    """The panel width `pack` uses when given none: `DDD_JAX_PANEL_WIDTH` (16 or 48) when set, else 48. Either
+    width gives the same bits."""
     import os
     env = os.environ.get("DDD_JAX_PANEL_WIDTH")
     if env:
         if env not in ("16", "48"):
             raise ValueError(f"DDD_JAX_PANEL_WIDTH={env!r}: panels are 16 or 48 columns wide")
         return int(env)
-    from . import kernels
-    return PANEL16 if kernels.avx512() else PANEL
+    return PANEL
+
+
+def width_of(tree) -> int | None:
+    """The width of the first PanelWeight in `tree` (None: it holds none) -- what a head bound to a target packs
+    its own panels with."""
+    for x in jax.tree.leaves(tree, is_leaf=is_panels):
+        if is_panels(x):
+            return x.width
+    return None
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16))  # float16: a draft head's weight-only storage
 
 
@@ -183,29 +194,29 @@ def has_panels(tree) -> bool:
     return any(is_panels(x) for x in jax.tree.leaves(tree, is_leaf=is_panels))
 
 
-def pack_params(params: dict) -> dict:
+def pack_params(params: dict, width: int | None = None) -> dict:
     """A target's params with its float32 matrices panel-major: every stacked layer matrix ([L, K, N] under
     "layers"), the output projection -- an untied lm_head [D, V], or else the tied embedding [V, D] as rows, which
     keeps its row-major array as the lookup table (`PanelWeight.table`; an untied model's embedding is only looked
-    up and stays as it is). Norms and biases stay as they are."""
+    up and stays as it is). Norms and biases stay as they are. width: columns a panel (default `default_width()`)."""
     out = dict(params)
-    out["layers"] = {k: pack(v) if _packable(v, 3) else v for k, v in params["layers"].items()}
+    out["layers"] = {k: pack(v, width=width) if _packable(v, 3) else v for k, v in params["layers"].items()}
     if "lm_head" in params:
         if _packable(params["lm_head"], 2):
-            out["lm_head"] = pack(params["lm_head"])
+            out["lm_head"] = pack(params["lm_head"], width=width)
     elif _packable(params["embed"], 2):
-        out["embed"] = pack(params["embed"], rows=True, table=True)
+        out["embed"] = pack(params["embed"], rows=True, table=True, width=width)
     return out
 
 
-def pack_head(params: dict) -> dict:
+def pack_head(params: dict, width: int | None = None) -> dict:
     """A draft head's params with its float32 / float16 matrices panel-major: `fc_w` [2D, D] and the layer's
     [1, K, N] products (x @ w). Norms, biases and `d2t` stay as they are. For the decode loops only (a head's
     `params` stay row-major arrays: saving, training and nnx modules use them)."""
     out = dict(params)
     if _packable(params.get("fc_w"), 2, DTYPES):
-        out["fc_w"] = pack(params["fc_w"])
-    out["layers"] = {k: pack(v) if _packable(v, 3, DTYPES) else v for k, v in params["layers"].items()}
+        out["fc_w"] = pack(params["fc_w"], width=width)
+    out["layers"] = {k: pack(v, width=width) if _packable(v, 3, DTYPES) else v for k, v in params["layers"].items()}
     return out
 
 

@@ -33,13 +33,14 @@ def test_pack_round_trip_and_logical_shape(K, N, width):
     np.testing.assert_array_equal(np.asarray(other.unpack()), np.asarray(w))
 
 
-def test_default_width_follows_the_cpu_and_the_environment(monkeypatch):
-    """16 columns where the kernel runs its AVX-512 paths, 48 elsewhere; DDD_JAX_PANEL_WIDTH overrides it and a
-    width that is neither is refused by name."""
+def test_default_width_and_the_environment(monkeypatch):
+    """48 columns unless DDD_JAX_PANEL_WIDTH says 16; a width that is neither is refused by name."""
     monkeypatch.delenv("DDD_JAX_PANEL_WIDTH", raising=False)
-    assert panels.default_width() == (16 if kernels.avx512() else 48)
-    monkeypatch.setenv("DDD_JAX_PANEL_WIDTH", "48")
     assert panels.default_width() == 48 and panels.pack(jnp.ones((4, 20))).data.shape == (1, 4, 48)
+    monkeypatch.setenv("DDD_JAX_PANEL_WIDTH", "16")
+    assert panels.default_width() == 16 and panels.pack(jnp.ones((4, 20))).data.shape == (2, 4, 16)
+    assert panels.width_of({"a": jnp.ones(3), "b": [panels.pack(jnp.ones((4, 20)))]}) == 16
+    assert panels.width_of({"a": jnp.ones(3)}) is None
     monkeypatch.setenv("DDD_JAX_PANEL_WIDTH", "32")
     with pytest.raises(ValueError, match="DDD_JAX_PANEL_WIDTH='32'"):
         panels.default_width()
@@ -258,6 +259,11 @@ def test_load_target_packs_on_cpu_and_is_bitwise_the_row_major_target(tiny_hf_ll
         load_target(path, dtype="bfloat16", panels=True)
     with pytest.raises(ValueError, match="panels must be"):
         load_target(path, panels="yes")
+    with pytest.raises(ValueError, match="panels must be"):
+        load_target(path, panels=32)
+    p16 = load_target(path, panels=16)  # 16-column panels: the same logits, bit for bit
+    assert p16.params["layers"]["wq"].width == 16 and pan.params["layers"]["wq"].width == panels.default_width()
+    np.testing.assert_array_equal(np.asarray(p16.forward(tok, pos).logits), np.asarray(a))
 
 
 def test_a_head_drafts_from_panels_where_its_target_has_them(tiny_hf_llama):
@@ -285,3 +291,8 @@ def test_a_head_drafts_from_panels_where_its_target_has_them(tiny_hf_llama):
     ids = [3, 17, 5, 9, 30, 2, 11]
     van = generate(pan, None, ids, 16)
     assert generate(pan, d, ids, 16, method="ddd", tree=tree, ddd=ddd).tokens == van.tokens
+    p16 = load_target(path, panels=16)  # a head packs with its target's panel width
+    d16 = with_draft_vocab(init_draft(p16, 0).astype(jnp.float16), np.arange(0, V, 2))
+    assert {x.width for x in jax.tree.leaves(d16.decode_params(), is_leaf=panels.is_panels)
+            if panels.is_panels(x)} == {16}
+    assert generate(p16, d16, ids, 16, method="ddd", tree=tree, ddd=ddd).tokens == van.tokens

@@ -53,7 +53,8 @@ def resolve_source(path_or_name) -> tuple[str, Path]:
     return "hf", path
 
 
-def load_target(path_or_name, dtype=None, mesh=None, gguf_blocks: bool = False, panels: bool | None = None) -> Target:
+def load_target(path_or_name, dtype=None, mesh=None, gguf_blocks: bool = False,
+                panels: bool | int | None = None) -> Target:
     """Load a target.
 
     path_or_name: a known name ("smollm2-135m-instruct"), a directory in our format, an HF Llama / Mistral /
@@ -68,18 +69,19 @@ def load_target(path_or_name, dtype=None, mesh=None, gguf_blocks: bool = False, 
     contiguous streams by the CPU kernel), and GGUF blocks too (`quant.BlockPanels`: bitwise the float32 panels'
     products of their dequantized values, so a GGUF target decodes the same tokens with or without gguf_blocks).
     None (default): when the CPU kernel runs here (CPU backend) and there is no mesh; True insists (an error where
-    it cannot apply); False keeps row-major arrays.
+    it cannot apply); False keeps row-major arrays; 16 or 48 insist with float panels of that many columns (default
+    `panels.default_width()`, 48: see `ddd_jax.panels` for when 16 pays).
     On Linux, the weights' large CPU buffers are then moved onto 2 MiB pages (`ddd_jax.hugepages`; same values,
     fewer TLB misses per weight stream; `DDD_JAX_NO_HUGE_PAGES=1` skips it).
     """
-    if panels not in (None, True, False):
-        raise ValueError(f"panels must be None, True or False, not {panels!r}")
+    if not (panels is None or isinstance(panels, bool) or (isinstance(panels, int) and panels in (16, 48))):
+        raise ValueError(f"panels must be None, True, False, 16 or 48, not {panels!r}")
     target = _with_panels(_load_target(path_or_name, dtype, mesh, gguf_blocks), panels)
     hugepages.collapse(target.params)
     return target
 
 
-def _with_panels(target: Target, panels: bool | None) -> Target:
+def _with_panels(target: Target, panels: bool | int | None) -> Target:
     """`target` with panel-major matrices where `panels` (load_target's argument) asks for them and they apply."""
     from .. import panels as P
     if panels is False:
@@ -88,13 +90,14 @@ def _with_panels(target: Target, panels: bool | None) -> Target:
            "its weights are not float32" if jnp.dtype(target.params["embed"].dtype) != jnp.float32 else None)
     if why is not None:
         if panels:
-            raise ValueError(f"panels=True: target {target.name!r} cannot be stored panel-major: {why}")
+            raise ValueError(f"panels={panels}: target {target.name!r} cannot be stored panel-major: {why}")
         return target
     if panels is None and not P.auto():
         return target
     # GGUF blocks (gguf_blocks=True) become quantized panels (`quant.BlockPanels`), float32 matrices float panels
     params = quant.pack_block_params(target.params, tied=target.config.tie_word_embeddings)
-    return dataclasses.replace(target, params=P.pack_params(params))
+    width = None if panels is None or panels is True else int(panels)
+    return dataclasses.replace(target, params=P.pack_params(params, width))
 
 
 def _load_target(path_or_name, dtype, mesh, gguf_blocks: bool) -> Target:

@@ -423,7 +423,7 @@ DDD_AVX2 void np_chunk_rows(const float* x, const W* w, float* out, int64_t M, i
 }
 
 // ------------------------------------------------------------- x @ W, W panel-major [P, K, 16] (AVX-512 hosts)
-// The same product over 16-column panels (`ddd_jax.panels` packs them on AVX-512 hosts): one panel is one vector
+// The same product over 16-column panels (`ddd_jax.panels`, on request: panels=16): one panel is one vector
 // wide, so a tile can hold 16 rows of it -- 16 FMAs for every weight vector loaded, each weight read from memory
 // once for all 16 rows -- where the 48-column tile holds 8 rows and a 16-row product streams each panel from memory
 // for its first 8 rows (bound by memory there: 4 FMAs a weight byte) and reads it back from L2 for the next 8.
@@ -436,9 +436,14 @@ DDD_AVX2 void np_chunk_rows(const float* x, const W* w, float* out, int64_t M, i
 // bitwise the 48-column panels' (and the row-major weight's), for every M and either path.
 // Both cores, 40 weights streamed from memory, interleaved rounds (runs/s19/t16c.cc, medians, GFLOP/s, 48 -> 16
 // columns): 576 x 1536 at 16 rows 104-134 -> 117-175, 12 rows 79-119 -> 129-159; 1536 x 576 at 16 rows 90-132
-// -> 115-178; 576 x 49152 (the lm_head) at 16 rows 151 -> 179; one row 12-18 -> 12-19 (within noise).
+// -> 115-178; 576 x 49152 (the lm_head) at 16 rows 151 -> 179; one row 12-18 -> 12-19 (within noise). In the
+// target forward (both layouts in one process, calls interleaved, 30 rounds x 3, runs/s19/wab1.py): t(12) -7 to
+// -17%, t(16) -9 to -18%, t(1) 0 to -6%, t(3) to t(8) +-0 to +5% (three streams against one: the 3- to 8-row
+// tiles read three panels where the 48-column tile reads one); DDD with the tuned CPU tree (<= 8 tokens), 40
+// MT-bench turns interleaved in one process: 87.8 -> 83.7 tok/s. So 48 columns stay the default.
 constexpr int64_t kPanel16 = 16;
 int64_t g_p16_tall_rows = 9;
+int64_t g_p16_pf_rows = 2;  // up to this many rows the three-panel tiles prefetch
 int64_t g_p16_ahead = 32;
 int64_t g_p16_tall_ahead = 64;
 
@@ -549,7 +554,7 @@ DDD_AVX512 void p16_chunk(const float* x, const float* xp, const W* w, float* ou
       const int64_t ns = (cw + kPanel16 - 1) / kPanel16;
       const W* wp = w + c0 * K;
       // one or two rows: while the last stream's prefetches stay inside the chunk
-      const int64_t n_pf = M <= 2 && g_p16_ahead > 0
+      const int64_t n_pf = M <= g_p16_pf_rows && g_p16_ahead > 0
                                ? std::clamp<int64_t>((end - (wp + (ns - 1) * K * kPanel16)) / kPanel16 - g_p16_ahead,
                                                      0, K)
                                : 0;
@@ -1976,8 +1981,10 @@ __attribute__((visibility("default"))) void ddd_set_panel_ahead(int64_t n) { g_p
 __attribute__((visibility("default"))) void ddd_set_qp_tile_rows(int64_t n) { g_qp_tile_rows = n; }
 // 16-column panels (p16_chunk): the rows from which 16-row tiles run, and the K rows ahead each path prefetches
 // (one or two rows; 16-row tiles). For benchmarks.
-__attribute__((visibility("default"))) void ddd_set_p16(int64_t tall_rows, int64_t ahead, int64_t tall_ahead) {
+__attribute__((visibility("default"))) void ddd_set_p16(int64_t tall_rows, int64_t ahead, int64_t tall_ahead,
+                                                        int64_t pf_rows) {
   g_p16_tall_rows = std::max<int64_t>(1, tall_rows);
+  g_p16_pf_rows = pf_rows;
   g_p16_ahead = std::max<int64_t>(0, ahead);
   g_p16_tall_ahead = std::max<int64_t>(0, tall_ahead);
 }
