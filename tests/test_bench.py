@@ -276,6 +276,21 @@ def test_tuned_draft_dtype_applies_to_its_pair_only(tmp_path, monkeypatch):
     assert load_models(args)[1].params["fc_w"].dtype == jnp.float32
 
 
+def test_cli_panel_width_reaches_load_target(monkeypatch):
+    """--panel-width 16 asks load_target for 16-column panels; with --no-panels it is refused by name."""
+    from ddd_jax.bench.cli import load_models
+    from ddd_jax.cli import build_parser
+    seen = {}
+    monkeypatch.setattr("ddd_jax.load_target", lambda name, dtype=None, **kw: seen.update(kw) or "target")
+    parser = build_parser()
+    assert load_models(parser.parse_args(["bench", "--panel-width", "16"]), need_draft=False)[0] == "target"
+    assert seen == {"panels": 16}
+    with pytest.raises(SystemExit, match="--no-panels and --panel-width"):
+        load_models(parser.parse_args(["bench", "--no-panels", "--panel-width", "16"]), need_draft=False)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--panel-width", "32"])
+
+
 def test_cli_settings_precedence(tmp_path, monkeypatch):
     from ddd_jax.bench.cli import resolve_configs
     from ddd_jax.cli import build_parser
