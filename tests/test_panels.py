@@ -92,9 +92,10 @@ def test_rows_layout_a_tied_embedding():
         panels.pack(E, table=True)
 
 
-# every shape at 16 columns; at 48 two in the fast lane, the rest in the slow one
-WIDTH_SHAPES = [(16, K, N) for K, N in SHAPES] + [
-    pytest.param(48, K, N, marks=[] if (K, N) in ((576, 576), (100, 47)) else pytest.mark.slow) for K, N in SHAPES]
+# every shape at both widths; in the fast lane four at 16 columns and two at 48, the rest in the slow one
+FAST = {16: ((576, 576), (1536, 576), (100, 47), (7, 1)), 48: ((576, 576), (100, 47))}
+WIDTH_SHAPES = [pytest.param(w, K, N, marks=[] if (K, N) in FAST[w] else pytest.mark.slow)
+                for w in (16, 48) for K, N in SHAPES]
 
 
 @needs_kernel
