@@ -5,8 +5,9 @@ P = ceil(N / W): panel p holds columns [W p, W p + W) row by row, zeros past N. 
 on request (`load_target(..., panels=16)`, `pack(..., width=16)`, or `DDD_JAX_PANEL_WIDTH=16` for every default):
 on AVX-512 hosts 16-column panels let the kernel run 9 or more rows as 16-row tiles that read each weight from
 memory once (9-18% off a 12- or 16-token forward on the Zen 4 VM), but its 3- to 8-row tiles then read three
-panels as three streams, 3-5% slower than one 48-column stream -- and the tuned CPU trees verify 8 tokens or
-fewer (README, "16-column panels"). The kernel reads either width, with the same bits. A product then reads
+panels as three streams where the 48-column tile reads one, which cost DDD with the tuned CPU tree (8 tokens or
+fewer a verification) 5% there (README, "16-column panels"). The kernel reads either width, with the same bits.
+A product then reads
 each panel's K rows as one contiguous run of memory -- a few sequential streams the hardware prefetchers follow --
 where the row-major [K, N] layout is read as KB rows N floats apart. On the 2-core Xeon VM the products of 30
 SmolLM2-sized layers streamed from memory take 19.5-19.8 -> 13.8-13.9 ms at one row and 26.7-27.0 -> 19.6-20.0 ms at
@@ -33,9 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-PANEL = 48  # columns of a panel off AVX-512 hosts: three 16-float vectors (six 8-float AVX2 ones)
-PANEL16 = 16  # on AVX-512 hosts: one vector
+PANEL = 48  # columns of a panel by default: three 16-float vectors (six 8-float AVX2 ones)
+PANEL16 = 16  # on request: one AVX-512 vector
 WIDTHS = (PANEL16, PANEL)
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16))  # float16: a draft head's weight-only storage
 
 
 def default_width() -> int:
@@ -57,7 +59,6 @@ def width_of(tree) -> int | None:
         if is_panels(x):
             return x.width
     return None
-DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16))  # float16: a draft head's weight-only storage
 
 
 @jax.tree_util.register_pytree_node_class

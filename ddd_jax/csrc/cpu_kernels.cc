@@ -542,18 +542,18 @@ DDD_AVX512 inline void p16_rows(const float* x, int64_t K, const W* wp, float* o
   }
 }
 
-// Columns [n0, n1) of out (n0 a multiple of 16), all M rows; xp: x packed by pack_x16 (read from
-// g_p16_tall_rows rows on).
+// Columns [n0, n1) of out (n0 a multiple of 16), all M rows; xp: x packed by pack_x16 for 16-row tiles (the
+// caller packs it from g_p16_tall_rows rows on), or null for three-panel tiles.
 template <class W>
 DDD_AVX512 void p16_chunk(const float* x, const float* xp, const W* w, float* out, int64_t M, int64_t K, int64_t N,
                           int64_t n0, int64_t n1) {
   const W* end = w + (n1 + kPanel16 - 1) / kPanel16 * kPanel16 * K;  // past this chunk's last panel
-  if (M < g_p16_tall_rows) {
+  if (xp == nullptr) {
     for (int64_t c0 = n0; c0 < n1; c0 += 3 * kPanel16) {
       const int64_t cw = std::min<int64_t>(3 * kPanel16, n1 - c0);
       const int64_t ns = (cw + kPanel16 - 1) / kPanel16;
       const W* wp = w + c0 * K;
-      // one or two rows: while the last stream's prefetches stay inside the chunk
+      // up to g_p16_pf_rows rows (two): while the last stream's prefetches stay inside the chunk
       const int64_t n_pf = M <= g_p16_pf_rows && g_p16_ahead > 0
                                ? std::clamp<int64_t>((end - (wp + (ns - 1) * K * kPanel16)) / kPanel16 - g_p16_ahead,
                                                      0, K)
@@ -1070,6 +1070,7 @@ struct PanelProduct {
   int64_t M = 0, K = 0, N = 0, P = 0, pw = kPanel512;  // pw: the panel width, 48 or 16
   const float* x = nullptr;
   const float* xp = nullptr;  // 16-column panels on AVX-512 from g_p16_tall_rows rows: x packed by pack_x16
+                              // (null: three-panel tiles)
   const W* w = nullptr;       // the layer's panels
   float* out = nullptr;
   void columns(int64_t n0, int64_t n1) const {  // columns [n0, n1) of every row
