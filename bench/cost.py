@@ -23,17 +23,11 @@ from ddd_jax.layers import causal_mask, tree_kv_mask
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
-def _time(fn, repeat: int) -> tuple[float, list]:
-    """(compile+first-run seconds, [seconds of each timed run])."""
+def _seconds(fn) -> float:
+    """Wall seconds of one call of fn, its result ready."""
     t0 = time.perf_counter()
     jax.block_until_ready(fn())
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return first, times
+    return time.perf_counter() - t0
 
 
 # The cache is donated and handed back with its length reset, as in generate's loops (where K/V writes are
@@ -97,7 +91,7 @@ def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capa
         return out
 
     fns = {n: calls(n) for n in sizes}
-    first = {n: {k: _time(f, 0)[0] for k, f in fns[n].items()} for n in sizes}  # compile + one run each
+    first = {n: {k: _seconds(f) for k, f in fns[n].items()} for n in sizes}  # compile + one run each
     times = {n: {k: [] for k in fns[n]} for n in sizes}
     rounds = range(repeat)
     if progress:
@@ -106,7 +100,7 @@ def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capa
     for _ in rounds:
         for n in sizes:
             for k, f in fns[n].items():
-                times[n][k].append(_time(f, 1)[1][0])
+                times[n][k].append(_seconds(f))
     rows = []
     for n in sizes:
         t = times[n]["target"]
