@@ -16,14 +16,12 @@ MT-bench first turns [START, START+N) with the chat template, 64 new tokens, gre
 shipped head (or `head`: a head directory, to compare candidate heads in one run); every variant compiled for
 every prompt first, then per prompt all variants in alternating order.
 --weights: the target loads to run them on (default float: float32 weights; blocks: `gguf_blocks=True`; float48 /
-float16: float32 weights in 48- / 16-column panels, whatever this CPU's default width); every
+float16: float32 weights in 48- / 16-column panels, `panels=48` / `panels=16`); every
 variant and vanilla runs on each, named `<name>/<weights>` when there is more than one.
 Prints per variant: tok/s (decode time only), speed-up vs the vanilla of the same weights (and vs float vanilla),
 τ, outputs identical to that vanilla's.
 """
-import contextlib
 import dataclasses
-import os
 import sys
 import time
 
@@ -55,77 +53,50 @@ def _replaced(target, draft, edits: str):
     return tree, ddd
 
 
+PANEL_WIDTH = {"float": None, "blocks": None, "float48": 48, "float16": 16}  # --weights: load_target's panels
+
+
 def main(argv) -> int:
     weights = ["float"]
     if "--weights" in argv:
         i = argv.index("--weights")
         weights = argv[i + 1].split(",")
         argv = argv[:i] + argv[i + 2:]
-        if not weights or set(weights) - set(WEIGHTS):
-            raise SystemExit(f"--weights takes {', '.join(WEIGHTS)}, got {weights}")
+        if not weights or set(weights) - set(PANEL_WIDTH):
+            raise SystemExit(f"--weights takes {', '.join(PANEL_WIDTH)}, got {weights}")
     n, start = int(argv[0]), int(argv[1])
-    targets = {}
-    for w in weights:
-        with _panel_width(w):
-            targets[w] = dj.load_target("smollm2-135m-instruct", gguf_blocks=w == "blocks")
+    # (a head packs its panels at its target's width)
+    targets = {w: dj.load_target("smollm2-135m-instruct", gguf_blocks=w == "blocks", panels=PANEL_WIDTH[w])
+               for w in weights}
     specs = [("vanilla", None)] + [(v.split(":")[0], v.split(":")[1:]) for v in argv[2:]]
     runs = {}
     for w, target in targets.items():
-        with _panel_width(w):  # a head packs its panels as it is loaded and cast
-            _add_runs(runs, specs, w, target, len(targets))
-    _run(runs, targets, n, start)
-    return 0
-
-
-WEIGHTS = ("float", "blocks", "float48", "float16")  # float48 / float16: float32 in 48- / 16-column panels
-
-
-@contextlib.contextmanager
-def _panel_width(weights: str):
-    """DDD_JAX_PANEL_WIDTH for `float48` / `float16` while that target and its heads are packed."""
-    old = os.environ.get("DDD_JAX_PANEL_WIDTH")
-    if weights in ("float48", "float16"):
-        os.environ["DDD_JAX_PANEL_WIDTH"] = weights[5:]
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("DDD_JAX_PANEL_WIDTH", None)
-        else:
-            os.environ["DDD_JAX_PANEL_WIDTH"] = old
-
-
-def _add_runs(runs, specs, w, target, n_targets):
-    """The vanilla run and every variant on one target (weights `w`) into `runs`."""
-    heads = {}
-    for name, spec in specs:
-        key = name if n_targets == 1 else f"{name}/{w}"
-        if spec is None:
-            runs[key] = dict(target=target, draft=None, method="vanilla", base=key)
-            continue
-        tuned = len(spec) in (2, 3) and spec[1].split("+")[0] == "tuned"
-        if not tuned and len(spec) not in (8, 9):
-            raise SystemExit(f"variant {name}: want 9 or 10 ':'-separated fields (or name:dtype:tuned[:head]), "
-                             f"got {len(spec) + 1}")
-        head_name = spec[-1] if len(spec) in (3, 9) else SHIPPED_HEAD
-        if head_name not in heads:
-            heads[head_name] = dj.load_draft(head_name, target)
-        base = "vanilla" if n_targets == 1 else f"vanilla/{w}"
-        if tuned:  # tree and DDD settings resolved by generate (the head's tuned settings for this backend);
-            # a candidate head directory counts as a version of the shipped head, so it drafts with its settings
-            draft = dataclasses.replace(heads[head_name], name=SHIPPED_HEAD)
-            runs[key] = dict(target=target, draft=draft.astype(spec[0]), method="ddd", base=base)
-            if "+" in spec[1]:
-                runs[key]["tree"], runs[key]["ddd"] = _replaced(target, draft, spec[1].split("+", 1)[1])
-            continue
-        dtype, method, k, N, d, checks, x, depth = spec[:8]
-        runs[key] = dict(target=target, draft=heads[head_name].astype(dtype), method=method, base=base,
-                         tree=dj.TreeConfig(top_k=int(k), total_tokens=int(N), depth=int(d)),
-                         ddd=dj.DDDConfig(check_steps=tuple(int(c) for c in checks.split("/")),
-                                          threshold=float(x), max_depth=int(depth)))
-
-
-def _run(runs, targets, n, start):
+        heads = {}
+        for name, spec in specs:
+            key = name if len(targets) == 1 else f"{name}/{w}"
+            if spec is None:
+                runs[key] = dict(target=target, draft=None, method="vanilla", base=key)
+                continue
+            tuned = len(spec) in (2, 3) and spec[1].split("+")[0] == "tuned"
+            if not tuned and len(spec) not in (8, 9):
+                raise SystemExit(f"variant {name}: want 9 or 10 ':'-separated fields (or name:dtype:tuned[:head]), "
+                                 f"got {len(spec) + 1}")
+            head_name = spec[-1] if len(spec) in (3, 9) else SHIPPED_HEAD
+            if head_name not in heads:
+                heads[head_name] = dj.load_draft(head_name, target)
+            base = "vanilla" if len(targets) == 1 else f"vanilla/{w}"
+            if tuned:  # tree and DDD settings resolved by generate (the head's tuned settings for this backend);
+                # a candidate head directory counts as a version of the shipped head, so it drafts with its settings
+                draft = dataclasses.replace(heads[head_name], name=SHIPPED_HEAD)
+                runs[key] = dict(target=target, draft=draft.astype(spec[0]), method="ddd", base=base)
+                if "+" in spec[1]:
+                    runs[key]["tree"], runs[key]["ddd"] = _replaced(target, draft, spec[1].split("+", 1)[1])
+                continue
+            dtype, method, k, N, d, checks, x, depth = spec[:8]
+            runs[key] = dict(target=target, draft=heads[head_name].astype(dtype), method=method, base=base,
+                             tree=dj.TreeConfig(top_k=int(k), total_tokens=int(N), depth=int(d)),
+                             ddd=dj.DDDConfig(check_steps=tuple(int(c) for c in checks.split("/")),
+                                              threshold=float(x), max_depth=int(depth)))
     qs = load_questions(None)[start:start + n]
     for k, kw in runs.items():
         if kw.get("tree") is not None:
