@@ -102,7 +102,8 @@ def add_parser(subparsers) -> None:
                    help="only tau / depth / identity for eagle2 and ddd, decoded in batches (no timing)")
     b.add_argument("--batch-size", type=int, default=8, help="batch size for --acceptance-only")
     b.add_argument("--cost-curve", action="store_true",
-                   help="only measure target forward time vs tokens verified (1..64) and draft step time")
+                   help="only measure target forward time vs tokens verified (1..64) and draft step time, the sizes "
+                        "interleaved round by round (--repeat rounds, at least 5)")
     b.add_argument("--cost-sizes", type=_ints, default=(1, 2, 4, 8, 16, 32, 64))
     b.add_argument("--cost-context", type=int, default=256, help="tokens already in the KV cache")
     b.add_argument("--op-profile", action="store_true",
