@@ -1080,6 +1080,8 @@ struct PanelProduct {
   }
 };
 
+// The product's shapes checked and *p filled in for LinearPanels / LinearPanelsGreedy: the layer's panels, their
+// width, and (16-column panels, from g_p16_tall_rows rows) x packed for the 16-row tiles, once a call, by the caller.
 template <ffi::DataType WT, class W>
 ffi::Error panel_product(const std::string& name, ffi::Buffer<ffi::F32>& x, ffi::Buffer<WT>& w,
                          ffi::Buffer<ffi::S32>& layer, ffi::ResultBuffer<ffi::F32>& out, PanelProduct<W>* p) {
