@@ -316,13 +316,15 @@ constexpr int64_t kPanelRows = 64;   // rows per pass (prefill in passes; the AV
 // tile on (so the first tile of the next finds it in L2) 86-87. Prefetches move no bits.
 int64_t g_panel_ahead = 32;
 
-// One K row of an MT x 48 tile: acc[r][v] = fma(x[r, k], w[v], acc[r][v]) -- the step every panel tile takes
-// (float32 / float16 panels, and quantized panels after dequantizing the row), so they share one summation order.
-template <int MT>
-DDD_AVX512 inline void tile_row512(__m512 (&acc)[MT][3], const float* x, int64_t ldx, int64_t k, const __m512 (&wv)[3]) {
+// One K row of an MT x 16 NV tile (48 columns: NV = 3): acc[r][v] = fma(x[r, k], w[v], acc[r][v]) -- the step
+// every panel tile takes (float32 / float16 panels of either width, and quantized panels after dequantizing the
+// row), so they share one summation order.
+template <int MT, int NV = 3>
+DDD_AVX512 inline void tile_row512(__m512 (&acc)[MT][NV], const float* x, int64_t ldx, int64_t k,
+                                   const __m512 (&wv)[NV]) {
   DDD_UNROLL for (int r = 0; r < MT; ++r) {
     const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
-    DDD_UNROLL for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_fmadd_ps(b, wv[v], acc[r][v]);
+    DDD_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(b, wv[v], acc[r][v]);
   }
 }
 
@@ -480,10 +482,7 @@ DDD_AVX512 inline void p16_tile(const float* x, int64_t ldx, const W* w, int64_t
       wv[v] = load16(ws[v]);
       ws[v] += kPanel16;
     }
-    DDD_UNROLL for (int r = 0; r < MT; ++r) {
-      const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
-      DDD_UNROLL for (int v = 0; v < NS; ++v) acc[r][v] = _mm512_fmadd_ps(b, wv[v], acc[r][v]);
-    }
+    tile_row512<MT, NS>(acc, x, ldx, k, wv);
   }
   p16_store<MT, NS>(acc, out, ldo, cw);
 }
