@@ -25,13 +25,17 @@ demo: install
 # across runs, and within one run after tests/conftest.py drops the in-memory programs at the end of each test file.
 # test-fast skips the tests marked slow (the real SmolLM2, the long speculative cross-products).
 JAX_TEST_CACHE ?= $(HOME)/.cache/ddd_jax/xla-test-cache
+# two pytest workers (one per core here), a test file's tests in one worker so its module fixtures are built once;
+# TEST_WORKERS=0 runs them in this process
+TEST_WORKERS ?= 2
+PYTEST_WORKERS = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: install
 	JAX_COMPILATION_CACHE_DIR="$(JAX_TEST_CACHE)" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-		$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20
+		$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_WORKERS) --durations=20
 
 test-fast: install
 	JAX_COMPILATION_CACHE_DIR="$(JAX_TEST_CACHE)" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-		$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" --durations=20
+		$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_WORKERS) -m "not slow" --durations=20
 
 bench: install
 	$(BIN)/ddd-jax bench --out runs/bench

@@ -1,8 +1,6 @@
 """SmolLM2 GGUF: our converter vs transformers' own GGUF loader (weights, logits, tokenizer, chat template), and the cache."""
 from __future__ import annotations
 
-import time
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -79,14 +77,19 @@ def test_tokenizer_matches_transformers(ours, hf):
                                                                   tokenize=False)
 
 
-def test_named_load_is_cached(isolated_cache, ours):
+def test_named_load_is_cached(isolated_cache, ours, monkeypatch):
+    from ddd_jax.checkpoints import registry
     t = load_target("smollm2-135m-instruct")
     cached = isolated_cache / "smollm2-135m-instruct"
     assert dio.read_json(cached / "config.json")["format"] == "ddd-jax-target"
     assert not [p for p in isolated_cache.iterdir() if p.name.startswith(".")]  # no temp dirs left behind
-    t0 = time.perf_counter()
+    stamps = {p.name: p.stat().st_mtime_ns for p in cached.iterdir()}
+
+    def no_conversion(*a, **k):
+        raise AssertionError("the second load converted the GGUF again instead of reading the cache")
+    monkeypatch.setattr(registry, "load_gguf_target", no_conversion)
     t2 = load_target("smollm2-135m-instruct")
-    assert time.perf_counter() - t0 < 3.0
+    assert {p.name: p.stat().st_mtime_ns for p in cached.iterdir()} == stamps  # read, not rewritten
     assert t2.config == t.config == ours.config and t2.chat_template == ours.chat_template
     np.testing.assert_array_equal(np.asarray(quant.as_float(t2.params["layers"]["wk"])),  # panel-major on CPU
                                   np.asarray(quant.as_float(ours.params["layers"]["wk"])))

@@ -1363,6 +1363,27 @@ DDD_AVX2 inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+// exp8's operations on 16 lanes (AVX-512): every lane goes through the same IEEE operations, so the same bits.
+DDD_AVX512 inline __m512 exp16(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, z, x);
+  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(0x7f)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
 // The sum of a vector's 8 lanes in the tree ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) -- the tree `hsum8x8` uses for
 // each of its 8 vectors, so a score does not depend on whether its slot was summed alone or among 8.
 DDD_AVX2 inline float hsum8_pairs(__m256 a) {
@@ -1799,6 +1820,36 @@ DDD_AVX2 inline void softmax8(float* e, int64_t n_att, int64_t padded, float sca
   for (int64_t j = 0; j < padded; j += 8) _mm256_storeu_ps(e + j, _mm256_div_ps(_mm256_loadu_ps(e + j), sv));
 }
 
+// softmax8's numbers on AVX-512: the same operations per element (scale, max, exp16 = exp8, divide), the sum still
+// eight lanes wide with lane l adding j = l mod 8 in order (each 16-wide exp adds its low half, then its high half),
+// two passes fewer (scale with max, exp with sum).
+DDD_AVX512 inline void softmax16(float* e, int64_t n_att, int64_t padded, float scale) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  __m512 mxv = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < padded; j += 16) {
+    const int64_t m = std::min<int64_t>(16, padded - j), a = std::clamp<int64_t>(n_att - j, 0, 16);
+    const __mmask16 km = static_cast<__mmask16>((1u << m) - 1), ka = static_cast<__mmask16>((1u << a) - 1);
+    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(km, e + j), sc);
+    _mm512_mask_storeu_ps(e + j, km, x);
+    mxv = _mm512_mask_max_ps(mxv, ka, mxv, x);
+  }
+  const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mxv));
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < padded; j += 16) {
+    const int64_t m = std::min<int64_t>(16, padded - j), a = std::clamp<int64_t>(n_att - j, 0, 16);
+    const __mmask16 km = static_cast<__mmask16>((1u << m) - 1), ka = static_cast<__mmask16>((1u << a) - 1);
+    const __m512 x = _mm512_maskz_mov_ps(ka, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(km, e + j), mv)));
+    _mm512_mask_storeu_ps(e + j, km, x);
+    sum = _mm256_add_ps(sum, _mm512_castps512_ps256(x));
+    if (m == 16) sum = _mm256_add_ps(sum, _mm512_extractf32x8_ps(x, 1));
+  }
+  const __m512 sv = _mm512_set1_ps(hsum8_pairs(sum));
+  for (int64_t j = 0; j < padded; j += 16) {
+    const __mmask16 km = static_cast<__mmask16>((1u << std::min<int64_t>(16, padded - j)) - 1);
+    _mm512_mask_storeu_ps(e + j, km, _mm512_div_ps(_mm512_maskz_loadu_ps(km, e + j), sv));
+  }
+}
+
 // The G query heads of KV head kh for R rows of one batch element (q, out: row stride ldq floats; the row's G heads
 // start at q / out), against keys / values k, v (slot stride ldk). Per row and query head, over the slots the row
 // attends in ascending order:
@@ -1836,7 +1887,8 @@ DDD_AVX2 void attend_rows(const float* q, const float* k, const float* v, const 
     const int64_t n_att = static_cast<int64_t>(rs.idx.size());
     for (int64_t g = 0; g < G; ++g) {
       float* eg = rs.e.data() + g * rs.padded;
-      softmax8(eg, n_att, rs.padded, scale);
+      if (g_avx512) softmax16(eg, n_att, rs.padded, scale);
+      else softmax8(eg, n_att, rs.padded, scale);
     }
     for (int64_t g = 0; g < G; ++g) std::fill(out + r * ldq + g * H, out + r * ldq + (g + 1) * H, 0.0f);
   }
