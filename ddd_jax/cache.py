@@ -1,7 +1,16 @@
-"""KV cache pytree with static capacity: slot writes happen in the model, `commit` compacts accepted tree paths."""
+"""KV cache pytree with static capacity: slot writes happen in the model, `commit` compacts accepted tree paths.
+
+Two layouts of k / v, named by the cache's static `layout` field:
+    "head"  [L, B, K, S, H]  head-major: one KV head's slots are one run of memory, which attention reads head by
+                             head (what `init_cache` and the models' `new_cache` make);
+    "slot"  [L, B, S, K, H]  slot-major: the layout of every cache before head-major ones, and still what
+                             `KVCache(k, v, length)` without a layout means, so caches built by hand keep working.
+Both hold the same numbers and decode the same tokens (the attention kernel sums the same slots in the same order).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -10,23 +19,53 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, K, H]  keys per layer / sequence / slot
-    v: jax.Array  # [L, B, S, K, H]
+    k: jax.Array  # [L, B, K, S, H] (layout "head") or [L, B, S, K, H] ("slot"): keys per layer / sequence / slot
+    v: jax.Array  # the same shape as k
     length: jax.Array  # [B] int32: slots [0, length) hold the committed prefix
+    layout: str = field(default="slot", metadata=dict(static=True))  # "head" | "slot" (see the module docstring)
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"KVCache layout must be one of {LAYOUTS}, not {self.layout!r}")
+
+    @property
+    def slot_axis(self) -> int:
+        """The axis of k / v that indexes cache slots: 3 head-major, 2 slot-major."""
+        return 3 if self.layout == "head" else 2
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[self.slot_axis]
 
     @property
     def batch(self) -> int:
         return self.k.shape[1]
 
 
+LAYOUTS = ("head", "slot")
+
+
+def check_cache(cache: KVCache, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+    """A clear error when the cache's k / v do not have the shape its layout names for this model. A head-major
+    cache built by hand without layout="head" is caught here (unless its capacity equals the number of KV heads)."""
+    head = cache.layout == "head"
+    form = "[L, B, K, S, H]" if head else "[L, B, S, K, H]"
+    for name, x in (("k", cache.k), ("v", cache.v)):
+        if x.ndim != 5 or (x.shape[0], x.shape[2 if head else 3], x.shape[4]) != (num_layers, num_kv_heads, head_dim):
+            raise ValueError(f"KV cache {name} {list(x.shape)} is not {form} with L={num_layers}, K={num_kv_heads}, "
+                             f"H={head_dim} (layout {cache.layout!r})"
+                             + ("; a head-major cache needs KVCache(..., layout='head')" if not head else ""))
+
+
 def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int,
-               dtype=jnp.float32) -> KVCache:
-    shape = (num_layers, batch, capacity, num_kv_heads, head_dim)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=jnp.zeros((batch,), jnp.int32))
+               dtype=jnp.float32, layout: str = "head") -> KVCache:
+    """An empty cache (length 0) of `capacity` slots, head-major unless layout="slot"."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"KVCache layout must be one of {LAYOUTS}, not {layout!r}")
+    shape = ((num_layers, batch, num_kv_heads, capacity, head_dim) if layout == "head" else
+             (num_layers, batch, capacity, num_kv_heads, head_dim))
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=jnp.zeros((batch,), jnp.int32),
+                   layout=layout)
 
 
 def commit(cache: KVCache, start, accepted_slots, n) -> KVCache:
@@ -50,23 +89,31 @@ def commit(cache: KVCache, start, accepted_slots, n) -> KVCache:
     dst = start[:, None] + jnp.arange(M, dtype=jnp.int32)[None]
     b = jnp.arange(cache.batch)[:, None]
 
-    def move(x):  # x: [L, B, S, K, H]
+    ax = cache.slot_axis
+
+    def move(x):  # x: [L, B, K, S, H] (head-major) or [L, B, S, K, H]
         if cache.batch != 1:
+            if ax == 3:
+                return x.at[:, b, :, dst].set(x[:, b, :, src], mode="drop")  # (both index [B, M, L, K, H])
             return x.at[:, b, dst].set(x[:, b, src], mode="drop")
-        L, _, S, K, H = x.shape
+        S = x.shape[ax]
+        size = x.shape[:ax] + (1,) + x.shape[ax + 1:]
+
+        def at(slot):
+            return tuple(slot if a == ax else 0 for a in range(x.ndim))
 
         def one(i, x):
             d = jnp.minimum(dst[0, i], S - 1)
-            row = jax.lax.dynamic_slice(x, (0, 0, src[0, i], 0, 0), (L, 1, 1, K, H))
-            keep = jax.lax.dynamic_slice(x, (0, 0, d, 0, 0), (L, 1, 1, K, H))
+            row = jax.lax.dynamic_slice(x, at(src[0, i]), size)
+            keep = jax.lax.dynamic_slice(x, at(d), size)
             row = jnp.where(dst[0, i] < S, row, keep)  # past the capacity: dropped, as the scatter's mode="drop"
-            return jax.lax.dynamic_update_slice(x, row, (0, 0, d, 0, 0))
+            return jax.lax.dynamic_update_slice(x, row, at(d))
 
         # a loop (unrolled, XLA copied the whole cache per entry) over the n real entries only: a cycle commits ~2
         return jax.lax.fori_loop(0, jnp.clip(n_[0], 0, M), one, x)
 
-    return KVCache(k=move(cache.k), v=move(cache.v), length=(start + n_).astype(jnp.int32))
+    return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v), length=(start + n_).astype(jnp.int32))
 
 
 def with_length(cache: KVCache, length) -> KVCache:
-    return KVCache(k=cache.k, v=cache.v, length=jnp.asarray(length, jnp.int32))
+    return dataclasses.replace(cache, length=jnp.asarray(length, jnp.int32))

@@ -143,8 +143,9 @@ def with_draft_vocab(draft: "Draft", token_ids) -> "Draft":
     return Draft(cfg, params, draft.target)
 
 
-def new_cache(dcfg: DraftConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
-    return init_cache(1, batch, capacity, dcfg.num_key_value_heads, dcfg.head_dim, dtype)
+def new_cache(dcfg: DraftConfig, batch: int, capacity: int, dtype=jnp.float32, layout: str = "head") -> KVCache:
+    """An empty draft cache: k, v [1, B, K, S, H] (layout "slot": [1, B, S, K, H]; see `ddd_jax.cache`)."""
+    return init_cache(1, batch, capacity, dcfg.num_key_value_heads, dcfg.head_dim, dtype, layout)
 
 
 @dataclass

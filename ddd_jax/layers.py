@@ -145,23 +145,31 @@ def sliding_window_mask(q_positions, kv_positions, window: int):
     return kv_positions[:, None, :] > q_positions[:, :, None] - window
 
 
-def attention(q, k, v, mask, layer=None):
+def attention(q, k, v, mask, layer=None, layout: str = "slot"):
     """Grouped-query attention.
 
     q: [B, T, N, H]; k, v: [B, S, K, H], or stacked caches [L, B, S, K, H] with `layer` (an int, may be traced:
-    read in place on the kernel path); mask: [B, T, S] bool (True = may attend). Returns [B, T, N*H].
+    read in place on the kernel path); with layout="head" the caches' head-major [B, K, S, H] / [L, B, K, S, H]
+    (`ddd_jax.cache`); mask: [B, T, S] bool (True = may attend). Returns [B, T, N*H].
     Softmax in float32. On CPU, float32 with at most `kernels.MAX_ROWS` query rows runs `ddd_jax.kernels`'
     attention: only the slots a row may attend, summed in slot order, so a row's output does not depend on the
     other rows (a tree node gets exactly what decoding its path one token at a time gives).
     """
+    if layout not in ("head", "slot"):
+        raise ValueError(f"attention layout must be 'head' or 'slot', not {layout!r}")
+    reference = _attention_xla_head if layout == "head" else _attention_xla
     if kernels.attention_usable(q, k):
-        return kernels.attention(q, k, v, mask, layer, _attention_xla)
+        return kernels.attention(q, k, v, mask, layer, reference, head_major=layout == "head")
     if layer is not None:
         k, v = k[layer], v[layer]
-    return _attention_xla(q, k, v, mask)
+    return reference(q, k, v, mask)
 
 
-def _attention_xla(q, k, v, mask):
+def _attention_xla_head(q, k, v, mask):  # k, v [B, K, S, H]
+    return _attention_xla(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask)
+
+
+def _attention_xla(q, k, v, mask):  # k, v [B, S, K, H]
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K

@@ -22,6 +22,7 @@ A matrix may instead be a `quant.BlockWeight` (a GGUF's Q4_1 / Q8_0 / Q4_0 block
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 
 from . import kernels
 from . import layers as L
-from .cache import KVCache, init_cache
+from .cache import KVCache, check_cache, init_cache
 from .config import ModelConfig
 from .panels import PanelWeight
 from .quant import BlockPanels, BlockWeight
@@ -178,7 +179,9 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
         (x, aux), _ = jax.lax.scan(body, (x, aux0), (small, layer_ids))
         return (x, None, jnp.stack(aux)) if aux_layers else (x, None)
 
+    check_cache(cache, n_layers, K, H)
     b_idx = jnp.arange(B)[:, None]
+    head_major = cache.layout == "head"
     dst = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T] slots of the new tokens
 
     def body(carry, xs):
@@ -186,14 +189,19 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
         p, i = xs
         aux = keep(aux, x, i)
         q, k, v = qkv(x, p, i)
-        # scatter straight into the carried [L, B, S, K, H] buffers (in place), then attend over layer i
-        kall = kall.at[i, b_idx, dst].set(k.astype(kall.dtype), mode="drop")
-        vall = vall.at[i, b_idx, dst].set(v.astype(vall.dtype), mode="drop")
-        x = rest(x, p, i, L.attention(q, kall, vall, kv_mask, i))
+        # scatter straight into the carried [L, B, K, S, H] (or [L, B, S, K, H]) buffers, in place (the indexed
+        # view is [B, T, K, H] either way), then attend over layer i
+        if head_major:
+            kall = kall.at[i, b_idx, :, dst].set(k.astype(kall.dtype), mode="drop")
+            vall = vall.at[i, b_idx, :, dst].set(v.astype(vall.dtype), mode="drop")
+        else:
+            kall = kall.at[i, b_idx, dst].set(k.astype(kall.dtype), mode="drop")
+            vall = vall.at[i, b_idx, dst].set(v.astype(vall.dtype), mode="drop")
+        x = rest(x, p, i, L.attention(q, kall, vall, kv_mask, i, layout=cache.layout))
         return (x, kall, vall, aux), None
 
     (x, kall, vall, aux), _ = jax.lax.scan(body, (x, cache.k, cache.v, aux0), (small, layer_ids))
-    new = KVCache(k=kall, v=vall, length=cache.length)
+    new = dataclasses.replace(cache, k=kall, v=vall)
     return (x, new, jnp.stack(aux)) if aux_layers else (x, new)
 
 
@@ -262,7 +270,7 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None =
         x, new_cache = decoder_stack(params["layers"], cfg, x, positions, cache, kv_mask)
     hidden = L.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if new_cache is not None:
-        new_cache = KVCache(k=new_cache.k, v=new_cache.v, length=cache.length + T)
+        new_cache = dataclasses.replace(new_cache, length=cache.length + T)
     logits = ids = None
     if greedy and not return_logits:
         raise ValueError("forward: greedy=True needs return_logits=True")
@@ -272,5 +280,6 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None =
     return Output(logits=logits, hidden=hidden, cache=new_cache, aux=aux, greedy=ids)
 
 
-def new_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
-    return init_cache(cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim, dtype)
+def new_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32, layout: str = "head") -> KVCache:
+    """An empty target cache: k, v [L, B, K, S, H] (layout "slot": [L, B, S, K, H]; see `ddd_jax.cache`)."""
+    return init_cache(cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim, dtype, layout)

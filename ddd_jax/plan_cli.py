@@ -3,7 +3,7 @@ alone (`jax.eval_shape`: nothing is allocated, no devices are needed).
 
 Counted per device (shard shapes by `ddd_jax.sharding.RULES`; the batch is padded to a multiple of "data"):
     weights        target params + the EAGLE head (one decoder layer + fc) in --dtype
-    kv_cache       target cache [L, B, S, K, H] x2 (k, v) + draft cache [1, B, S, K, H] x2, in --dtype
+    kv_cache       target cache [L, B, K, S, H] x2 (k, v) + draft cache [1, B, K, S, H] x2, in --dtype
     tree_buffers   one verify forward over the tree of T = total_tokens nodes: logits [B, T, V] float32,
                    hidden [B, T, D] in --dtype, tree mask [B, T, S] bool, one layer's attention scores [B, N, T, S]
                    float32 (XLA may fuse some of these away: an upper estimate of the largest transient buffers)
@@ -72,7 +72,7 @@ def memory_plan(cfg, mesh: tuple[int, int], batch: int, capacity: int, dtype="bf
     axes = flatten(llama.param_axes(cfg))
     out = {"target_weights": sum(_bytes(a.shape, a.dtype, axes[k], mesh) for k, a in flatten(tparams).items())}
     tcache = jax.eval_shape(lambda: llama.new_cache(cfg, B, capacity, dt))
-    out["target_kv_cache"] = 2 * _bytes(tcache.k.shape, dt, sharding.CACHE_AXES, mesh)
+    out["target_kv_cache"] = 2 * _bytes(tcache.k.shape, dt, sharding.cache_axes(tcache.layout), mesh)
     out["draft_weights"] = out["draft_kv_cache"] = 0
     if draft:
         dcfg = DraftConfig.from_target(cfg)
@@ -80,7 +80,7 @@ def memory_plan(cfg, mesh: tuple[int, int], batch: int, capacity: int, dtype="bf
         daxes = flatten(eagle.param_axes(dcfg))
         out["draft_weights"] = sum(_bytes(a.shape, a.dtype, daxes[k], mesh) for k, a in flatten(dparams).items())
         dcache = jax.eval_shape(lambda: eagle.new_cache(dcfg, B, capacity, dt))
-        out["draft_kv_cache"] = 2 * _bytes(dcache.k.shape, dt, sharding.CACHE_AXES, mesh)
+        out["draft_kv_cache"] = 2 * _bytes(dcache.k.shape, dt, sharding.cache_axes(dcache.layout), mesh)
     T = total_tokens
     tok = jax.ShapeDtypeStruct((B, T), jnp.int32)
     fwd = jax.eval_shape(lambda p, t, c: llama.forward(p, cfg, t, t, c), tparams, tok, tcache)

@@ -27,8 +27,14 @@ RULES = {
     "layers": None, "embed": None, "embed2": None, "draft_vocab": None, "seq": None, "head_dim": None,
 }
 
-# KV cache k / v [L, B, S, K, H]
+# KV cache k / v: [L, B, S, K, H] slot-major, [L, B, K, S, H] head-major (`ddd_jax.cache`; `cache_axes(layout)`)
 CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
+CACHE_AXES_HEAD = ("layers", "batch", "kv_heads", "seq", "head_dim")
+
+
+def cache_axes(layout: str) -> tuple[str, ...]:
+    """The logical axes of a KV cache's k / v in `layout` ("head" or "slot")."""
+    return CACHE_AXES_HEAD if layout == "head" else CACHE_AXES
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -164,8 +170,8 @@ def batch_sharding(mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:
     return NamedSharding(mesh, P(*["data" if i == batch_axis else None for i in range(ndim)]))
 
 
-def cache_sharding(mesh) -> NamedSharding:
-    return named(mesh, CACHE_AXES)
+def cache_sharding(mesh, layout: str = "head") -> NamedSharding:
+    return named(mesh, cache_axes(layout))
 
 
 def pad_batch(n: int, mesh) -> int:
@@ -175,7 +181,7 @@ def pad_batch(n: int, mesh) -> int:
 
 
 def constrain_state(state, mesh):
-    """Sharding constraints for a decode `State` (inside jit): KV caches [L, B, S, K, H] over batch and KV heads,
+    """Sharding constraints for a decode `State` (inside jit): KV caches over batch and KV heads (either layout),
     per-sequence fields over "data" on their batch axis ([C, B] histories on axis 1), scalars replicated."""
     from .cache import KVCache
     import dataclasses
@@ -183,9 +189,10 @@ def constrain_state(state, mesh):
     def cache(c):
         if c is None:
             return None
-        s = cache_sharding(mesh)
-        return KVCache(k=jax.lax.with_sharding_constraint(c.k, s), v=jax.lax.with_sharding_constraint(c.v, s),
-                       length=jax.lax.with_sharding_constraint(c.length, batch_sharding(mesh, 1)))
+        s = cache_sharding(mesh, c.layout)
+        return dataclasses.replace(c, k=jax.lax.with_sharding_constraint(c.k, s),
+                                   v=jax.lax.with_sharding_constraint(c.v, s),
+                                   length=jax.lax.with_sharding_constraint(c.length, batch_sharding(mesh, 1)))
 
     upd = {}
     for f in dataclasses.fields(state):

@@ -2,6 +2,7 @@
 call, so concurrent decodes with different policies each get their own decisions and counts."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -103,9 +104,10 @@ def test_step0_on_fewer_rows_drafts_what_all_rows_draft():
     dparams, tparams = draft.decode_params(), target.params
     rng = np.random.default_rng(0)
     cache = new_cache(plan.dcfg, B, 64)
-    cache = type(cache)(k=jnp.asarray(rng.standard_normal(cache.k.shape), cache.k.dtype),
-                        v=jnp.asarray(rng.standard_normal(cache.v.shape), cache.v.dtype),
-                        length=jnp.asarray([5, 9], jnp.int32))
+    cache = dataclasses.replace(cache, k=jnp.asarray(rng.standard_normal(cache.k.shape), cache.k.dtype),
+                                v=jnp.asarray(rng.standard_normal(cache.v.shape), cache.v.dtype),
+                                length=jnp.asarray([5, 9], jnp.int32))
+    assert cache.layout == "head"  # k, v [1, B, K, S, H]
     tok = jnp.asarray(rng.integers(0, target.config.vocab_size, (B, M)), jnp.int32)
     feat = jnp.asarray(rng.standard_normal((B, M, D)), jnp.float32)
     picked = jax.jit(lambda c, t, f, n: drafting.draft_prefix(dparams, plan, tparams, c, t, f, n))
@@ -121,5 +123,5 @@ def test_step0_on_fewer_rows_drafts_what_all_rows_draft():
         same(np.asarray(la), np.asarray(lb), err_msg=str(n))
         for b in range(B):  # the committed rows of the draft cache (past them: scratch)
             end = int(ca.length[b])
-            same(np.asarray(ca.k[:, b, :end]), np.asarray(cb.k[:, b, :end]), err_msg=f"{n} k {b}")
-            same(np.asarray(ca.v[:, b, :end]), np.asarray(cb.v[:, b, :end]), err_msg=f"{n} v {b}")
+            same(np.asarray(ca.k[:, b, :, :end]), np.asarray(cb.k[:, b, :, :end]), err_msg=f"{n} k {b}")
+            same(np.asarray(ca.v[:, b, :, :end]), np.asarray(cb.v[:, b, :, :end]), err_msg=f"{n} v {b}")

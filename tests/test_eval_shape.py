@@ -54,7 +54,7 @@ def test_7b_forwards_trace_at_full_size():
     tok = jax.ShapeDtypeStruct((B, T), jnp.int32)
     out = jax.eval_shape(lambda p, t, c: llama.forward(p, cfg, t, t, c), params, tok, cache)
     assert out.logits.shape == (B, T, 32000) and out.hidden.shape == (B, T, 4096)
-    assert isinstance(out.cache, KVCache) and out.cache.k.shape == (32, B, S, 32, 128)
+    assert isinstance(out.cache, KVCache) and out.cache.k.shape == (32, B, 32, S, 128)  # head-major
     dcfg = DraftConfig.from_target(cfg)
     dparams = jax.eval_shape(lambda: eagle.init_params(dcfg, jax.random.PRNGKey(0), jnp.float16))
     feats = jax.ShapeDtypeStruct((B, T, 4096), jnp.float16)
@@ -143,7 +143,7 @@ def test_qwen3_small_traces_with_its_own_head_dim():
     cache = jax.eval_shape(lambda: llama.new_cache(cfg, B, S, jnp.bfloat16))
     tok = jax.ShapeDtypeStruct((B, T), jnp.int32)
     out = jax.eval_shape(lambda p, t, c: llama.forward(p, cfg, t, t, c), params, tok, cache)
-    assert out.logits.shape == (B, T, 151936) and out.cache.k.shape == (28, B, S, 8, 128)
+    assert out.logits.shape == (B, T, 151936) and out.cache.k.shape == (28, B, 8, S, 128)
     dcfg = DraftConfig.from_target(cfg)  # its head keeps head_dim 128 and the q/k norms
     dparams = jax.eval_shape(lambda: eagle.init_params(dcfg, jax.random.PRNGKey(0), jnp.bfloat16))
     assert dparams["layers"]["wq"].shape == (1, 1024, 2048) and dparams["layers"]["q_norm"].shape == (1, 128)

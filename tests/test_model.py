@@ -85,28 +85,79 @@ def test_commit_keeps_the_accepted_path(params):
     np.testing.assert_allclose(np.asarray(nxt.logits[0, -1]), ref, atol=2e-5)
 
 
-def test_commit_of_one_sequence_moves_what_the_batched_scatter_moves():
+@pytest.mark.parametrize("layout", ["head", "slot"])
+def test_commit_of_one_sequence_moves_what_the_batched_scatter_moves(layout):
     """B = 1 commits its n real entries one by one in place, a batch all M by one gather + scatter: the same
-    committed slots, every other slot below the new length untouched, entries past the capacity dropped."""
+    committed slots, every other slot below the new length untouched, entries past the capacity dropped (k, v
+    built slot-major [L, B, S, K, H] and stored in either layout)."""
     from ddd_jax.cache import KVCache
     rng = np.random.default_rng(4)
     L, S, K, H, M = 3, 12, 2, 4, 5
     k = jnp.asarray(rng.standard_normal((L, 2, S, K, H)), jnp.float32)
-    cache = KVCache(k=k, v=k + 1.0, length=jnp.zeros((2,), jnp.int32))
+
+    def stored(x):  # slot-major -> the cache's layout
+        return jnp.swapaxes(x, 2, 3) if layout == "head" else x
+
+    def slots(x):  # the cache's layout -> slot-major
+        return np.asarray(jnp.swapaxes(x, 2, 3) if layout == "head" else x)
+
+    cache = KVCache(k=stored(k), v=stored(k + 1.0), length=jnp.zeros((2,), jnp.int32), layout=layout)
     start = jnp.array([3, 9])  # the second path's slots 9..13 end past S = 12
     acc = jnp.array([[0, 1, 3, 4, 6], [0, 2, 0, 0, 0]])
     n = jnp.array([4, 2])
     both = commit(cache, start, acc, n)
+    assert both.layout == layout
     for b in range(2):
-        one = KVCache(k=k[:, b:b + 1], v=k[:, b:b + 1] + 1.0, length=jnp.zeros((1,), jnp.int32))
+        one = KVCache(k=stored(k[:, b:b + 1]), v=stored(k[:, b:b + 1] + 1.0), length=jnp.zeros((1,), jnp.int32),
+                      layout=layout)
         got = jax.jit(commit)(one, start[b:b + 1], acc[b:b + 1], n[b:b + 1])
         end = min(int(start[b] + n[b]), S)  # the new length; past it, scratch
-        np.testing.assert_array_equal(np.asarray(got.k[:, :, :end]), np.asarray(both.k[:, b:b + 1, :end]))
-        np.testing.assert_array_equal(np.asarray(got.v[:, :, :end]), np.asarray(both.v[:, b:b + 1, :end]))
-        np.testing.assert_array_equal(np.asarray(got.k[:, :, end:]), np.asarray(k[:, b:b + 1, end:]))  # not moved
+        np.testing.assert_array_equal(slots(got.k)[:, :, :end], slots(both.k)[:, b:b + 1, :end])
+        np.testing.assert_array_equal(slots(got.v)[:, :, :end], slots(both.v)[:, b:b + 1, :end])
+        np.testing.assert_array_equal(slots(got.k)[:, :, end:], np.asarray(k[:, b:b + 1, end:]))  # not moved
         assert int(got.length[0]) == int(both.length[b]) == int(start[b] + n[b])
-    moved = np.asarray(both.k[:, 0, 3:7])  # the first path's four real entries, in order
+    moved = slots(both.k)[:, 0, 3:7]  # the first path's four real entries, in order
     np.testing.assert_array_equal(moved, np.asarray(k[:, 0, np.array([3, 4, 6, 7])]))
+
+
+@pytest.mark.parametrize("use_kernels", [True, False])
+def test_head_and_slot_major_caches_decode_alike(params, use_kernels):
+    """The two cache layouts hold the same numbers: prefill, a tree-masked forward, its commit and a decode step
+    give the same logits bit for bit (kernel and XLA paths), and the caches are each other's transpose."""
+    from ddd_jax import kernels
+    n = len(TREE_TOKENS)
+    anc = np.eye(n, dtype=bool)
+    for i in range(1, n):
+        anc[i] |= anc[TREE_PARENT[i]]
+    prefix = np.array([[5, 9, 13, 2, 77], [8, 1, 0, 4, 60]])
+    run = {}
+    with kernels.enabled(use_kernels):
+        for layout in ("head", "slot"):
+            c = llama.new_cache(CFG, 2, 32, layout=layout)
+            o1 = forward(params, CFG, prefix, np.broadcast_to(np.arange(5), (2, 5)), c)
+            o2 = forward(params, CFG, np.array([TREE_TOKENS] * 2), 5 + np.broadcast_to(anc.sum(1) - 1, (2, n)),
+                         o1.cache, attn_mask=np.broadcast_to(anc, (2, n, n)))
+            c3 = commit(o2.cache, jnp.array([5, 5]), jnp.array([[0, 1, 4], [0, 2, 5]]), jnp.array([3, 2]))
+            o4 = forward(params, CFG, np.array([[7], [9]]), np.array([[8], [7]]), c3)
+            assert o4.cache.layout == layout
+            run[layout] = [np.asarray(o.logits) for o in (o1, o2, o4)], o4.cache
+    for a, b in zip(run["head"][0], run["slot"][0]):
+        np.testing.assert_array_equal(a, b)
+    for name in ("k", "v"):
+        np.testing.assert_array_equal(np.swapaxes(np.asarray(getattr(run["head"][1], name)), 2, 3),
+                                      np.asarray(getattr(run["slot"][1], name)))
+
+
+def test_cache_layout_errors_are_clear(params):
+    from ddd_jax.cache import KVCache, init_cache
+    with pytest.raises(ValueError, match="layout must be one of"):
+        init_cache(1, 1, 8, 2, 4, layout="heads")
+    c = llama.new_cache(CFG, 1, 8)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        KVCache(c.k, c.v, c.length, layout="kv")
+    # a head-major cache rebuilt without its layout reads as slot-major [L, B, S, K, H]: named, not misread
+    with pytest.raises(ValueError, match="needs KVCache\\(..., layout='head'\\)"):
+        forward(params, CFG, np.array([[1]]), np.array([[0]]), KVCache(c.k, c.v, c.length))
 
 
 def test_vanilla_sampling_is_seeded(params):

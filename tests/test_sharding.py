@@ -85,10 +85,10 @@ def test_weights_head_and_caches_are_sharded(found):
     assert d["layers.wq"][1] == [1, 32, 16] and d["layers.w_gate"][1] == [1, 32, 32] and d["fc_w"][1] == [64, 32]
     assert found["n_devices_per_weight"] == 4
     assert found["init_same_values"]  # init_draft on a mesh: the same values as unsharded
-    # KV caches [L, B, S, K, H]: 4 sequences over "data" (2), 4 KV heads over "model" (2)
-    assert found["tcache_spec"] == found["dcache_spec"] == "PartitionSpec(None, 'data', None, 'model')" or \
-        found["tcache_spec"] == found["dcache_spec"] == "P(None, 'data', None, 'model')"
-    assert found["tcache_shard"] == [1, 2, found["tcache_shape"][2], 2, 8]
+    # KV caches [L, B, K, S, H] (head-major): 4 sequences over "data" (2), 4 KV heads over "model" (2)
+    assert found["tcache_spec"] == found["dcache_spec"] == "PartitionSpec(None, 'data', 'model')" or \
+        found["tcache_spec"] == found["dcache_spec"] == "P(None, 'data', 'model')"
+    assert found["tcache_shard"] == [1, 2, 2, found["tcache_shape"][3], 8]
 
 
 def test_loading_onto_a_mesh(found):
