@@ -93,7 +93,7 @@ def commit(cache: KVCache, start, accepted_slots, n) -> KVCache:
 
     def move(x):  # x: [L, B, K, S, H] (head-major) or [L, B, S, K, H]
         if cache.batch != 1:
-            if ax == 3:
+            if cache.layout == "head":
                 return x.at[:, b, :, dst].set(x[:, b, :, src], mode="drop")  # (both index [B, M, L, K, H])
             return x.at[:, b, dst].set(x[:, b, src], mode="drop")
         S = x.shape[ax]

@@ -25,8 +25,8 @@ attention equals decoding its path one token at a time (see the .cc file's heade
 from __future__ import annotations
 
 import contextlib
-import functools
 import ctypes
+import functools
 import glob
 import os
 import sys

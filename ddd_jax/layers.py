@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from . import kernels
+from .cache import LAYOUTS
 from .config import ModelConfig
 from .panels import PanelWeight
 from .quant import BlockPanels, BlockWeight, take_rows
@@ -155,8 +156,8 @@ def attention(q, k, v, mask, layer=None, layout: str = "slot"):
     attention: only the slots a row may attend, summed in slot order, so a row's output does not depend on the
     other rows (a tree node gets exactly what decoding its path one token at a time gives).
     """
-    if layout not in ("head", "slot"):
-        raise ValueError(f"attention layout must be 'head' or 'slot', not {layout!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"attention layout must be one of {LAYOUTS}, not {layout!r}")
     reference = _attention_xla_head if layout == "head" else _attention_xla
     if kernels.attention_usable(q, k):
         return kernels.attention(q, k, v, mask, layer, reference, head_major=layout == "head")
