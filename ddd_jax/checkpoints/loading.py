@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from .. import hugepages
 from .. import io as dio
+from .. import panels as P
 from .. import quant
 from ..eagle import Draft
 from ..target import Target
@@ -74,7 +75,7 @@ def load_target(path_or_name, dtype=None, mesh=None, gguf_blocks: bool = False,
     On Linux, the weights' large CPU buffers are then moved onto 2 MiB pages (`ddd_jax.hugepages`; same values,
     fewer TLB misses per weight stream; `DDD_JAX_NO_HUGE_PAGES=1` skips it).
     """
-    if not (panels is None or isinstance(panels, bool) or (isinstance(panels, int) and panels in (16, 48))):
+    if not (panels is None or isinstance(panels, bool) or (isinstance(panels, int) and panels in P.WIDTHS)):
         raise ValueError(f"panels must be None, True, False, 16 or 48, not {panels!r}")
     target = _with_panels(_load_target(path_or_name, dtype, mesh, gguf_blocks), panels)
     hugepages.collapse(target.params)
@@ -83,7 +84,6 @@ def load_target(path_or_name, dtype=None, mesh=None, gguf_blocks: bool = False,
 
 def _with_panels(target: Target, panels: bool | int | None) -> Target:
     """`target` with panel-major matrices where `panels` (load_target's argument) asks for them and they apply."""
-    from .. import panels as P
     if panels is False:
         return target
     why = ("it is sharded over a mesh" if target.mesh is not None else
