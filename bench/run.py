@@ -260,6 +260,8 @@ def environment() -> dict:
         "cpu_kernels_avx512": jax.default_backend() == "cpu" and kernels.avx512(),
         "cpu_kernels_l2_prefetch_rows": kernels.l2_prefetch_rows() if jax.default_backend() == "cpu" else None,
         "cpu_model": kernels.cpu_model(),
+        # float32 products: HIGHEST (ddd_jax.kernels.precision) unless a default matmul precision is set
+        "matmul_precision": jax.config.jax_default_matmul_precision or "float32 products at HIGHEST",
     }
 
 

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import DraftConfig, ModelConfig
+from .kernels import precision
 from .layers import causal_mask, rms_norm
 from .layers import embed as embed_rows
 from .llama import decoder_stack, layer_shapes
@@ -65,7 +66,8 @@ def project_features(dparams, dcfg: DraftConfig, feats):
     if feats.shape[-1] != dcfg.feature_size:
         raise ValueError(f"EAGLE-3 head: target features must be {dcfg.feature_size} wide (3 x target hidden "
                          f"{dcfg.feature_size // 3}: the inputs of layers 2, L//2, L-3), got {feats.shape[-1]}")
-    return feats @ dparams["fc_w"].astype(feats.dtype)
+    w = dparams["fc_w"].astype(feats.dtype)
+    return jnp.matmul(feats, w, precision=precision(feats, w))
 
 
 def head_forward(dparams, dcfg: DraftConfig, embed, tokens, h, positions, cache=None, kv_mask=None):
@@ -88,7 +90,8 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, h, positions, cache=
 def logits(dparams, dcfg: DraftConfig, h):
     """Raw logits [..., V'] over the draft vocabulary: lm_head(norm(h)), float32."""
     hn = rms_norm(h, dparams["final_norm"], dcfg.rms_norm_eps)
-    return jnp.einsum("...d,dv->...v", hn, dparams["lm_head"].astype(hn.dtype), preferred_element_type=jnp.float32)
+    w = dparams["lm_head"].astype(hn.dtype)
+    return jnp.einsum("...d,dv->...v", hn, w, precision=precision(hn, w), preferred_element_type=jnp.float32)
 
 
 def to_target_vocab(dparams, sub_logits, vocab_size: int):

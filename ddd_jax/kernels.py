@@ -145,9 +145,22 @@ def _call(x2, w3, layer, trans: bool):
     return call(x2, w3, layer, trans=trans)
 
 
+def precision(*operands):
+    """The `precision` of this package's forward products under XLA: `lax.Precision.HIGHEST` when every operand is
+    float32 and no default matmul precision is set (`JAX_DEFAULT_MATMUL_PRECISION`, `jax.default_matmul_precision`),
+    else None (JAX's default). So float32 means float32 products on every backend: JAX's default runs them as TF32
+    on recent NVIDIA GPUs, and then a forward of several tokens and one of a single token round differently, so
+    speculative decoding leaves vanilla's tokens at near-ties (README: 10 of 80 MT-bench turns on an H200, none
+    at HIGHEST). Setting a default precision (e.g. "tensorfloat32") trades that for speed. XLA:CPU computes
+    float32 products in float32 either way. Backward products (training) keep JAX's default."""
+    if jax.config.jax_default_matmul_precision is not None:
+        return None
+    return jax.lax.Precision.HIGHEST if all(jnp.dtype(o.dtype) == jnp.float32 for o in operands) else None
+
+
 def _xla(x2, w3, layer, trans: bool):
     w = jax.lax.dynamic_index_in_dim(w3, layer, 0, keepdims=False).astype(jnp.float32)
-    return jnp.dot(x2, w.T if trans else w, preferred_element_type=jnp.float32)
+    return jnp.dot(x2, w.T if trans else w, precision=precision(x2, w), preferred_element_type=jnp.float32)
 
 
 def _kernel_product(call, xla, bwd):
@@ -214,7 +227,8 @@ def _layer_rows(b3, layer, kind):
 
 
 def _blocks_xla(x2, b3, layer, kind):
-    return jnp.einsum("mk,nk->mn", x2, _layer_rows(b3, layer, kind), preferred_element_type=jnp.float32)
+    rows = _layer_rows(b3, layer, kind)
+    return jnp.einsum("mk,nk->mn", x2, rows, precision=precision(x2, rows), preferred_element_type=jnp.float32)
 
 
 def _blocks_bwd(kind, res, g):  # d/dx only: the blocks are constants
@@ -250,7 +264,8 @@ def _panels_layer(w4, layer, n):
 
 
 def _panels_xla(x2, w4, layer, n):
-    return jnp.dot(x2, _panels_layer(w4, layer, n), preferred_element_type=jnp.float32)
+    w = _panels_layer(w4, layer, n)
+    return jnp.dot(x2, w, precision=precision(x2, w), preferred_element_type=jnp.float32)
 
 
 def _panels_bwd(n, res, g):
@@ -294,7 +309,8 @@ def _qpanels_layer(w4, layer, kind, n):
 
 
 def _qpanels_xla(x2, w4, layer, static):
-    return jnp.einsum("mk,nk->mn", x2, _qpanels_layer(w4, layer, *static), preferred_element_type=jnp.float32)
+    rows = _qpanels_layer(w4, layer, *static)
+    return jnp.einsum("mk,nk->mn", x2, rows, precision=precision(x2, rows), preferred_element_type=jnp.float32)
 
 
 def _qpanels_bwd(static, res, g):  # d/dx only: the blocks are constants

@@ -56,11 +56,12 @@ def linear(x, w, layer=None, *, transposed: bool = False, f32: bool = False):
         return kernels.product(x, w, layer, trans=transposed)
     if layer is not None:
         w = jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
+    prec = kernels.precision(x, w)
     if transposed:
-        return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,vd->...v", x, w, precision=prec, preferred_element_type=jnp.float32)
     if f32:
-        return jnp.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32)
-    return x @ w
+        return jnp.einsum("...d,dv->...v", x, w, precision=prec, preferred_element_type=jnp.float32)
+    return jnp.matmul(x, w, precision=prec)
 
 
 def embed(w, ids):
@@ -175,11 +176,12 @@ def _attention_xla(q, k, v, mask):  # k, v [B, S, K, H]
     K = k.shape[2]
     G = N // K
     qg = q.reshape(B, T, K, G, H)
-    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, precision=kernels.precision(qg, k),
+                        preferred_element_type=jnp.float32)
     logits = logits * (1.0 / math.sqrt(H))
     logits = jnp.where(mask[:, None, None, :, :], logits, NEG_INF)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v, precision=kernels.precision(probs, v))
     return out.reshape(B, T, N * H)
 
 
