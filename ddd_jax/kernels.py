@@ -151,8 +151,9 @@ def precision(*operands):
     else None (JAX's default). So float32 means float32 products on every backend: JAX's default runs them as TF32
     on recent NVIDIA GPUs, and then a forward of several tokens and one of a single token round differently, so
     speculative decoding leaves vanilla's tokens at near-ties (README: 10 of 80 MT-bench turns on an H200, none
-    at HIGHEST). Setting a default precision (e.g. "tensorfloat32") trades that for speed. XLA:CPU computes
-    float32 products in float32 either way. Backward products (training) keep JAX's default."""
+    at HIGHEST). Setting a default precision (e.g. "tensorfloat32") trades that for speed, also for training on a
+    GPU (autodiff of these products keeps their precision; the kernels' own backward products use JAX's default).
+    XLA:CPU computes float32 products in float32 either way."""
     if jax.config.jax_default_matmul_precision is not None:
         return None
     return jax.lax.Precision.HIGHEST if all(jnp.dtype(o.dtype) == jnp.float32 for o in operands) else None
