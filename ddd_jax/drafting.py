@@ -153,9 +153,17 @@ def _decides_in_loop(plan, decide: bool) -> bool:
 
 def _check_after_step(plan, beam: Beam, threshold) -> tuple[Beam, jax.Array]:
     """After step `beam.step` (step 0 included): if it is a check step, DDD's decision (traced). Returns the beam
-    with its new `active` and 1 if a check was executed, else 0."""
+    with its new `active` and 1 if a check was executed, else 0.
+
+    sync="device" computes the decision every step and selects it (`jnp.where`, a few flops over k scores) rather
+    than branching: XLA:GPU reads a `lax.cond` predicate on the host and waits for the stream each time
+    (ConditionalThunk), which would put a host sync back into every draft step. "callback" branches, so the host
+    policy is called at check steps only."""
     is_check = jnp.any(beam.step == jnp.asarray(plan.check_steps or (-1,), jnp.int32))
-    act = jax.lax.cond(is_check, lambda: _decide(plan, beam, threshold), lambda: beam.active)
+    if plan.sync == "device":
+        act = jnp.where(is_check, _decide(plan, beam, threshold), beam.active)
+    else:
+        act = jax.lax.cond(is_check, lambda: _decide(plan, beam, threshold), lambda: beam.active)
     return dataclasses.replace(beam, active=act), is_check.astype(jnp.int32)
 
 
@@ -169,14 +177,25 @@ def _decide(plan, beam: Beam, threshold):
 
 
 def run_steps(dparams, plan, tparams, dcache: KVCache, base, beam: Beam, end_step, threshold, *,
-              decide: bool) -> tuple[KVCache, Beam, jax.Array]:
+              decide: bool, start_step: int | None = None) -> tuple[KVCache, Beam, jax.Array]:
     """Draft steps until `end_step` or until no sequence is active, as one `lax.while_loop`.
 
     decide=True takes DDD's decisions inside the loop (sync "device" or "callback"); decide=False runs plain
-    steps (EAGLE-2, and the segments between host checks). Returns (dcache, beam, checks executed)."""
+    steps (EAGLE-2, and the segments between host checks). Returns (dcache, beam, checks executed).
+
+    Without decisions in the loop no sequence stops, so when the caller knows the beam's step statically
+    (`start_step`, with some sequence active) the steps run as a loop of static length instead: the same steps,
+    and on XLA:GPU no host read of the loop condition per step (WhileThunk copies it to the host and waits for the
+    stream when the trip count is unknown)."""
     if plan.max_depth == 0:  # EAGLE-2 with depth 0: step 0's beam is the whole pool (no scratch to trace into)
         return dcache, beam, jnp.zeros((), jnp.int32)
     in_loop = _decides_in_loop(plan, decide)
+    if start_step is not None and not in_loop:
+        def step(_, c):
+            return draft_step(dparams, plan, tparams, c[0], base, c[1])
+
+        dcache, beam = jax.lax.fori_loop(start_step, end_step, step, (dcache, beam))
+        return dcache, beam, jnp.zeros((), jnp.int32)
 
     def cond(c):
         _, b, _ = c
@@ -204,7 +223,8 @@ def begin(tparams, dparams, plan, dcache: KVCache, pend_tok, pend_feat, pend_n, 
     if _decides_in_loop(plan, decide) and 0 in plan.check_steps:
         # a check at step 0 looks at the first beam (the root's top_k): expand it only if the head is confident
         beam, checked = _check_after_step(plan, beam, threshold)
-    dcache, beam, checks = run_steps(dparams, plan, tparams, dcache, base, beam, end_step, threshold, decide=decide)
+    dcache, beam, checks = run_steps(dparams, plan, tparams, dcache, base, beam, end_step, threshold, decide=decide,
+                                     start_step=0)
     return Draft(dcache=dcache, base=base, beam=beam, checks=checks + checked)
 
 
@@ -216,9 +236,10 @@ def draft_in_program(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n
 _begin_jit = jax.jit(begin, static_argnames=("plan", "end_step", "decide"))
 
 
-@partial(jax.jit, static_argnames=("plan", "end_step"), donate_argnames=("dcache", "beam"))
-def _segment_jit(tparams, dparams, plan, dcache, base, beam, *, end_step: int):
-    dcache, beam, _ = run_steps(dparams, plan, tparams, dcache, base, beam, end_step, jnp.float32(0), decide=False)
+@partial(jax.jit, static_argnames=("plan", "start_step", "end_step"), donate_argnames=("dcache", "beam"))
+def _segment_jit(tparams, dparams, plan, dcache, base, beam, *, start_step: int, end_step: int):
+    dcache, beam, _ = run_steps(dparams, plan, tparams, dcache, base, beam, end_step, jnp.float32(0), decide=False,
+                                start_step=start_step)
     return dcache, beam
 
 
@@ -240,5 +261,5 @@ def draft_from_host(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n,
         if not keep.any():
             break
         end = steps[i + 1] if i + 1 < len(steps) else plan.max_depth
-        dcache, beam = _segment_jit(tparams, dparams, plan, dcache, d.base, beam, end_step=end)
+        dcache, beam = _segment_jit(tparams, dparams, plan, dcache, d.base, beam, start_step=step, end_step=end)
     return Draft(dcache=dcache, base=d.base, beam=beam, checks=d.checks)

@@ -125,3 +125,51 @@ def test_step0_on_fewer_rows_drafts_what_all_rows_draft():
             end = int(ca.length[b])
             same(np.asarray(ca.k[:, b, :, :end]), np.asarray(cb.k[:, b, :, :end]), err_msg=f"{n} k {b}")
             same(np.asarray(ca.v[:, b, :, :end]), np.asarray(cb.v[:, b, :, :end]), err_msg=f"{n} v {b}")
+
+
+def _primitives(fn, *args) -> list[str]:
+    """Names of every primitive in fn's program, sub-programs (loops, branches, jit) included."""
+    import jax
+    names = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:  # a platform_dependent choice is a cond resolved when lowering: named apart
+            platform = e.primitive.name == "cond" and e.params.get("branches_platforms") is not None
+            names.append("platform_cond" if platform else e.primitive.name)
+            for p in e.params.values():
+                for v in p if isinstance(p, (tuple, list)) else (p,):
+                    sub = v if hasattr(v, "eqns") else getattr(v, "jaxpr", None)
+                    if sub is not None and hasattr(sub, "eqns"):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return names
+
+
+@pytest.mark.parametrize("method,sync", [("eagle2", "device"), ("ddd", "device"), ("ddd", "callback")])
+def test_draft_program_branches_and_loops(method, sync):
+    """What XLA:GPU would read back to the host inside the draft phase (a `while` of unknown length reads its
+    condition every step, a `cond` its predicate): EAGLE-2's steps are one loop of static length (a `scan`, no
+    `while`); DDD's device mode adds no branch to it (its decision is selected, not branched on) and keeps the
+    one `while` that lets it stop early; the callback mode branches at checks, to call the host only there."""
+    import jax.numpy as jnp
+
+    from ddd_jax import drafting
+    from ddd_jax.eagle import new_cache
+    from ddd_jax.generate import make_plan
+    target, draft = tiny_target(), fitted_draft()
+    plan = make_plan(target, draft, method=method, sync=sync, tree=TREE, ddd=DDD, temperature=0.0, top_p=1.0,
+                     max_new_tokens=16)
+    B, M, D = 1, plan.M, target.config.hidden_size
+    dparams, tparams = draft.decode_params(), target.params
+    args = (new_cache(plan.dcfg, B, 64), jnp.zeros((B, M), jnp.int32), jnp.zeros((B, M, D), jnp.float32),
+            jnp.ones((B,), jnp.int32), jnp.float32(-0.3))
+    names = _primitives(lambda *a: drafting.draft_in_program(tparams, dparams, plan, *a), *args)
+    prefix = _primitives(lambda c, t, f, n: drafting.draft_prefix(dparams, plan, tparams, c, t, f, n), *args[:4])
+    extra_conds = names.count("cond") - prefix.count("cond")  # step 0's width switch is one cond
+    if method == "eagle2":
+        assert names.count("while") == prefix.count("while") and names.count("scan") > prefix.count("scan")
+        assert extra_conds == 0
+    else:
+        assert names.count("while") == prefix.count("while") + 1
+        assert extra_conds == (0 if sync == "device" else 1)
