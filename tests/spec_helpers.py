@@ -85,3 +85,20 @@ def first_mismatch_margin(target: Target, prompt: list[int], ref: list[int], got
     lg = np.asarray(llama.forward(target.params, target.config, seq, np.arange(seq.shape[1])[None]).logits[0, -1])
     top = np.sort(lg)[-2:]
     return i, float(top[1] - top[0])
+
+
+def jaxpr_eqns(fn, *args) -> list:
+    """Every equation of fn's traced program, sub-programs (loops, branches, jit) included, in order."""
+    found = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            found.append(e)
+            for p in e.params.values():
+                for v in p if isinstance(p, (tuple, list)) else (p,):
+                    sub = v if hasattr(v, "eqns") else getattr(v, "jaxpr", None)
+                    if sub is not None and hasattr(sub, "eqns"):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found

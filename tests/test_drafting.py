@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ddd_jax import DDDConfig, TreeConfig, generate
-from spec_helpers import fitted_draft, prompts, tiny_target
+from spec_helpers import fitted_draft, jaxpr_eqns, prompts, tiny_target
 
 TREE = TreeConfig(top_k=4, total_tokens=12, depth=3)
 DDD = DDDConfig(check_steps=(2, 3, 4), threshold=-5.0, max_depth=6)
@@ -128,22 +128,10 @@ def test_step0_on_fewer_rows_drafts_what_all_rows_draft():
 
 
 def _primitives(fn, *args) -> list[str]:
-    """Names of every primitive in fn's program, sub-programs (loops, branches, jit) included."""
-    import jax
-    names = []
-
-    def walk(jaxpr):
-        for e in jaxpr.eqns:  # a platform_dependent choice is a cond resolved when lowering: named apart
-            platform = e.primitive.name == "cond" and e.params.get("branches_platforms") is not None
-            names.append("platform_cond" if platform else e.primitive.name)
-            for p in e.params.values():
-                for v in p if isinstance(p, (tuple, list)) else (p,):
-                    sub = v if hasattr(v, "eqns") else getattr(v, "jaxpr", None)
-                    if sub is not None and hasattr(sub, "eqns"):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return names
+    """Names of every primitive in fn's program; a platform_dependent choice, a cond resolved when lowering, is
+    named apart."""
+    return ["platform_cond" if e.primitive.name == "cond" and e.params.get("branches_platforms") is not None
+            else e.primitive.name for e in jaxpr_eqns(fn, *args)]
 
 
 @pytest.mark.parametrize("method,sync", [("eagle2", "device"), ("ddd", "device"), ("ddd", "callback")])

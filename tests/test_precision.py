@@ -15,33 +15,15 @@ from ddd_jax import init_draft, llama
 from ddd_jax.eagle import Draft
 from ddd_jax.kernels import precision
 
-from spec_helpers import tiny_target  # noqa: E402
+from spec_helpers import jaxpr_eqns, tiny_target  # noqa: E402
 
 HIGHEST = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
 
 
-def _subjaxprs(value):
-    for v in value if isinstance(value, (tuple, list)) else (value,):
-        if hasattr(v, "eqns"):
-            yield v
-        elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
-            yield v.jaxpr
-
-
 def dots(fn, *args) -> list[tuple[tuple[str, ...], object]]:
     """(operand dtypes, precision) of every dot_general in fn's program, sub-programs (scan, cond, jit) included."""
-    found = []
-
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            if e.primitive.name == "dot_general":
-                found.append((tuple(str(v.aval.dtype) for v in e.invars), e.params["precision"]))
-            for p in e.params.values():
-                for sub in _subjaxprs(p):
-                    walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return [(tuple(str(v.aval.dtype) for v in e.invars), e.params["precision"])
+            for e in jaxpr_eqns(fn, *args) if e.primitive.name == "dot_general"]
 
 
 def _decode_programs(target, draft, layout):
