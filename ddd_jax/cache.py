@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -80,7 +81,8 @@ def commit(cache: KVCache, start, accepted_slots, n) -> KVCache:
     written back in place (under donation); that is safe because a path's i-th node sits at tree index >= i, so
     entry i never overwrites a later entry's source. A batch takes one gather + scatter of all M entries per layer
     stack, which on XLA:CPU cost a 7-token tree's cycle 0.14 ms for one sequence (the 2-core Xeon VM, SmolLM2's 30
-    layers, M = 8): the loop moves the ~2 entries a cycle accepts.
+    layers, M = 8): the loop moves the ~2 entries a cycle accepts. Off the CPU the loop runs all M entries, the
+    padding masked (`move_entries`), so XLA:GPU need not read its trip count on the host.
     """
     start = jnp.asarray(start, jnp.int32)
     n_ = jnp.broadcast_to(jnp.asarray(n, jnp.int32), start.shape)
@@ -96,23 +98,36 @@ def commit(cache: KVCache, start, accepted_slots, n) -> KVCache:
             if cache.layout == "head":
                 return x.at[:, b, :, dst].set(x[:, b, :, src], mode="drop")  # (both index [B, M, L, K, H])
             return x.at[:, b, dst].set(x[:, b, src], mode="drop")
-        S = x.shape[ax]
-        size = x.shape[:ax] + (1,) + x.shape[ax + 1:]
-
-        def at(slot):
-            return tuple(slot if a == ax else 0 for a in range(x.ndim))
-
-        def one(i, x):
-            d = jnp.minimum(dst[0, i], S - 1)
-            row = jax.lax.dynamic_slice(x, at(src[0, i]), size)
-            keep = jax.lax.dynamic_slice(x, at(d), size)
-            row = jnp.where(dst[0, i] < S, row, keep)  # past the capacity: dropped, as the scatter's mode="drop"
-            return jax.lax.dynamic_update_slice(x, row, at(d))
-
-        # a loop (unrolled, XLA copied the whole cache per entry) over the n real entries only: a cycle commits ~2
-        return jax.lax.fori_loop(0, jnp.clip(n_[0], 0, M), one, x)
+        # on the CPU a loop over the n real entries only (a cycle commits ~2); elsewhere all M, the rest masked
+        return jax.lax.platform_dependent(x, cpu=partial(move_entries, src=src[0], dst=dst[0], n=n_[0], axis=ax),
+                                          default=partial(move_entries, src=src[0], dst=dst[0], n=n_[0], axis=ax,
+                                                          static=True))
 
     return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v), length=(start + n_).astype(jnp.int32))
+
+
+def move_entries(x, *, src, dst, n, axis: int, static: bool = False):
+    """One sequence's commit along the slot axis of x: entry i (< n) copied from slot src[i] to dst[i], in order,
+    each a dynamic slice of all layers written back in place; an entry past the capacity is dropped (as the batched
+    scatter's mode="drop"). src, dst [M] int32, n [] int32.
+
+    static=False loops over the n real entries (a loop of n steps); static=True over all M with the others written
+    back unchanged: the same result, in a loop of static length, which XLA:GPU runs without reading its condition
+    on the host each step (WhileThunk). (Unrolled, XLA copied the whole cache per entry.)"""
+    S, M = x.shape[axis], src.shape[0]
+    size = x.shape[:axis] + (1,) + x.shape[axis + 1:]
+
+    def at(slot):
+        return tuple(slot if a == axis else 0 for a in range(x.ndim))
+
+    def one(i, x):
+        d = jnp.minimum(dst[i], S - 1)
+        row = jax.lax.dynamic_slice(x, at(src[i]), size)
+        keep = jax.lax.dynamic_slice(x, at(d), size)
+        live = (dst[i] < S) & (i < n) if static else dst[i] < S
+        return jax.lax.dynamic_update_slice(x, jnp.where(live, row, keep), at(d))
+
+    return jax.lax.fori_loop(0, M if static else jnp.clip(n, 0, M), one, x)
 
 
 def with_length(cache: KVCache, length) -> KVCache:

@@ -93,8 +93,9 @@ PREFIX_ROWS = (2, 4)  # narrower step-0 forwards taken when every sequence's pen
 def draft_prefix(dparams, plan, tparams, dcache: KVCache, pend_tok, pend_feat, pend_n):
     """Step 0: run the head over the newly committed pairs (pend_n[b] of M), extend the draft prefix.
 
-    The M columns are padding past pend_n; a cycle usually commits one to three pairs, so step 0 runs over the
-    first 2 or 4 columns when every sequence's pairs fit there (`PREFIX_ROWS`, one `lax.switch`), else all M.
+    The M columns are padding past pend_n; a cycle usually commits one to three pairs, so on the CPU step 0 runs
+    over the first 2 or 4 columns when every sequence's pairs fit there (`PREFIX_ROWS`, one `lax.switch`), else all
+    M (other backends: all M, no branch).
     Only the pending pairs' rows are read back and the draft cache keeps only them (length += pend_n), so the
     width changes no draft: on the CPU kernels a row's bits do not depend on the other rows (elsewhere XLA's
     reductions may round differently at another width: the draft, never the output, can change).
@@ -110,7 +111,11 @@ def draft_prefix(dparams, plan, tparams, dcache: KVCache, pend_tok, pend_feat, p
     def width(m):
         return lambda dc, tok, feat, n: _prefix_forward(dparams, plan, tparams, dc, tok[:, :m], feat[:, :m], n)
 
-    return jax.lax.switch(pick, [width(m) for m in widths], dcache, pend_tok, pend_feat, pend_n)
+    # off the CPU all M columns: XLA:GPU would read the switch's index on the host (ConditionalThunk), and a
+    # launch-bound forward costs about the same at any of these widths
+    return jax.lax.platform_dependent(dcache, pend_tok, pend_feat, pend_n,
+                                      cpu=lambda *a: jax.lax.switch(pick, [width(m) for m in widths], *a),
+                                      default=width(M))
 
 
 def _prefix_forward(dparams, plan, tparams, dcache: KVCache, pend_tok, pend_feat, pend_n):

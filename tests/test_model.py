@@ -3,6 +3,8 @@
 answers simple questions sensibly."""
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,6 +120,27 @@ def test_commit_of_one_sequence_moves_what_the_batched_scatter_moves(layout):
         assert int(got.length[0]) == int(both.length[b]) == int(start[b] + n[b])
     moved = slots(both.k)[:, 0, 3:7]  # the first path's four real entries, in order
     np.testing.assert_array_equal(moved, np.asarray(k[:, 0, np.array([3, 4, 6, 7])]))
+
+
+@pytest.mark.parametrize("layout", ["head", "slot"])
+def test_commit_loop_of_static_length_moves_what_the_loop_of_n_moves(layout):
+    """Off the CPU one sequence's commit loops over all M entries with the padding masked (a loop XLA:GPU runs
+    without host reads); on the CPU over the n real ones. The same cache for every n, the capacity's edge included."""
+    from ddd_jax.cache import move_entries
+    rng = np.random.default_rng(5)
+    L, S, K, H, M = 3, 12, 2, 4, 5
+    x = jnp.asarray(rng.standard_normal((L, 1, K, S, H) if layout == "head" else (L, 1, S, K, H)), jnp.float32)
+    axis = 3 if layout == "head" else 2
+    for start, rel in ((3, [0, 1, 3, 4, 6]), (9, [0, 2, 0, 0, 0]), (0, [0, 0, 0, 0, 0])):
+        src = jnp.clip(start + jnp.asarray(rel, jnp.int32), 0, S - 1)
+        dst = start + jnp.arange(M, dtype=jnp.int32)
+        for n in range(M + 1):
+            kw = dict(src=src, dst=dst, n=jnp.int32(n), axis=axis)
+            loop_n = jax.jit(partial(move_entries, **kw))(x)
+            loop_m = jax.jit(partial(move_entries, static=True, **kw))(x)
+            np.testing.assert_array_equal(np.asarray(loop_m), np.asarray(loop_n), err_msg=f"start {start} n {n}")
+            if n:
+                assert not np.array_equal(np.asarray(loop_n), np.asarray(x)) or rel[:n] == list(range(n))
 
 
 @pytest.mark.parametrize("use_kernels", [True, False])
