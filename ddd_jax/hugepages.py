@@ -112,18 +112,22 @@ def collapse(tree, min_bytes: int = MIN_BYTES) -> Collapsed:
     return Collapsed(buffers=len(bufs), collapsed=done, bytes=nbytes, error=error)
 
 
-def huge_page_bytes(address: int) -> int | None:
-    """AnonHugePages (bytes) of the mapping that holds `address` (/proc/self/smaps), None when not found."""
+def huge_page_bytes(address: int, end: int | None = None) -> int | None:
+    """AnonHugePages (bytes) of the mapping that holds `address` (/proc/self/smaps), None when not found. With
+    `end`: summed over every mapping that overlaps [address, end) (a range can span several, e.g. where earlier
+    madvise calls in this process split the mappings)."""
+    stop = address + 1 if end is None else end
+    total, found, inside = 0, False, False
     try:
         with open("/proc/self/smaps") as f:
-            inside = False
             for line in f:
                 head = line.split(None, 1)[0]
                 if "-" in head and not head.endswith(":"):
                     lo, hi = (int(x, 16) for x in head.split("-"))
-                    inside = lo <= address < hi
+                    inside = lo < stop and address < hi
                 elif inside and head == "AnonHugePages:":
-                    return int(line.split()[1]) * 1024
+                    total += int(line.split()[1]) * 1024
+                    found = True
     except OSError:
         return None
-    return None
+    return total if found else None
