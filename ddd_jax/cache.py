@@ -60,9 +60,8 @@ def check_cache(cache: KVCache, num_layers: int, num_kv_heads: int, head_dim: in
 
 def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int,
                dtype=jnp.float32, layout: str = "head") -> KVCache:
-    """An empty cache (length 0) of `capacity` slots, head-major unless layout="slot"."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"KVCache layout must be one of {LAYOUTS}, not {layout!r}")
+    """An empty cache (length 0) of `capacity` slots, head-major unless layout="slot" (another layout: KVCache's
+    error)."""
     shape = ((num_layers, batch, num_kv_heads, capacity, head_dim) if layout == "head" else
              (num_layers, batch, capacity, num_kv_heads, head_dim))
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=jnp.zeros((batch,), jnp.int32),
@@ -99,9 +98,8 @@ def commit(cache: KVCache, start, accepted_slots, n) -> KVCache:
                 return x.at[:, b, :, dst].set(x[:, b, :, src], mode="drop")  # (both index [B, M, L, K, H])
             return x.at[:, b, dst].set(x[:, b, src], mode="drop")
         # on the CPU a loop over the n real entries only (a cycle commits ~2); elsewhere all M, the rest masked
-        return jax.lax.platform_dependent(x, cpu=partial(move_entries, src=src[0], dst=dst[0], n=n_[0], axis=ax),
-                                          default=partial(move_entries, src=src[0], dst=dst[0], n=n_[0], axis=ax,
-                                                          static=True))
+        one_sequence = partial(move_entries, src=src[0], dst=dst[0], n=n_[0], axis=ax)
+        return jax.lax.platform_dependent(x, cpu=one_sequence, default=partial(one_sequence, static=True))
 
     return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v), length=(start + n_).astype(jnp.int32))
 

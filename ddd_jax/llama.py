@@ -191,12 +191,9 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
         q, k, v = qkv(x, p, i)
         # scatter straight into the carried [L, B, K, S, H] (or [L, B, S, K, H]) buffers, in place (the indexed
         # view is [B, T, K, H] either way), then attend over layer i
-        if head_major:
-            kall = kall.at[i, b_idx, :, dst].set(k.astype(kall.dtype), mode="drop")
-            vall = vall.at[i, b_idx, :, dst].set(v.astype(vall.dtype), mode="drop")
-        else:
-            kall = kall.at[i, b_idx, dst].set(k.astype(kall.dtype), mode="drop")
-            vall = vall.at[i, b_idx, dst].set(v.astype(vall.dtype), mode="drop")
+        at = (i, b_idx, slice(None), dst) if head_major else (i, b_idx, dst)
+        kall = kall.at[at].set(k.astype(kall.dtype), mode="drop")
+        vall = vall.at[at].set(v.astype(vall.dtype), mode="drop")
         x = rest(x, p, i, L.attention(q, kall, vall, kv_mask, i, layout=cache.layout))
         return (x, kall, vall, aux), None
 
