@@ -125,11 +125,11 @@ def cache_capacity(prompt_len: int, plan: Plan) -> int:
     return -(-need // 256) * 256
 
 
-def _choose(logits, key, temperature: float, top_p: float, greedy=None):
-    """The next token from logits: greedy (`greedy`, when the forward computed it, = greedy_token(logits)) or
-    sampled."""
+def _choose(logits, key, temperature: float, top_p: float):
+    """The next token from logits: greedy or sampled. (Greedy decoding's forwards return their tokens instead:
+    `forward(..., return_logits=False, greedy=True)`.)"""
     if temperature <= 0.0:
-        return greedy_token(logits) if greedy is None else greedy
+        return greedy_token(logits)
     return jax.random.categorical(key, process_logits(logits, temperature, top_p), axis=-1).astype(jnp.int32)
 
 
@@ -169,13 +169,13 @@ def _prefill(tparams, dparams, plan: Plan, tokens, plen, key, *, capacity: int, 
     B, T = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     tcache = llama.new_cache(plan.tcfg, B, capacity, tparams["embed"].dtype)
+    greedy = plan.temperature <= 0.0  # greedy forwards return tokens only (no logits: the screened lm_head)
     out = llama.forward(tparams, plan.tcfg, tokens, pos, tcache, logit_index=(plen - 1)[:, None],
-                        aux_layers=_aux_layers(plan), greedy=plan.temperature <= 0.0)
+                        aux_layers=_aux_layers(plan), return_logits=not greedy, greedy=greedy)
     feats = _features(plan, out)
     tcache = with_length(out.cache, plen)
     key, sub = jax.random.split(key)
-    first = _choose(out.logits[:, 0], sub, plan.temperature, plan.top_p,
-                    None if out.greedy is None else out.greedy[:, 0])
+    first = out.greedy[:, 0] if greedy else _choose(out.logits[:, 0], sub, plan.temperature, plan.top_p)
     M = plan.M
     D = feats.shape[-1]
     feat_last = jnp.take_along_axis(feats, (plen - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
@@ -213,9 +213,11 @@ def _prefill_ctx(plan: Plan, tokens, plen, first, capacity: int):
 def _vanilla_step(tparams, plan: Plan, s: State) -> State:
     B = s.root.shape[0]
     L = s.tcache.length
-    o = llama.forward(tparams, plan.tcfg, s.root[:, None], L[:, None], s.tcache, greedy=plan.temperature <= 0.0)
+    greedy = plan.temperature <= 0.0
+    o = llama.forward(tparams, plan.tcfg, s.root[:, None], L[:, None], s.tcache, return_logits=not greedy,
+                      greedy=greedy)
     key, sub = jax.random.split(s.key)
-    nxt = _choose(o.logits[:, 0], sub, plan.temperature, plan.top_p, None if o.greedy is None else o.greedy[:, 0])
+    nxt = o.greedy[:, 0] if greedy else _choose(o.logits[:, 0], sub, plan.temperature, plan.top_p)
     live = ~s.done
     M = plan.M
     out, out_len, done, keep = _emit(plan, s.out, s.out_len, s.done, nxt[:, None].repeat(M, 1), jnp.ones((B,), jnp.int32))
@@ -245,10 +247,11 @@ def _verify(tparams, plan: Plan, s: State, d: drafting.Draft):
         tok, ok = lookup_chain(s.ctx, L, plan.lookup, plan.lookup_ngram, LOOKUP_MAX_NGRAM)
         beam = add_lookup(beam, tok, ok, plan.lookup_logp, plan.top_k)
     tree = build_tree(s.root, beam, plan.total_tokens)
+    greedy = plan.temperature <= 0.0
     o = llama.forward(tparams, plan.tcfg, tree.tokens, L[:, None] + tree.depth, s.tcache, attn_mask=tree.anc,
-                      aux_layers=_aux_layers(plan), greedy=plan.temperature <= 0.0)
-    if plan.temperature <= 0.0:
-        acc = accept_greedy(tree, o.logits, plan.M, pred=o.greedy)
+                      aux_layers=_aux_layers(plan), return_logits=not greedy, greedy=greedy)
+    if greedy:
+        acc = accept_greedy(tree, None, plan.M, pred=o.greedy)
         key = s.key
     else:
         key, sub = jax.random.split(s.key)

@@ -40,6 +40,7 @@ from .panels import pack, unpack_array
 TARGETS = {"ddd_linear": "DddLinear", "ddd_linear_f16": "DddLinearF16", "ddd_linear_blocks": "DddLinearBlocks",
            "ddd_linear_panels": "DddLinearPanels", "ddd_linear_panels_f16": "DddLinearPanelsF16",
            "ddd_linear_panels_greedy": "DddLinearPanelsGreedy", "ddd_linear_qpanels": "DddLinearQPanels",
+           "ddd_linear_panels_greedy_screened": "DddLinearPanelsGreedyScreened",
            "ddd_attention": "DddAttention"}
 WEIGHT_DTYPES = (jnp.float32, jnp.float16)  # float16: weight-only storage, widened exactly to float32 on load
 MAX_ROWS = 128  # beyond this (prefill, training) XLA's GEMM is the better product
@@ -100,6 +101,21 @@ def avx512() -> bool:
     """True when x @ W of 3 to 85 rows, GGUF-block products and attention run the AVX-512 paths (this CPU has
     AVX-512 F/VL/BW/DQ and DDD_JAX_NO_AVX512 is unset; bit-identical to the AVX2 path, which runs everything else)."""
     return available() and bool(_state["lib"].ddd_avx512())
+
+
+def screen() -> bool:
+    """True when greedy decoding's lm_head screens the vocabulary with a bfloat16 copy of the output projection and
+    recomputes exactly every row that could still be the maximum (`greedy_screened`): this CPU has AVX-512 BF16 and
+    DDD_JAX_NO_SCREEN is unset. The tokens are the exact kernel's either way; only the speed differs."""
+    return available() and bool(_state["lib"].ddd_screen())
+
+
+def set_screen(on: bool) -> None:
+    """Turn the screen off (False) or back on where the CPU has it (True) for this process -- calls already traced
+    keep running whichever path the kernel then takes (the choice is made per call, inside it). For benchmarks and
+    tests."""
+    if available():
+        _state["lib"].ddd_set_screen(ctypes.c_int(1 if on else 0))
 
 
 def l2_prefetch_rows() -> int | None:
@@ -364,6 +380,37 @@ def greedy_panels(x, data, n: int, first_max):
     else:
         logits, ids = xla(x2, w4, layer)
     return logits.reshape(*x.shape[:-1], n), ids.reshape(x.shape[:-1])
+
+
+def _screened_call(x2, w4, layer, scr, bound):
+    M, n = x2.shape[0], bound.shape[-1]
+    call = jax.ffi.ffi_call("ddd_linear_panels_greedy_screened", (jax.ShapeDtypeStruct((M,), jnp.int32),
+                                                                  jax.ShapeDtypeStruct((M, n), jnp.float32)),
+                            vmap_method="sequential")
+    return call(x2, w4, layer, scr, bound)[0]
+
+
+def greedy_screened(x, data, n: int, scr, bound, first_max):
+    """Each row's greedy token of x [..., K] @ the panel-major output projection `data` ([P, K, W] float32, n
+    columns), screened by its bfloat16 copy `scr` [ceil(n / 48), ceil(K / 2), 96] with per-column error bounds
+    `bound` [2, n] (`panels.screen_of`): returns tokens [...] int32, equal to `first_max(product_panels(x, data,
+    n))` -- the exact first maximum, n - 1 for a row holding a NaN -- on every path. On CPU with AVX-512 BF16 the
+    kernel computes the bfloat16 products, keeps the columns whose error interval reaches the row's best lower
+    bound (a certified bound: the exact maximum is always kept) and recomputes those exactly from `data`; elsewhere
+    (and for a row it cannot bound) it runs the exact kernel; off CPU, XLA's product and `first_max`."""
+    w4 = data if data.ndim == 4 else data[None]
+    layer = jnp.zeros((), jnp.int32)
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K).astype(jnp.float32)
+
+    def xla(a, b, c, d, e):
+        return first_max(_panels_xla(a, b, c, n))
+
+    if available() and x.dtype == jnp.float32 and w4.dtype == jnp.float32:
+        ids = jax.lax.platform_dependent(x2, w4, layer, scr, bound, cpu=_screened_call, default=xla)
+    else:
+        ids = xla(x2, w4, layer, scr, bound)
+    return ids.reshape(x.shape[:-1])
 
 
 # ----------------------------------------------------------------------------------------------- attention

@@ -230,6 +230,17 @@ def lm_head_greedy(params, cfg: ModelConfig, hidden):
     return logits, greedy_token(logits)
 
 
+def greedy_tokens(params, cfg: ModelConfig, hidden):
+    """Greedy tokens [...] int32 of hidden [..., D]: `verify.greedy_token(lm_head(...))`, without the logits. An
+    output projection with a bfloat16 screen (`panels.screen_of`) runs the screened kernel on CPU: bfloat16
+    products, the columns that could still be the maximum recomputed exactly -- the same tokens, from half the
+    bytes (`kernels.greedy_screened`)."""
+    w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    if isinstance(w, PanelWeight) and w.screen is not None:
+        return kernels.greedy_screened(hidden, w.data, w.n, w.screen, w.screen_bound, greedy_token)
+    return lm_head_greedy(params, cfg, hidden)[1]
+
+
 def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None = None, attn_mask=None,
             logit_index=None, return_logits: bool = True, aux_layers: tuple = (), greedy: bool = False) -> Output:
     """Target forward.
@@ -269,11 +280,12 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None =
     if new_cache is not None:
         new_cache = dataclasses.replace(new_cache, length=cache.length + T)
     logits = ids = None
-    if greedy and not return_logits:
-        raise ValueError("forward: greedy=True needs return_logits=True")
-    if return_logits:
+    if return_logits or greedy:
         h = hidden if logit_index is None else jnp.take_along_axis(hidden, logit_index[..., None], axis=1)
-        logits, ids = lm_head_greedy(params, cfg, h) if greedy else (lm_head(params, cfg, h), None)
+        if not return_logits:
+            ids = greedy_tokens(params, cfg, h)
+        else:
+            logits, ids = lm_head_greedy(params, cfg, h) if greedy else (lm_head(params, cfg, h), None)
     return Output(logits=logits, hidden=hidden, cache=new_cache, aux=aux, greedy=ids)
 
 

@@ -22,6 +22,12 @@ the weight is unpacked by XLA for the product; gradients go through XLA too.
 as rows: the panels of its transpose, plus its row-major array for lookups) when the CPU kernel runs (the CPU
 backend, no mesh); `panels=False` keeps the row-major arrays. A draft head bound to a panel-major target packs its
 own matrices and draft-vocabulary rows for the decode loops too (`pack_head`, `Draft.packed`; float16 as stored).
+The output projection also gets a **screen** where the CPU has AVX-512 BF16 (`kernels.screen()`): a bfloat16 copy
+of its rows, 48-column panels of k pairs, with two error-bound floats per output column (`screen_of`). Greedy
+decoding's lm_head (`llama.forward(..., greedy=True, return_logits=False)`) runs the bfloat16 products, keeps every
+column that could still be the row's maximum under a certified bound and recomputes those exactly from the float32
+panels, so the token is the exact product's first maximum (`kernels.greedy_screened`). It reads half the bytes at
+one row and does half the multiply-adds at many. `pack_params(..., screen=False)` goes without.
 Wherever a float array is wanted (saving, the PyTorch counterpart, nnx modules) `unpack` / `unpack_params` (and
 `quant.as_float` / `quant.dequantize_tree`) give the logical weight back.
 """
@@ -76,19 +82,24 @@ class PanelWeight:
         panels touches one cache line per float (K lines, W floats apart), out of the table one per 16 floats.
         A tied embedding keeps one (`pack_params`): its 7 lookups of a tree verification took 0.05 ms from the
         panels on the 2-core Xeon VM, for 4 bytes more per weight.
+    screen: None, or (unstacked output projection) its bfloat16 copy [ceil(N / 48), ceil(K / 2), 96] for greedy
+        decoding's screened lm_head (`screen_of`; 2 bytes more per weight).
+    screen_bound: None, or [2, N] float32: the screen's per-column error bounds (A, B of `screen_of`).
     """
 
     data: jax.Array
     n: int
     rows: bool = False
     table: jax.Array | None = None
+    screen: jax.Array | None = None
+    screen_bound: jax.Array | None = None
 
     def tree_flatten(self):
-        return (self.data, self.table), (self.n, self.rows)
+        return (self.data, self.table, self.screen, self.screen_bound), (self.n, self.rows)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(children[0], *aux, table=children[1])
+        return cls(children[0], *aux, table=children[1], screen=children[2], screen_bound=children[3])
 
     @property
     def shape(self) -> tuple:
@@ -111,8 +122,8 @@ class PanelWeight:
 
     @property
     def nbytes(self) -> int:
-        extra = 0 if self.table is None else int(self.table.size) * self.table.dtype.itemsize
-        return int(self.data.size) * self.data.dtype.itemsize + extra
+        return sum(int(a.size) * a.dtype.itemsize for a in (self.data, self.table, self.screen, self.screen_bound)
+                   if a is not None)
 
     @property
     def T(self) -> "PanelWeight":
@@ -152,11 +163,73 @@ def _pack_array(w, width: int):
     return jnp.moveaxis(w.reshape(*w.shape[:-1], P, width), -2, -3)  # [..., P, K, width]
 
 
+SCREEN = 48  # columns of a screen panel (the kernel's; whatever the float32 panels' width)
+_U = 2.0 ** -24
+
+
+def screen_gamma(K: int) -> float:
+    """The summation-error factor of the screen's bound for K products, taken twice over (see `screen_of`)."""
+    return 2.0 * (2.0 * K * _U / (1.0 - 2.0 * K * _U))
+
+
+def screen_of(rows, chunk: int = 4096):
+    """The screen of an output projection given as its output rows [N, K] float32 (a tied embedding as it is, an
+    untied lm_head [D, V] transposed): (screen [ceil(N / 48), ceil(K / 2), 96] bfloat16, bound [2, N] float32).
+
+    screen: the rows rounded to bfloat16 (to nearest even; subnormals flushed to zero, as the BF16 dot products
+        read them), panel p holding rows [48 p, 48 p + 48), k in pairs: [p, i, 2 c + j] = b[48 p + c, 2 i + j],
+        zeros past N and K.
+    bound: A_v = gamma |w_v| + |w_v - b_v| and B_v = |b_v| (2-norms over k, float64, rounded up to float32), with
+        gamma = `screen_gamma(K)`; A_v = inf for a row that is not finite or has |w_v| >= 1e7, so the kernel always
+        recomputes it. With these the kernel bounds |exact - screened| for a row x by |x| A_v + (|x - x~| + gamma
+        |x~|) B_v + K 2^-126 (x~: x in bfloat16), a Cauchy-Schwarz bound plus the float32 summation errors of both
+        products (csrc/cpu_kernels.cc, "greedy lm_head screened by a bfloat16 copy")."""
+    w = np.asarray(rows, np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"screen_of: rows must be [N, K]; got {w.shape}")
+    N, K = w.shape
+    P, K2 = -(-N // SCREEN), -(-K // 2)
+    b = np.asarray(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32))
+    b = np.where(np.abs(b) < np.finfo(np.float32).tiny, np.float32(0.0) * np.sign(b), b).astype(np.float32)
+    gamma = screen_gamma(K)
+    A = np.empty(N, np.float64)
+    B = np.empty(N, np.float64)
+    for r0 in range(0, N, chunk):
+        wr = w[r0:r0 + chunk].astype(np.float64)
+        br = b[r0:r0 + chunk].astype(np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):
+            nw = np.sqrt(np.einsum("nk,nk->n", wr, wr))
+            A[r0:r0 + chunk] = gamma * nw + np.sqrt(np.einsum("nk,nk->n", wr - br, wr - br))
+            B[r0:r0 + chunk] = np.sqrt(np.einsum("nk,nk->n", br, br))
+        A[r0:r0 + chunk][~(np.isfinite(nw) & (nw < 1e7))] = np.inf
+    bound = np.stack([A, B]) * (1.0 + 1e-12)  # the float64 sums' own rounding
+    up = bound.astype(np.float32)
+    up = np.where(up.astype(np.float64) < bound, np.nextafter(up, np.float32(np.inf)), up)
+    up = np.where(np.isnan(up), np.float32(np.inf), up)
+    bp = np.zeros((P * SCREEN, 2 * K2), np.float32)
+    bp[:N, :K] = b
+    scr = bp.reshape(P, SCREEN, K2, 2).transpose(0, 2, 1, 3).reshape(P, K2, 2 * SCREEN)
+    return jnp.asarray(scr, jnp.bfloat16), jnp.asarray(up)
+
+
+def with_screen(w: "PanelWeight", screen: bool = True) -> "PanelWeight":
+    """An unstacked output projection's PanelWeight with (screen=True) or without its screen (`screen_of`)."""
+    if not screen:
+        return PanelWeight(w.data, w.n, w.rows, table=w.table)
+    if w.screen is not None:
+        return w
+    if w.data.ndim != 3 or w.dtype != jnp.float32:
+        raise ValueError("with_screen: a screen goes with an unstacked float32 output projection")
+    rows = w.unpack()
+    scr, bound = screen_of(rows if w.rows else rows.T)
+    return PanelWeight(w.data, w.n, w.rows, table=w.table, screen=scr, screen_bound=bound)
+
+
 def pack(w, rows: bool = False, table: bool = False, width: int | None = None) -> PanelWeight:
     """A float32 matrix as a PanelWeight (the same values, panel-major): [..., K, N] used as x @ w, or with
     rows=True [..., N, K] output rows used as x @ w.T (a tied embedding). table=True (rows, unstacked) keeps the
     row-major matrix too, for lookups (`PanelWeight.table`). width: columns a panel, 16 or 48 (default
-    `default_width()`); a PanelWeight of another width is repacked."""
+    `default_width()`); a PanelWeight of another width is repacked (without its screen: `with_screen`)."""
     if table and (not rows or w.ndim != 2):
         raise ValueError(f"pack: a lookup table goes with an unstacked rows-layout matrix (a tied embedding [V, D]); "
                          f"got rows={rows}, shape {tuple(w.shape)}")
@@ -170,7 +243,7 @@ def pack(w, rows: bool = False, table: bool = False, width: int | None = None) -
         if w.width != width:
             return pack(w.unpack(), rows, table or w.table is not None, width)
         if table and w.table is None:
-            return PanelWeight(w.data, w.n, True, table=w.unpack())
+            return PanelWeight(w.data, w.n, True, table=w.unpack(), screen=w.screen, screen_bound=w.screen_bound)
         return w
     if w.ndim < 2 or jnp.dtype(w.dtype) not in DTYPES:
         raise ValueError(f"panels hold float32 (or float16) matrices [..., K, N]; got {jnp.dtype(w.dtype)} "
@@ -195,18 +268,26 @@ def has_panels(tree) -> bool:
     return any(is_panels(x) for x in jax.tree.leaves(tree, is_leaf=is_panels))
 
 
-def pack_params(params: dict, width: int | None = None) -> dict:
+def pack_params(params: dict, width: int | None = None, screen: bool | None = None) -> dict:
     """A target's params with its float32 matrices panel-major: every stacked layer matrix ([L, K, N] under
     "layers"), the output projection -- an untied lm_head [D, V], or else the tied embedding [V, D] as rows, which
     keeps its row-major array as the lookup table (`PanelWeight.table`; an untied model's embedding is only looked
-    up and stays as it is). Norms and biases stay as they are. width: columns a panel (default `default_width()`)."""
+    up and stays as it is). Norms and biases stay as they are. width: columns a panel (default `default_width()`).
+    screen: give the output projection its bfloat16 screen for greedy decoding (`screen_of`); None: where the
+    kernel runs it (`kernels.screen()`)."""
+    if screen is None:
+        from . import kernels
+        screen = kernels.screen()
     out = dict(params)
     out["layers"] = {k: pack(v, width=width) if _packable(v, 3) else v for k, v in params["layers"].items()}
-    if "lm_head" in params:
+    key = "lm_head" if "lm_head" in params else "embed"
+    if key == "lm_head":
         if _packable(params["lm_head"], 2):
             out["lm_head"] = pack(params["lm_head"], width=width)
     elif _packable(params["embed"], 2):
         out["embed"] = pack(params["embed"], rows=True, table=True, width=width)
+    if isinstance(out[key], PanelWeight) and out[key].dtype == jnp.float32 and out[key].data.ndim == 3:
+        out[key] = with_screen(out[key], screen)
     return out
 
 

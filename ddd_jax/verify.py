@@ -63,7 +63,8 @@ def _emitted(tokens, path, n, bonus, M: int):
 
 def accept_greedy(tree: Tree, logits, M: int, pred=None) -> Accept:
     """A node is accepted iff its token is the argmax of its parent's logits and its parent is accepted.
-    pred: optional [B, N] int32 greedy tokens of `logits` (`greedy_token(logits)`), when the forward computed them."""
+    logits: [B, N, V], or None with pred. pred: optional [B, N] int32 greedy tokens of `logits`
+    (`greedy_token(logits)`), when the forward computed them (greedy decoding's forwards return only those)."""
     pred = greedy_token(logits) if pred is None else pred
 
     def one(tokens, parent, anc, depth, valid, pred):  # pred [N]

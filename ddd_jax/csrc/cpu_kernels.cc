@@ -1295,15 +1295,11 @@ struct RowBest {
   bool nan;
 };
 
-ffi::Error LinearPanelsGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                              ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
-                              ffi::ResultBuffer<ffi::S32> ids) {
-  PanelProduct<float> p;
-  if (ffi::Error e = panel_product("ddd_linear_panels_greedy", x, w, layer, out, &p); e.failure()) return e;
+// The exact greedy lm_head: p's product into p.out and each row's first maximum into id (V - 1 for a row holding a
+// NaN). Chunks are handed out by for_column_chunks; a chunk's columns are scanned while they are in cache.
+template <class W>
+void greedy_exact(ffi::ThreadPool& pool, const PanelProduct<W>& p, int32_t* id) {
   const int64_t M = p.M, N = p.N, P = p.P;
-  if (N == 0 || ids->element_count() != M)
-    return ffi::Error::InvalidArgument("ddd_linear_panels_greedy: ids must hold one token per row");
-  int32_t* id = ids->typed_data();
   std::vector<RowBest> best(static_cast<size_t>(P * M), RowBest{0.0f, -1, false});  // [chunk start / 48, M]
   RowBest* bp = best.data();
   for_column_chunks(pool, M, p.K, N, kPanel512, p.out, [p, bp](int64_t n0, int64_t n1) {
@@ -1337,6 +1333,276 @@ ffi::Error LinearPanelsGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
       }
     }
     id[m] = nan ? static_cast<int32_t>(N - 1) : std::max<int32_t>(at, 0);  // no chunk ran (K = 0): zeros, index 0
+  }
+}
+
+ffi::Error LinearPanelsGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                              ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
+                              ffi::ResultBuffer<ffi::S32> ids) {
+  PanelProduct<float> p;
+  if (ffi::Error e = panel_product("ddd_linear_panels_greedy", x, w, layer, out, &p); e.failure()) return e;
+  if (p.N == 0 || ids->element_count() != p.M)
+    return ffi::Error::InvalidArgument("ddd_linear_panels_greedy: ids must hold one token per row");
+  greedy_exact(pool, p, ids->typed_data());
+  return ffi::Error::Success();
+}
+
+// ----------------------------------------------- greedy lm_head screened by a bfloat16 copy ("screen panels")
+// Greedy decoding needs each row's argmax, not its logits. A one-row lm_head reads 113 MB of float32 panels for
+// SmolLM2 (~3.2 ms of a ~17.7 ms token); a bfloat16 copy is half the bytes, and AVX-512 BF16 dot products do half
+// the instructions at many rows. The copy only screens: every row whose exact logit could still be the maximum is
+// recomputed exactly, so the token is bitwise the exact kernel's (ties to the first index, V - 1 for a NaN).
+//
+// The bound. For a row x and an output column v with float32 weights w and their bfloat16 copy b (round to
+// nearest even, subnormals flushed to zero), let x~ be x rounded the same way, a the exact kernel's logit (an fma
+// chain over k from zero) and s the screen's (a chain of vdpbf16ps over x~ and b). By Cauchy-Schwarz and the
+// summation error of K roundings (gamma = 2 K u / (1 - 2 K u), u = 2^-24, taken twice over):
+//   |a - s| <= |x| (gamma |w| + |w - b|) + (|x - x~| + gamma |x~|) |b| + K 2^-126        (|.|: 2-norms)
+//            = alpha A_v + beta B_v + tau,
+// where A_v = gamma |w_v| + |w_v - b_v| and B_v = |b_v| are computed once in float64 and rounded up (the bound
+// rows, `ddd_jax.panels.screen_of`), and alpha, beta come from x per call (float64, inflated by 2^-20 to cover the
+// float32 arithmetic below; 2^-20 |s| more covers the rounding of s +- e). A column is a candidate when s + e
+// reaches the largest s - e of its row; the true maximum always is one. A row whose x is not finite or has
+// |x| > 1e30, and a column whose bound is not finite (w_v not finite or |w_v| >= 1e7: A_v = inf), are candidates /
+// fall back to the exact kernel, so no exact logit outside the candidates can overflow or be NaN.
+// SmolLM2, 520 final hidden states of vanilla decoding (runs/s22/cand.py): candidates median 1, max 6.
+#define DDD_BF16 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c")))
+bool g_bf16 = false;                  // set at load: g_avx512 and AVX512_BF16 (DDD_JAX_NO_SCREEN=1: off)
+constexpr int64_t kScreenCols = 48;   // columns of a screen panel [P, K2, 48 columns x 2 k] (bfloat16)
+constexpr int64_t kMaxCandidates = 4096;  // a row with more falls back to the exact kernel
+
+// x [M, K] float32 -> xp [M, K2] pairs of bfloat16 (k = 2i low, 2i + 1 high; 0 past K), round to nearest even,
+// subnormals to zero; alpha, beta [M] as above. False when a row is not finite or too large (exact kernel).
+inline uint16_t bf16_of(float f) {
+  if (std::fabs(f) < 1.17549435e-38f) return std::signbit(f) ? 0x8000 : 0;  // subnormals (and zeros) to zero
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFF + ((u >> 16) & 1);  // finite inputs only (checked by the caller)
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float float_of_bf16(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+bool screen_rows(const float* x, int64_t M, int64_t K, uint32_t* xp, float* alpha, float* beta) {
+  const int64_t K2 = (K + 1) / 2;
+  const double u = std::ldexp(1.0, -24), gamma = 2.0 * (2.0 * K * u / (1.0 - 2.0 * K * u));
+  const double inflate = 1.0 + std::ldexp(1.0, -20);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = x + m * K;
+    double nx = 0.0, nd = 0.0, nt = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      if (!std::isfinite(r[k])) return false;
+      const uint16_t h = bf16_of(r[k]);
+      const double t = float_of_bf16(h), d = static_cast<double>(r[k]) - t;
+      nx += static_cast<double>(r[k]) * r[k];
+      nd += d * d;
+      nt += t * t;
+      uint32_t& pair = xp[m * K2 + k / 2];
+      pair = k % 2 ? (pair & 0xFFFFu) | (static_cast<uint32_t>(h) << 16) : h;
+    }
+    nx = std::sqrt(nx);
+    if (!(nx <= 1e30)) return false;
+    alpha[m] = static_cast<float>(nx * inflate);
+    beta[m] = static_cast<float>((std::sqrt(nd) + gamma * std::sqrt(nt)) * inflate);
+  }
+  return true;
+}
+
+template <int MT>
+DDD_BF16 inline void sp_tile(const uint32_t* xp, int64_t K2, const uint16_t* w, float* out, int64_t ldo,
+                             bool prefetch) {
+  __m512 acc[MT][3];
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_setzero_ps();
+  const uint16_t* pf = w + g_panel_ahead * 2 * kScreenCols;
+  for (int64_t i = 0; i < K2; ++i, w += 2 * kScreenCols, pf += 2 * kScreenCols) {
+    if (prefetch) {
+      const char* q = reinterpret_cast<const char*>(pf);
+      DDD_UNROLL for (int b = 0; b < 192; b += 64) _mm_prefetch(q + b, _MM_HINT_T0);
+    }
+    __m512bh wv[3];
+    DDD_UNROLL for (int v = 0; v < 3; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + 32 * v);
+    DDD_UNROLL for (int r = 0; r < MT; ++r) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r * K2 + i]));
+      DDD_UNROLL for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], b, wv[v]);
+    }
+  }
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int v = 0; v < 3; ++v) _mm512_storeu_ps(out + r * ldo + 16 * v, acc[r][v]);
+}
+
+struct ScreenRange {  // one chunk's columns of one row
+  float lo, hi;       // the largest s - e, s + e over its finite columns
+  bool bad;           // a column that is not finite (always a candidate)
+  bool used;
+};
+
+struct ScreenCall {
+  int64_t M = 0, K2 = 0, N = 0;
+  const uint32_t* xp = nullptr;
+  const uint16_t* s = nullptr;        // [P, K2, 96]
+  const float* A = nullptr;           // [N]
+  const float* B = nullptr;           // [N]
+  const float* alpha = nullptr;       // [M]
+  const float* beta = nullptr;        // [M]
+  float tau = 0.0f;
+  float* out = nullptr;               // [M, N] screened logits
+  ScreenRange* ranges = nullptr;      // [chunk start / 48, M]
+
+  // e' for 16 columns at j of row m (see the bound), and the finite-lanes mask of s and e'.
+  DDD_BF16 inline __m512 err16(int64_t m, int64_t j, __m512 sv, __mmask16 live, __mmask16* fin) const {
+    const __m512 a = _mm512_maskz_loadu_ps(live, A + j), b = _mm512_maskz_loadu_ps(live, B + j);
+    const __m512 absd = _mm512_abs_ps(sv);
+    __m512 e = _mm512_fmadd_ps(_mm512_set1_ps(alpha[m]), a, _mm512_mul_ps(_mm512_set1_ps(beta[m]), b));
+    e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(std::ldexp(1.0f, -20)), absd, e), _mm512_set1_ps(tau));
+    *fin = _mm512_mask_cmp_ps_mask(live, _mm512_add_ps(absd, e), _mm512_set1_ps(3.0e38f), _CMP_LE_OQ);
+    return e;
+  }
+
+  DDD_BF16 void columns(int64_t n0, int64_t n1) const {
+    alignas(64) float part[8 * kScreenCols];
+    const bool prefetch = M <= 2 && g_panel_ahead > 0;
+    for (int64_t c0 = n0; c0 < n1; c0 += kScreenCols) {
+      const uint16_t* wp = s + (c0 / kScreenCols) * K2 * 2 * kScreenCols;
+      const int64_t cw = std::min<int64_t>(kScreenCols, n1 - c0);
+      for (int64_t m = 0; m < M; m += 8) {
+        const int64_t rows = std::min<int64_t>(8, M - m);
+        float* o = cw < kScreenCols ? part : out + m * N + c0;
+        const int64_t ldo = cw < kScreenCols ? kScreenCols : N;
+        const uint32_t* xm = xp + m * K2;
+        switch (rows) {
+          case 8: sp_tile<8>(xm, K2, wp, o, ldo, prefetch); break;
+          case 7: sp_tile<7>(xm, K2, wp, o, ldo, prefetch); break;
+          case 6: sp_tile<6>(xm, K2, wp, o, ldo, prefetch); break;
+          case 5: sp_tile<5>(xm, K2, wp, o, ldo, prefetch); break;
+          case 4: sp_tile<4>(xm, K2, wp, o, ldo, prefetch); break;
+          case 3: sp_tile<3>(xm, K2, wp, o, ldo, prefetch); break;
+          case 2: sp_tile<2>(xm, K2, wp, o, ldo, prefetch); break;
+          default: sp_tile<1>(xm, K2, wp, o, ldo, prefetch); break;
+        }
+        if (cw < kScreenCols)
+          for (int64_t r = 0; r < rows; ++r)
+            std::copy(part + r * kScreenCols, part + r * kScreenCols + cw, out + (m + r) * N + c0);
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {  // this chunk's bounds, row by row (its columns are still in cache)
+      __m512 lo = _mm512_set1_ps(-INFINITY), hi = _mm512_set1_ps(-INFINITY);
+      bool bad = false;
+      for (int64_t j = n0; j < n1; j += 16) {
+        const __mmask16 live = j + 16 <= n1 ? __mmask16(0xFFFF) : __mmask16((1u << (n1 - j)) - 1);
+        const __m512 sv = _mm512_maskz_loadu_ps(live, out + m * N + j);
+        __mmask16 fin;
+        const __m512 e = err16(m, j, sv, live, &fin);
+        bad |= fin != live;
+        lo = _mm512_mask_max_ps(lo, fin, lo, _mm512_sub_ps(sv, e));
+        hi = _mm512_mask_max_ps(hi, fin, hi, _mm512_add_ps(sv, e));
+      }
+      ranges[(n0 / kScreenCols) * M + m] = ScreenRange{_mm512_reduce_max_ps(lo), _mm512_reduce_max_ps(hi), bad, true};
+    }
+  }
+
+  // Row m's candidates in [n0, n1) (s + e' >= L, or not finite), in column order.
+  DDD_BF16 void candidates(int64_t m, int64_t n0, int64_t n1, float L, std::vector<int32_t>& c) const {
+    for (int64_t j = n0; j < n1; j += 16) {
+      const __mmask16 live = j + 16 <= n1 ? __mmask16(0xFFFF) : __mmask16((1u << (n1 - j)) - 1);
+      const __m512 sv = _mm512_maskz_loadu_ps(live, out + m * N + j);
+      __mmask16 fin;
+      const __m512 e = err16(m, j, sv, live, &fin);
+      __mmask16 keep = _mm512_mask_cmp_ps_mask(fin, _mm512_add_ps(sv, e), _mm512_set1_ps(L), _CMP_GE_OQ);
+      keep |= live & ~fin;
+      while (keep) {
+        const int b = __builtin_ctz(keep);
+        c.push_back(static_cast<int32_t>(j + b));
+        keep &= keep - 1;
+      }
+    }
+  }
+};
+
+// Column v of the exact panels (width pw) times x: the fma chain over k from zero of every panel kernel.
+DDD_AVX2 float exact_logit(const float* x, const float* w, int64_t K, int64_t pw, int64_t v) {
+  const float* col = w + (v / pw) * K * pw + v % pw;
+  float acc = 0.0f;
+  for (int64_t k = 0; k < K; ++k) acc = __builtin_fmaf(x[k], col[k * pw], acc);
+  return acc;
+}
+
+// x [..., K] float32, w [L, P, K, W] float32 (the exact panels) at `layer`, s [P48, K2, 96] bfloat16 (the screen
+// panels), bound [2, N] float32 (A, B) -> ids [...]: each row's greedy token, bitwise `LinearPanelsGreedy`'s.
+// scratch [..., N] float32: the screened logits (not the logits: only for the kernel's own use).
+ffi::Error LinearPanelsGreedyScreened(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::BF16> s,
+                                      ffi::Buffer<ffi::F32> bound, ffi::ResultBuffer<ffi::S32> ids,
+                                      ffi::ResultBuffer<ffi::F32> scratch) {
+  const std::string name = "ddd_linear_panels_greedy_screened";
+  PanelProduct<float> p;
+  if (ffi::Error e = panel_product(name, x, w, layer, scratch, &p); e.failure()) return e;
+  const int64_t M = p.M, K = p.K, N = p.N, K2 = (K + 1) / 2;
+  const int64_t P48 = (N + kScreenCols - 1) / kScreenCols;
+  if (N == 0 || ids->element_count() != M)
+    return ffi::Error::InvalidArgument(name + ": ids must hold one token per row");
+  const auto sd = s.dimensions();
+  if (sd.size() != 3 || sd[0] != P48 || sd[1] != K2 || sd[2] != 2 * kScreenCols)
+    return ffi::Error::InvalidArgument(name + ": s must be [ceil(N / 48), ceil(K / 2), 96]");
+  const auto bd = bound.dimensions();
+  if (bd.size() != 2 || bd[0] != 2 || bd[1] != N) return ffi::Error::InvalidArgument(name + ": bound must be [2, N]");
+  int32_t* id = ids->typed_data();
+  thread_local std::vector<uint32_t> xp;
+  thread_local std::vector<float> coef;
+  xp.resize(static_cast<size_t>(M * K2));
+  coef.resize(static_cast<size_t>(2 * M));
+  if (!g_bf16 || K == 0 || !screen_rows(p.x, M, K, xp.data(), coef.data(), coef.data() + M)) {
+    greedy_exact(pool, p, id);  // no BF16 instructions, or a row not finite / too large: the exact kernel
+    return ffi::Error::Success();
+  }
+  std::vector<ScreenRange> ranges(static_cast<size_t>(P48 * M), ScreenRange{0.0f, 0.0f, false, false});
+  ScreenCall c;
+  c.M = M;
+  c.K2 = K2;
+  c.N = N;
+  c.xp = xp.data();
+  c.s = reinterpret_cast<const uint16_t*>(s.typed_data());
+  c.A = bound.typed_data();
+  c.B = bound.typed_data() + N;
+  c.alpha = coef.data();
+  c.beta = coef.data() + M;
+  c.tau = static_cast<float>(K) * std::ldexp(1.0f, -125);
+  c.out = p.out;
+  c.ranges = ranges.data();
+  for_column_chunks(pool, M, K, N, kScreenCols, p.out, [&c](int64_t n0, int64_t n1) { c.columns(n0, n1); });
+  std::vector<int32_t> cand;
+  for (int64_t m = 0; m < M; ++m) {
+    float L = -INFINITY;
+    for (int64_t q = 0; q < P48; ++q)
+      if (ranges[q * M + m].used) L = std::max(L, ranges[q * M + m].lo);
+    cand.clear();
+    for (int64_t q = 0; q < P48; ++q) {
+      const ScreenRange& r = ranges[q * M + m];
+      if (!r.used || !(r.bad || r.hi >= L)) continue;
+      int64_t q1 = q + 1;  // the chunk's end: the next used slot
+      while (q1 < P48 && !ranges[q1 * M + m].used) ++q1;
+      c.candidates(m, q * kScreenCols, std::min(N, q1 * kScreenCols), L, cand);
+      if (static_cast<int64_t>(cand.size()) > kMaxCandidates) break;
+    }
+    if (static_cast<int64_t>(cand.size()) > kMaxCandidates) {  // a bound too loose to pay: the exact kernel
+      greedy_exact(pool, p, id);
+      return ffi::Error::Success();
+    }
+    float best = 0.0f;
+    int32_t at = -1;
+    bool nan = false;
+    for (int32_t v : cand) {
+      const float a = exact_logit(p.x + m * K, p.w, K, p.pw, v);
+      nan |= std::isnan(a);
+      if (at < 0 || a > best) {
+        best = a;
+        at = v;
+      }
+    }
+    id[m] = nan ? static_cast<int32_t>(N - 1) : std::max<int32_t>(at, 0);
   }
   return ffi::Error::Success();
 }
@@ -1996,6 +2262,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearPanelsGreedy, LinearPanelsGreedy,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [..., N]
                                   .Ret<ffi::Buffer<ffi::S32>>());  // ids [...]: each row's first maximum
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearPanelsGreedyScreened, LinearPanelsGreedyScreened,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [..., K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [L, P, K, W], panel-major (exact)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // s [ceil(N / 48), ceil(K / 2), 96]: the screen
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // bound [2, N]: A, B
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // ids [...]: each row's first maximum
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // scratch [..., N]: screened logits
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DddAttention, Attention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -2014,12 +2291,21 @@ __attribute__((visibility("default"))) int ddd_cpu_supported() {
   const char* no512 = std::getenv("DDD_JAX_NO_AVX512");
   g_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") && !(no512 && *no512 && std::strcmp(no512, "0") != 0);
+  const char* noscreen = std::getenv("DDD_JAX_NO_SCREEN");
+  g_bf16 = g_avx512 && __builtin_cpu_supports("avx512bf16") &&
+           !(noscreen && *noscreen && std::strcmp(noscreen, "0") != 0);
   const char* l2 = std::getenv("DDD_JAX_L2_PREFETCH_ROWS");
   g_l2_prefetch_rows = l2 && *l2 ? std::max<int64_t>(1, std::atoll(l2)) : __builtin_cpu_is("amd") ? 1 : 6;
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 // 1 when the AVX-512 paths run (x @ W of 3 to 85 rows, GGUF blocks, attention).
 __attribute__((visibility("default"))) int ddd_avx512() { return g_avx512; }
+// 1 when the screened greedy lm_head runs (AVX-512 BF16 dot products; else its exact fallback).
+__attribute__((visibility("default"))) int ddd_screen() { return g_bf16; }
+// Turn it off (0) or back on where the CPU has it (1). For benchmarks and tests.
+__attribute__((visibility("default"))) void ddd_set_screen(int on) {
+  g_bf16 = on && g_avx512 && __builtin_cpu_supports("avx512bf16");
+}
 // The row count from which the AVX-512 products prefetch into L2 instead of L1 (see g_l2_prefetch_rows).
 __attribute__((visibility("default"))) int64_t ddd_l2_prefetch_rows() { return g_l2_prefetch_rows; }
 // Set it (n >= 1). For benchmarks.
