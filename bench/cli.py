@@ -106,6 +106,8 @@ def add_parser(subparsers) -> None:
                         "interleaved round by round (--repeat rounds, at least 5)")
     b.add_argument("--cost-sizes", type=_ints, default=(1, 2, 4, 8, 16, 32, 64))
     b.add_argument("--cost-context", type=int, default=256, help="tokens already in the KV cache")
+    b.add_argument("--cost-logits", action="store_true",
+                   help="time forwards that return full logits (sampling's verification) instead of greedy tokens")
     b.add_argument("--op-profile", action="store_true",
                    help="only profile the decode loops op by op (jax.profiler) for --methods (default vanilla,"
                         "ddd-device) on --limit prompts: ms per target call by group and by HLO op")
@@ -290,7 +292,7 @@ def run_bench(args) -> int:
         from .cost import cost_curve
         target, draft, draft_name = load_models(args, need_draft=args.draft != "none")
         res = cost_curve(target, draft, sizes=args.cost_sizes, context=args.cost_context, repeat=max(args.repeat, 5),
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, logits=args.cost_logits)
         res["draft"] = draft_name
         from .run import environment
         res["env"] = environment()  # load average, CPU kernels on/off, commit

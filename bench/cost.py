@@ -32,10 +32,14 @@ def _seconds(fn) -> float:
 
 # The cache is donated and handed back with its length reset, as in generate's loops (where K/V writes are
 # in place): without donation every call would also pay a copy of the whole cache.
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _target_step(params, cfg, cache, tokens, positions, mask):
-    out = llama.forward(params, cfg, tokens, positions, cache, attn_mask=mask)
-    return out.logits, with_length(out.cache, cache.length)
+# A greedy step returns the tokens only (`forward(..., return_logits=False, greedy=True)`), as greedy decoding's
+# verification does (and so runs the screened lm_head where the output projection has a screen); logits=True times
+# the forward with full logits, as sampling's verification runs it.
+@partial(jax.jit, static_argnames=("cfg", "logits"), donate_argnames=("cache",))
+def _target_step(params, cfg, cache, tokens, positions, mask, logits: bool = False):
+    out = llama.forward(params, cfg, tokens, positions, cache, attn_mask=mask, return_logits=logits,
+                        greedy=not logits)
+    return (out.logits if logits else out.greedy), with_length(out.cache, cache.length)
 
 
 @partial(jax.jit, static_argnames=("dcfg", "tcfg"), donate_argnames=("cache",))
@@ -46,10 +50,12 @@ def _draft_step(dparams, dcfg, tparams, tcfg, cache, tokens, feats, positions, m
 
 
 def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capacity: int | None = None,
-               repeat: int = 5, progress: bool = False) -> dict:
+               repeat: int = 5, progress: bool = False, logits: bool = False) -> dict:
     """Median wall time of one target forward over n new tokens (tree-masked like verification) for n in
     `sizes`, with `context` tokens already in a cache of `capacity` slots (default: context + 256, rounded
     up to 256 like the benchmark's shared capacity). With a draft, also one draft step over a beam of n tokens.
+    The forward returns each token's greedy token, as greedy verification runs it; logits=True: the full logits
+    (sampling's verification).
 
     Every size is compiled and run once first; then `repeat` rounds each time every size once, in order, so all
     sizes see the same stretch of the machine (a CPU VM's memory speed drifts over tens of seconds: timing the
@@ -75,7 +81,7 @@ def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capa
         mask = causal_mask(1, n)
 
         def target_call():
-            out, caches["target"] = _target_step(target.params, cfg, caches["target"], toks, pos, mask)
+            out, caches["target"] = _target_step(target.params, cfg, caches["target"], toks, pos, mask, logits)
             return out
 
         out = {"target": target_call}
@@ -121,4 +127,5 @@ def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capa
     from ddd_jax.quant import describe
     return {"format": "ddd-jax-cost-curve", "target": target.name, "context": context, "capacity": capacity,
             "repeat": repeat, "interleaved": True, "dtype": str(dtype), "weights": describe(target.params),
+            "forward": "logits" if logits else "greedy tokens",
             "rows": rows}

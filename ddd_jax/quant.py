@@ -328,16 +328,18 @@ def dequantize_tree(tree):
 
 def describe(tree) -> str:
     """'float32' (the float dtype of plain weights; ' (panels)' when panel-major, ' (16-column panels)' for
-    16-column ones), or e.g. 'gguf blocks q4_1+q8_0' when any weight is blocks (' (panels)' when they are
+    16-column ones, ' + bfloat16 screen' when the output projection has one: `panels.screen_of`), or e.g. 'gguf blocks q4_1+q8_0' when any weight is blocks (' (panels)' when they are
     BlockPanels)."""
     blocks = [x for x in jax.tree.leaves(tree, is_leaf=is_block) if is_block(x)]
     if blocks:
         layout = " (panels)" if any(isinstance(x, BlockPanels) for x in blocks) else ""
         return "gguf blocks " + "+".join(sorted({x.kind for x in blocks})) + layout
     floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-    from .panels import PANEL16, width_of
+    from .panels import PANEL16, is_panels, width_of
     width = width_of(tree)
     layout = "" if width is None else " (16-column panels)" if width == PANEL16 else " (panels)"
+    if any(x.screen is not None for x in jax.tree.leaves(tree, is_leaf=is_panels) if is_panels(x)):
+        layout += " + bfloat16 screen"
     return str(floats[0].dtype) + layout if floats else "none"
 
 

@@ -218,8 +218,9 @@ def test_pack_params_and_float_views():
     for back in (panels.unpack_params(packed), quant.dequantize_tree(packed)):
         np.testing.assert_array_equal(np.asarray(back["layers"]["wq"]), np.asarray(params["layers"]["wq"]))
     assert quant.as_float(packed["layers"]["wq"]).shape == (2, 4, 6)
-    assert quant.describe(packed) == "float32 (panels)"
-    assert quant.describe(panels.pack_params(params, width=16)) == "float32 (16-column panels)"
+    assert quant.describe(panels.pack_params(params, screen=False)) == "float32 (panels)"
+    assert quant.describe(panels.pack_params(params, width=16, screen=False)) == "float32 (16-column panels)"
+    assert quant.describe(panels.pack_params(params, screen=True)) == "float32 (panels) + bfloat16 screen"
 
 
 def test_load_target_packs_on_cpu_and_is_bitwise_the_row_major_target(tiny_hf_llama, tmp_path):
