@@ -48,6 +48,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -359,6 +360,32 @@ DDD_AVX512 inline void np_tile512(const float* x, int64_t ldx, const W* w, int64
   tile_store512<MT>(acc, out, ldo);
 }
 
+// The 8-row tiles over one 48-column panel, columns [c0, c0 + cw) (cw <= 48) of out [M, N]: tile(mt, m, o, ldo)
+// for the tile of rows [m, m + mt) -- mt an std::integral_constant<int, 1..8> (the register tile's rows as a
+// template argument) -- writing into out, or into part [8, 48] and then copied when the panel holds fewer than 48
+// columns of out (the last panel of a padded product). For the float32 / float16, quantized and screen panels.
+template <class Tile>
+inline void panel_row_tiles(int64_t M, int64_t N, int64_t c0, int64_t cw, float* out, float* part, Tile&& tile) {
+  for (int64_t m = 0; m < M; m += 8) {
+    const int64_t rows = std::min<int64_t>(8, M - m);
+    float* o = cw < kPanel512 ? part : out + m * N + c0;
+    const int64_t ldo = cw < kPanel512 ? kPanel512 : N;
+    switch (rows) {
+      case 8: tile(std::integral_constant<int, 8>(), m, o, ldo); break;
+      case 7: tile(std::integral_constant<int, 7>(), m, o, ldo); break;
+      case 6: tile(std::integral_constant<int, 6>(), m, o, ldo); break;
+      case 5: tile(std::integral_constant<int, 5>(), m, o, ldo); break;
+      case 4: tile(std::integral_constant<int, 4>(), m, o, ldo); break;
+      case 3: tile(std::integral_constant<int, 3>(), m, o, ldo); break;
+      case 2: tile(std::integral_constant<int, 2>(), m, o, ldo); break;
+      default: tile(std::integral_constant<int, 1>(), m, o, ldo); break;
+    }
+    if (cw < kPanel512)
+      for (int64_t r = 0; r < rows; ++r)
+        std::copy(part + r * kPanel512, part + r * kPanel512 + cw, out + (m + r) * N + c0);
+  }
+}
+
 // Columns [n0, n1) of out (n0 a multiple of 48), all M rows, panel by panel.
 template <class W>
 DDD_AVX512 void np_chunk512(const float* x, const W* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0,
@@ -369,29 +396,13 @@ DDD_AVX512 void np_chunk512(const float* x, const W* w, float* out, int64_t M, i
   for (int64_t c0 = n0; c0 < n1; c0 += kPanel512) {
     const W* wp = w + c0 * K;
     const int64_t cw = std::min<int64_t>(kPanel512, n1 - c0);
-    for (int64_t m = 0; m < M; m += 8) {
-      const int64_t rows = std::min<int64_t>(8, M - m);
+    panel_row_tiles(M, N, c0, cw, out, part, [&](auto mt, int64_t m, float* o, int64_t ldo) {
       // one or two rows: prefetch each row's successor g_panel_ahead rows on, up to the chunk's end
       const W* pf = wp + g_panel_ahead * kPanel512;
       const int64_t n_pf =
           m == 0 && M <= 2 && g_panel_ahead > 0 ? std::clamp<int64_t>((end - pf) / kPanel512, 0, K) : 0;
-      float* o = cw < kPanel512 ? part : out + m * N + c0;
-      const int64_t ldo = cw < kPanel512 ? kPanel512 : N;
-      const float* xm = x + m * K;
-      switch (rows) {
-        case 8: np_tile512<8, W>(xm, K, wp, K, o, ldo, pf, n_pf, l2); break;
-        case 7: np_tile512<7, W>(xm, K, wp, K, o, ldo, pf, n_pf, l2); break;
-        case 6: np_tile512<6, W>(xm, K, wp, K, o, ldo, pf, n_pf, l2); break;
-        case 5: np_tile512<5, W>(xm, K, wp, K, o, ldo, pf, n_pf, l2); break;
-        case 4: np_tile512<4, W>(xm, K, wp, K, o, ldo, pf, n_pf, l2); break;
-        case 3: np_tile512<3, W>(xm, K, wp, K, o, ldo, pf, n_pf, l2); break;
-        case 2: np_tile512<2, W>(xm, K, wp, K, o, ldo, pf, n_pf, l2); break;
-        default: np_tile512<1, W>(xm, K, wp, K, o, ldo, pf, n_pf, l2); break;
-      }
-      if (cw < kPanel512)
-        for (int64_t r = 0; r < rows; ++r)
-          std::copy(part + r * kPanel512, part + r * kPanel512 + cw, out + (m + r) * N + c0);
-    }
+      np_tile512<decltype(mt)::value, W>(x + m * K, K, wp, K, o, ldo, pf, n_pf, l2);
+    });
   }
 }
 
@@ -1225,25 +1236,9 @@ DDD_AVX2 void qp_chunk(const float* x, const uint8_t* w, float* out, int64_t M, 
     const uint8_t* wp = w + (c0 / kPanel512) * nb * qp_bytes(KIND);
     const int64_t cw = std::min<int64_t>(kPanel512, n1 - c0);
     if (g_avx512 && M <= g_qp_tile_rows) {
-      for (int64_t m = 0; m < M; m += 8) {
-        const int64_t rows = std::min<int64_t>(8, M - m);
-        float* o = cw < kPanel512 ? part : out + m * N + c0;
-        const int64_t ldo = cw < kPanel512 ? kPanel512 : N;
-        const float* xm = x + m * K;
-        switch (rows) {
-          case 8: qp_tile512<8, KIND>(xm, K, wp, nb, o, ldo); break;
-          case 7: qp_tile512<7, KIND>(xm, K, wp, nb, o, ldo); break;
-          case 6: qp_tile512<6, KIND>(xm, K, wp, nb, o, ldo); break;
-          case 5: qp_tile512<5, KIND>(xm, K, wp, nb, o, ldo); break;
-          case 4: qp_tile512<4, KIND>(xm, K, wp, nb, o, ldo); break;
-          case 3: qp_tile512<3, KIND>(xm, K, wp, nb, o, ldo); break;
-          case 2: qp_tile512<2, KIND>(xm, K, wp, nb, o, ldo); break;
-          default: qp_tile512<1, KIND>(xm, K, wp, nb, o, ldo); break;
-        }
-        if (cw < kPanel512)
-          for (int64_t r = 0; r < rows; ++r)
-            std::copy(part + r * kPanel512, part + r * kPanel512 + cw, out + (m + r) * N + c0);
-      }
+      panel_row_tiles(M, N, c0, cw, out, part, [&](auto mt, int64_t m, float* o, int64_t ldo) {
+        qp_tile512<decltype(mt)::value, KIND>(x + m * K, K, wp, nb, o, ldo);
+      });
       continue;
     }
     if (static_cast<int64_t>(panel.size()) < K * kPanel512) panel.resize(K * kPanel512);
@@ -1368,7 +1363,7 @@ ffi::Error LinearPanelsGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
 // SmolLM2, 520 final hidden states of vanilla decoding (runs/s22/cand.py): candidates median 1, max 6.
 #define DDD_BF16 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c")))
 bool g_bf16 = false;                  // set at load: g_avx512 and AVX512_BF16 (DDD_JAX_NO_SCREEN=1: off)
-constexpr int64_t kScreenCols = 48;   // columns of a screen panel [P, K2, 48 columns x 2 k] (bfloat16)
+constexpr int64_t kScreenCols = kPanel512;  // columns of a screen panel [P, K2, 48 columns x 2 k] (bfloat16)
 constexpr int64_t kMaxCandidates = 4096;  // a row with more falls back to the exact kernel
 
 // x [M, K] float32 -> xp [M, K2] pairs of bfloat16 (k = 2i low, 2i + 1 high; 0 past K), round to nearest even,
@@ -1468,25 +1463,9 @@ struct ScreenCall {
     for (int64_t c0 = n0; c0 < n1; c0 += kScreenCols) {
       const uint16_t* wp = s + (c0 / kScreenCols) * K2 * 2 * kScreenCols;
       const int64_t cw = std::min<int64_t>(kScreenCols, n1 - c0);
-      for (int64_t m = 0; m < M; m += 8) {
-        const int64_t rows = std::min<int64_t>(8, M - m);
-        float* o = cw < kScreenCols ? part : out + m * N + c0;
-        const int64_t ldo = cw < kScreenCols ? kScreenCols : N;
-        const uint32_t* xm = xp + m * K2;
-        switch (rows) {
-          case 8: sp_tile<8>(xm, K2, wp, o, ldo, prefetch); break;
-          case 7: sp_tile<7>(xm, K2, wp, o, ldo, prefetch); break;
-          case 6: sp_tile<6>(xm, K2, wp, o, ldo, prefetch); break;
-          case 5: sp_tile<5>(xm, K2, wp, o, ldo, prefetch); break;
-          case 4: sp_tile<4>(xm, K2, wp, o, ldo, prefetch); break;
-          case 3: sp_tile<3>(xm, K2, wp, o, ldo, prefetch); break;
-          case 2: sp_tile<2>(xm, K2, wp, o, ldo, prefetch); break;
-          default: sp_tile<1>(xm, K2, wp, o, ldo, prefetch); break;
-        }
-        if (cw < kScreenCols)
-          for (int64_t r = 0; r < rows; ++r)
-            std::copy(part + r * kScreenCols, part + r * kScreenCols + cw, out + (m + r) * N + c0);
-      }
+      panel_row_tiles(M, N, c0, cw, out, part, [&](auto mt, int64_t m, float* o, int64_t ldo) {
+        sp_tile<decltype(mt)::value>(xp + m * K2, K2, wp, o, ldo, prefetch);
+      });
     }
     for (int64_t m = 0; m < M; ++m) {  // this chunk's bounds, row by row (its columns are still in cache)
       __m512 lo = _mm512_set1_ps(-INFINITY), hi = _mm512_set1_ps(-INFINITY);
