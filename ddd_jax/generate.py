@@ -36,7 +36,7 @@ from .cache import KVCache, commit, with_length
 from .config import LOOKUP_MAX_NGRAM, DDDConfig, DraftConfig, ModelConfig, TreeConfig, check_tree_for_ddd
 from .drafting import SyncCounter, threshold_policy
 from .tree import add_lookup, build_tree, lookup_chain
-from .verify import accept_greedy, accept_sample, greedy_token, process_logits
+from .verify import accept_greedy, accept_sample, process_logits
 
 METHODS = ("vanilla", "eagle2", "ddd")
 SYNCS = ("host", "callback", "device")
@@ -125,11 +125,9 @@ def cache_capacity(prompt_len: int, plan: Plan) -> int:
     return -(-need // 256) * 256
 
 
-def _choose(logits, key, temperature: float, top_p: float):
-    """The next token from logits: greedy or sampled. (Greedy decoding's forwards return their tokens instead:
-    `forward(..., return_logits=False, greedy=True)`.)"""
-    if temperature <= 0.0:
-        return greedy_token(logits)
+def _sample(logits, key, temperature: float, top_p: float):
+    """The next token sampled from logits (temperature > 0; greedy decoding's forwards return their tokens:
+    `forward(..., return_logits=False, greedy=True)`)."""
     return jax.random.categorical(key, process_logits(logits, temperature, top_p), axis=-1).astype(jnp.int32)
 
 
@@ -175,7 +173,7 @@ def _prefill(tparams, dparams, plan: Plan, tokens, plen, key, *, capacity: int, 
     feats = _features(plan, out)
     tcache = with_length(out.cache, plen)
     key, sub = jax.random.split(key)
-    first = out.greedy[:, 0] if greedy else _choose(out.logits[:, 0], sub, plan.temperature, plan.top_p)
+    first = out.greedy[:, 0] if greedy else _sample(out.logits[:, 0], sub, plan.temperature, plan.top_p)
     M = plan.M
     D = feats.shape[-1]
     feat_last = jnp.take_along_axis(feats, (plen - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
@@ -217,7 +215,7 @@ def _vanilla_step(tparams, plan: Plan, s: State) -> State:
     o = llama.forward(tparams, plan.tcfg, s.root[:, None], L[:, None], s.tcache, return_logits=not greedy,
                       greedy=greedy)
     key, sub = jax.random.split(s.key)
-    nxt = o.greedy[:, 0] if greedy else _choose(o.logits[:, 0], sub, plan.temperature, plan.top_p)
+    nxt = o.greedy[:, 0] if greedy else _sample(o.logits[:, 0], sub, plan.temperature, plan.top_p)
     live = ~s.done
     M = plan.M
     out, out_len, done, keep = _emit(plan, s.out, s.out_len, s.done, nxt[:, None].repeat(M, 1), jnp.ones((B,), jnp.int32))

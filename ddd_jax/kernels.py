@@ -111,9 +111,9 @@ def screen() -> bool:
 
 
 def set_screen(on: bool) -> None:
-    """Turn the screen off (False) or back on where the CPU has it (True) for this process -- calls already traced
-    keep running whichever path the kernel then takes (the choice is made per call, inside it). For benchmarks and
-    tests."""
+    """Turn the screen off (False) or back on where the CPU has it (True) for this process. The kernel reads the
+    switch on every call, so compiled functions follow it (off: the same call runs the exact product). For
+    benchmarks and tests."""
     if available():
         _state["lib"].ddd_set_screen(ctypes.c_int(1 if on else 0))
 

@@ -172,44 +172,40 @@ def screen_gamma(K: int) -> float:
     return 2.0 * (2.0 * K * _U / (1.0 - 2.0 * K * _U))
 
 
-def screen_of(rows, chunk: int = 4096):
+def screen_of(rows):
     """The screen of an output projection given as its output rows [N, K] float32 (a tied embedding as it is, an
     untied lm_head [D, V] transposed): (screen [ceil(N / 48), ceil(K / 2), 96] bfloat16, bound [2, N] float32).
 
     screen: the rows rounded to bfloat16 (to nearest even; subnormals flushed to zero, as the BF16 dot products
         read them), panel p holding rows [48 p, 48 p + 48), k in pairs: [p, i, 2 c + j] = b[48 p + c, 2 i + j],
         zeros past N and K.
-    bound: A_v = gamma |w_v| + |w_v - b_v| and B_v = |b_v| (2-norms over k, float64, rounded up to float32), with
-        gamma = `screen_gamma(K)`; A_v = inf for a row that is not finite or has |w_v| >= 1e7, so the kernel always
+    bound: A_v = gamma |w_v| + |w_v - b_v| and B_v = |b_v| (2-norms over k, in float32, inflated by
+        max(1e-3, 8 K 2^-24) to cover their rounding), with gamma = `screen_gamma(K)`; A_v = inf for a row that is not finite or has |w_v| >= 1e7, so the kernel always
         recomputes it. With these the kernel bounds |exact - screened| for a row x by |x| A_v + (|x - x~| + gamma
         |x~|) B_v + K 2^-126 (x~: x in bfloat16), a Cauchy-Schwarz bound plus the float32 summation errors of both
         products (csrc/cpu_kernels.cc, "greedy lm_head screened by a bfloat16 copy")."""
-    w = np.asarray(rows, np.float32)
-    if w.ndim != 2:
-        raise ValueError(f"screen_of: rows must be [N, K]; got {w.shape}")
+    if np.ndim(rows) != 2:
+        raise ValueError(f"screen_of: rows must be [N, K]; got {np.shape(rows)}")
+    return _screen_of(jnp.asarray(rows, jnp.float32))
+
+
+@jax.jit
+def _screen_of(w):
     N, K = w.shape
     P, K2 = -(-N // SCREEN), -(-K // 2)
-    b = np.asarray(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32))
-    b = np.where(np.abs(b) < np.finfo(np.float32).tiny, np.float32(0.0) * np.sign(b), b).astype(np.float32)
-    gamma = screen_gamma(K)
-    A = np.empty(N, np.float64)
-    B = np.empty(N, np.float64)
-    for r0 in range(0, N, chunk):
-        wr = w[r0:r0 + chunk].astype(np.float64)
-        br = b[r0:r0 + chunk].astype(np.float64)
-        with np.errstate(invalid="ignore", over="ignore"):
-            nw = np.sqrt(np.einsum("nk,nk->n", wr, wr))
-            A[r0:r0 + chunk] = gamma * nw + np.sqrt(np.einsum("nk,nk->n", wr - br, wr - br))
-            B[r0:r0 + chunk] = np.sqrt(np.einsum("nk,nk->n", br, br))
-        A[r0:r0 + chunk][~(np.isfinite(nw) & (nw < 1e7))] = np.inf
-    bound = np.stack([A, B]) * (1.0 + 1e-12)  # the float64 sums' own rounding
-    up = bound.astype(np.float32)
-    up = np.where(up.astype(np.float64) < bound, np.nextafter(up, np.float32(np.inf)), up)
-    up = np.where(np.isnan(up), np.float32(np.inf), up)
-    bp = np.zeros((P * SCREEN, 2 * K2), np.float32)
-    bp[:N, :K] = b
+    b = w.astype(jnp.bfloat16).astype(jnp.float32)
+    b = jnp.where(jnp.abs(b) < jnp.finfo(jnp.float32).tiny, jnp.float32(0.0) * jnp.sign(b), b)
+    # w - b is exact (b is w rounded); float32 sums of K squares are within ~(K + 1) 2^-24 of the exact ones in any
+    # order, and the sqrt, product and sum below add ~3 2^-24: the inflation covers twice that
+    inflate = 1.0 + max(1e-3, 8 * K * _U)
+    nw = jnp.sqrt(jnp.sum(w * w, axis=-1))
+    A = (screen_gamma(K) * nw + jnp.sqrt(jnp.sum((w - b) ** 2, axis=-1))) * inflate
+    A = jnp.where(jnp.isfinite(nw) & (nw < 1e7), A, jnp.inf)
+    B = jnp.sqrt(jnp.sum(b * b, axis=-1)) * inflate
+    bound = jnp.where(jnp.isnan(jnp.stack([A, B])), jnp.inf, jnp.stack([A, B]))
+    bp = jnp.zeros((P * SCREEN, 2 * K2), jnp.float32).at[:N, :K].set(b)
     scr = bp.reshape(P, SCREEN, K2, 2).transpose(0, 2, 1, 3).reshape(P, K2, 2 * SCREEN)
-    return jnp.asarray(scr, jnp.bfloat16), jnp.asarray(up)
+    return scr.astype(jnp.bfloat16), bound
 
 
 def with_screen(w: "PanelWeight", screen: bool = True) -> "PanelWeight":

@@ -70,8 +70,8 @@ def test_screen_of_layout_and_bound_hold():
     want_a = panels.screen_gamma(K) * nw + np.linalg.norm(d.astype(np.float64), axis=1)
     want_b = np.linalg.norm(b[:N, :K].astype(np.float64), axis=1)
     assert (A >= want_a).all() and (B >= want_b).all()
-    np.testing.assert_allclose(A, want_a, rtol=1e-6)
-    np.testing.assert_allclose(B, want_b, rtol=1e-6)
+    np.testing.assert_allclose(A, want_a, rtol=2e-3)  # inflated by 1e-3 for float32 sums
+    np.testing.assert_allclose(B, want_b, rtol=2e-3)
     w[7, 2] = np.inf
     w[9, 0] = 3e7
     _, bound = panels.screen_of(w)

@@ -1354,8 +1354,8 @@ ffi::Error LinearPanelsGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
 // summation error of K roundings (gamma = 2 K u / (1 - 2 K u), u = 2^-24, taken twice over):
 //   |a - s| <= |x| (gamma |w| + |w - b|) + (|x - x~| + gamma |x~|) |b| + K 2^-126        (|.|: 2-norms)
 //            = alpha A_v + beta B_v + tau,
-// where A_v = gamma |w_v| + |w_v - b_v| and B_v = |b_v| are computed once in float64 and rounded up (the bound
-// rows, `ddd_jax.panels.screen_of`), and alpha, beta come from x per call (float64, inflated by 2^-20 to cover the
+// where A_v = gamma |w_v| + |w_v - b_v| and B_v = |b_v| are computed once and rounded up (the bound rows,
+// `ddd_jax.panels.screen_of`), and alpha, beta come from x per call (float64, inflated by 2^-20 to cover the
 // float32 arithmetic below; 2^-20 |s| more covers the rounding of s +- e). A column is a candidate when s + e
 // reaches the largest s - e of its row; the true maximum always is one. A row whose x is not finite or has
 // |x| > 1e30, and a column whose bound is not finite (w_v not finite or |w_v| >= 1e7: A_v = inf), are candidates /
