@@ -72,7 +72,9 @@ def group(kind: str, shape: str, per_call: float, n_layers: int, vocab: int, dra
     dims = _dims(shape)
     last = dims[-1] if dims else None
     product = (kind.startswith("ddd_linear") or kind == "dot") and last != 1
-    if (product or kind == "fusion") and last == vocab:
+    # any output over the vocabulary: the greedy lm_heads return (logits, tokens) or (tokens, screened logits)
+    lasts = [int(m.split(",")[-1]) for m in re.findall(r"\[([\d,]+)\]", shape)]
+    if (product or kind == "fusion") and vocab in lasts:
         return "target lm_head"
     if abs(per_call - n_layers) < 0.5 or (per_call >= n_layers and per_call % n_layers < 0.5):
         if kind == "ddd_attention":

@@ -388,6 +388,9 @@ def test_hlo_ops_parses_kernels_and_tuples():
     assert group(*ops["ffi_call.7"], 2.0, 2, 128, 32) == "target layer products"
     assert group("ddd_linear_f16", "f32[4,32]", 0.9, 2, 128, 32) == "draft vocabulary products"
     assert group("ddd_linear_f16", "f32[4,64]", 1.0, 2, 128, 32) == "draft head"
+    # the greedy lm_heads: (logits, tokens), and the screened one's (tokens, screened logits)
+    assert group("ddd_linear_panels_greedy", "(f32[7,128], s32[7])", 1.0, 2, 128, 32) == "target lm_head"
+    assert group("ddd_linear_panels_greedy_screened", "(s32[7], f32[7,128])", 1.0, 2, 128, 32) == "target lm_head"
     assert group(*ops["multiply_fusion.2"], 1.0, 2, 128, 32).startswith("other")
 
 
