@@ -71,9 +71,9 @@ def group(kind: str, shape: str, per_call: float, n_layers: int, vocab: int, dra
     target call. Products with one output column are RMSNorms' sums of squares (`layers.rms_norm`)."""
     dims = _dims(shape)
     last = dims[-1] if dims else None
-    product = (kind.startswith("ddd_linear") or kind == "dot") and last != 1
-    # any output over the vocabulary: the greedy lm_heads return (logits, tokens) or (tokens, screened logits)
-    lasts = [int(m.split(",")[-1]) for m in re.findall(r"\[([\d,]+)\]", shape)]
+    # every output's last dimension: the greedy lm_heads return (logits, tokens) or (tokens, screened logits)
+    lasts = [int(m.split(",")[-1]) for m in re.findall(r"\[([\d,]+)\]", shape)] or [last]
+    product = (kind.startswith("ddd_linear") or kind == "dot") and any(n != 1 for n in lasts)
     if (product or kind == "fusion") and vocab in lasts:
         return "target lm_head"
     if abs(per_call - n_layers) < 0.5 or (per_call >= n_layers and per_call % n_layers < 0.5):

@@ -391,6 +391,8 @@ def test_hlo_ops_parses_kernels_and_tuples():
     # the greedy lm_heads: (logits, tokens), and the screened one's (tokens, screened logits)
     assert group("ddd_linear_panels_greedy", "(f32[7,128], s32[7])", 1.0, 2, 128, 32) == "target lm_head"
     assert group("ddd_linear_panels_greedy_screened", "(s32[7], f32[7,128])", 1.0, 2, 128, 32) == "target lm_head"
+    assert group("ddd_linear_panels_greedy_screened", "(s32[1], f32[1,128])", 1.0, 2, 128, 32,
+                 has_draft=False) == "target lm_head"
     assert group(*ops["multiply_fusion.2"], 1.0, 2, 128, 32).startswith("other")
 
 
