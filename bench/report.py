@@ -132,7 +132,8 @@ def cost_table(result: dict) -> str:
         extra = (f"; {_kernels(env) or 'CPU kernels off, '}{env.get('cpu_model') or ''}"
                  + (f", load {load[0]:.1f}" if load else ""))
     weights = f" ({result['weights']})" if result.get("weights") else ""
-    return (f"cost curve: target `{result['target']}`{weights}, context {result['context']} in a cache of "
+    forward = f", forwards returning {result['forward']}" if result.get("forward") else ""
+    return (f"cost curve: target `{result['target']}`{weights}{forward}, context {result['context']} in a cache of "
             f"{result['capacity']} slots{extra}\n"
             + _table(["tokens", "target ms", "x one token (break-even tau)", "x one token, per round",
                       "draft step ms (beam of n)"], rows))

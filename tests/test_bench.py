@@ -322,7 +322,7 @@ def test_cost_curve(tiny, tmp_path):
     assert plots.plot_cost_curve(res, tmp_path / "cost.png", total_tokens=4).stat().st_size > 1000
     assert "break-even" in report.cost_table(res)
     assert res["weights"] == quant.describe(target.params) and f"({res['weights']})" in report.cost_table(res)
-    assert res["forward"] == "greedy tokens"
+    assert res["forward"] == "greedy tokens" and "forwards returning greedy tokens" in report.cost_table(res)
     assert cost_curve(target, None, sizes=(2,), context=16, repeat=1, logits=True)["forward"] == "logits"
 
 
