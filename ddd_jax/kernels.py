@@ -104,9 +104,9 @@ def avx512() -> bool:
 
 
 def screen() -> bool:
-    """True when greedy decoding's lm_head screens the vocabulary with a bfloat16 copy of the output projection and
-    recomputes exactly every row that could still be the maximum (`greedy_screened`): this CPU has AVX-512 BF16 and
-    DDD_JAX_NO_SCREEN is unset. The tokens are the exact kernel's either way; only the speed differs."""
+    """True when greedy decoding's lm_head screens the vocabulary with an int8 copy of the output projection and
+    recomputes exactly every column that could still be the maximum (`greedy_screened`): this CPU has AVX-512 BF16
+    and DDD_JAX_NO_SCREEN is unset. The tokens are the exact kernel's either way; only the speed differs."""
     return available() and bool(_state["lib"].ddd_screen())
 
 
@@ -392,10 +392,10 @@ def _screened_call(x2, w4, layer, scr, bound):
 
 def greedy_screened(x, data, n: int, scr, bound, first_max):
     """Each row's greedy token of x [..., K] @ the panel-major output projection `data` ([P, K, W] float32, n
-    columns), screened by its bfloat16 copy `scr` [ceil(n / 48), ceil(K / 2), 96] with per-column error bounds
-    `bound` [2, n] (`panels.screen_of`): returns tokens [...] int32, equal to `first_max(product_panels(x, data,
-    n))` -- the exact first maximum, n - 1 for a row holding a NaN -- on every path. On CPU with AVX-512 BF16 the
-    kernel computes the bfloat16 products, keeps the columns whose error interval reaches the row's best lower
+    columns), screened by its int8 copy `scr` [ceil(n / 48), ceil(K / 2), 96] with per-column error bounds and
+    scales `bound` [3, n] (`panels.screen_of`): returns tokens [...] int32, equal to `first_max(product_panels(x,
+    data, n))` -- the exact first maximum, n - 1 for a row holding a NaN -- on every path. On CPU with AVX-512 BF16
+    the kernel computes the products in bfloat16 (the int8 weights widen exactly), keeps the columns whose error interval reaches the row's best lower
     bound (a certified bound: the exact maximum is always kept) and recomputes those exactly from `data`; elsewhere
     (and for a row it cannot bound) it runs the exact kernel; off CPU, XLA's product and `first_max`."""
     w4 = data if data.ndim == 4 else data[None]

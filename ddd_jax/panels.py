@@ -22,12 +22,14 @@ the weight is unpacked by XLA for the product; gradients go through XLA too.
 as rows: the panels of its transpose, plus its row-major array for lookups) when the CPU kernel runs (the CPU
 backend, no mesh); `panels=False` keeps the row-major arrays. A draft head bound to a panel-major target packs its
 own matrices and draft-vocabulary rows for the decode loops too (`pack_head`, `Draft.packed`; float16 as stored).
-The output projection also gets a **screen** where the CPU has AVX-512 BF16 (`kernels.screen()`): a bfloat16 copy
-of its rows, 48-column panels of k pairs, with two error-bound floats per output column (`screen_of`). Greedy
-decoding's lm_head (`llama.forward(..., greedy=True, return_logits=False)`) runs the bfloat16 products, keeps every
-column that could still be the row's maximum under a certified bound and recomputes those exactly from the float32
-panels, so the token is the exact product's first maximum (`kernels.greedy_screened`). It reads half the bytes at
-one row and does half the multiply-adds at many. `pack_params(..., screen=False)` goes without.
+The output projection also gets a **screen** where the CPU has AVX-512 BF16 (`kernels.screen()`): an int8 copy of
+its rows (a float32 scale per row), 48-column panels of k pairs, with two error-bound floats per output column
+(`screen_of`). Greedy decoding's lm_head (`llama.forward(..., greedy=True, return_logits=False)`) runs bfloat16
+products over it (the int8 weights widen exactly), keeps every column that could still be the row's maximum under a
+certified bound and recomputes those exactly from the float32 panels, so the token is the exact product's first
+maximum (`kernels.greedy_screened`). It reads a quarter of the bytes at one row and does half the instructions at
+many. `pack_params(..., screen=False)`
+goes without.
 Wherever a float array is wanted (saving, the PyTorch counterpart, nnx modules) `unpack` / `unpack_params` (and
 `quant.as_float` / `quant.dequantize_tree`) give the logical weight back.
 """
@@ -82,9 +84,9 @@ class PanelWeight:
         panels touches one cache line per float (K lines, W floats apart), out of the table one per 16 floats.
         A tied embedding keeps one (`pack_params`): its 7 lookups of a tree verification took 0.05 ms from the
         panels on the 2-core Xeon VM, for 4 bytes more per weight.
-    screen: None, or (unstacked output projection) its bfloat16 copy [ceil(N / 48), ceil(K / 2), 96] for greedy
-        decoding's screened lm_head (`screen_of`; 2 bytes more per weight).
-    screen_bound: None, or [2, N] float32: the screen's per-column error bounds (A, B of `screen_of`).
+    screen: None, or (unstacked output projection) its int8 copy [ceil(N / 48), ceil(K / 2), 96] for greedy
+        decoding's screened lm_head (`screen_of`; 1 byte more per weight).
+    screen_bound: None, or [3, N] float32: the screen's per-column error bounds and scales (`screen_of`).
     """
 
     data: jax.Array
@@ -174,16 +176,17 @@ def screen_gamma(K: int) -> float:
 
 def screen_of(rows):
     """The screen of an output projection given as its output rows [N, K] float32 (a tied embedding as it is, an
-    untied lm_head [D, V] transposed): (screen [ceil(N / 48), ceil(K / 2), 96] bfloat16, bound [2, N] float32).
+    untied lm_head [D, V] transposed): (screen [ceil(N / 48), ceil(K / 2), 96] int8, bound [3, N] float32).
 
-    screen: the rows rounded to bfloat16 (to nearest even; subnormals flushed to zero, as the BF16 dot products
-        read them), panel p holding rows [48 p, 48 p + 48), k in pairs: [p, i, 2 c + j] = b[48 p + c, 2 i + j],
+    screen: each row v as int8 q_v with one float32 scale s_v = max |w_v| / 127 (q = round(w / s), so the copy is
+        w^_v = s_v q_v), panel p holding rows [48 p, 48 p + 48), k in pairs: [p, i, 2 c + j] = q[48 p + c, 2 i + j],
         zeros past N and K.
-    bound: A_v = gamma |w_v| + |w_v - b_v| and B_v = |b_v| (2-norms over k, in float32, inflated by
-        max(1e-3, 8 K 2^-24) to cover their rounding), with gamma = `screen_gamma(K)`; A_v = inf for a row that is not finite or has |w_v| >= 1e7, so the kernel always
-        recomputes it. With these the kernel bounds |exact - screened| for a row x by |x| A_v + (|x - x~| + gamma
-        |x~|) B_v + K 2^-126 (x~: x in bfloat16), a Cauchy-Schwarz bound plus the float32 summation errors of both
-        products (csrc/cpu_kernels.cc, "greedy lm_head screened by a bfloat16 copy")."""
+    bound: A_v = gamma |w_v| + |w_v - w^_v|, B_v = |w^_v| (2-norms over k, in float32, inflated by
+        max(1e-3, 8 K 2^-24) to cover their rounding; gamma = `screen_gamma(K)`), and s_v. A_v = inf for a row
+        that is not finite or has |w_v| >= 1e7, so the kernel always recomputes it. With these the kernel bounds
+        |exact - screened| for a row x by |x| A_v + (|x - x~| + gamma |x~|) B_v plus the float32 rounding of the
+        screened logit (x~: x in bfloat16), a Cauchy-Schwarz bound plus both products' summation errors
+        (csrc/cpu_kernels.cc, "greedy lm_head screened by an int8 copy")."""
     if np.ndim(rows) != 2:
         raise ValueError(f"screen_of: rows must be [N, K]; got {np.shape(rows)}")
     return _screen_of(jnp.asarray(rows, jnp.float32))
@@ -193,19 +196,24 @@ def screen_of(rows):
 def _screen_of(w):
     N, K = w.shape
     P, K2 = -(-N // SCREEN), -(-K // 2)
-    b = w.astype(jnp.bfloat16).astype(jnp.float32)
-    b = jnp.where(jnp.abs(b) < jnp.finfo(jnp.float32).tiny, jnp.float32(0.0) * jnp.sign(b), b)
-    # w - b is exact (b is w rounded); float32 sums of K squares are within ~(K + 1) 2^-24 of the exact ones in any
-    # order, and the sqrt, product and sum below add ~3 2^-24: the inflation covers twice that
+    scale = jnp.max(jnp.abs(w), axis=-1) / 127.0
+    ok = jnp.isfinite(scale)
+    scale = jnp.where(ok, scale, 0.0)
+    q = jnp.where(scale[:, None] > 0, jnp.clip(jnp.round(w / jnp.where(scale > 0, scale, 1.0)[:, None]), -127, 127),
+                  0.0)
+    q = jnp.where(jnp.isfinite(q), q, 0.0)
+    copy = q * scale[:, None]  # w^, rounded to float32: within 2^-24 |w^| per weight (the 4 2^-24 |w^| term)
+    # float32 sums of K squares are within ~(K + 1) 2^-24 of the exact ones in any order, and the sqrt, products and
+    # sums below add a few 2^-24 more: the inflation covers twice that
     inflate = 1.0 + max(1e-3, 8 * K * _U)
     nw = jnp.sqrt(jnp.sum(w * w, axis=-1))
-    A = (screen_gamma(K) * nw + jnp.sqrt(jnp.sum((w - b) ** 2, axis=-1))) * inflate
-    A = jnp.where(jnp.isfinite(nw) & (nw < 1e7), A, jnp.inf)
-    B = jnp.sqrt(jnp.sum(b * b, axis=-1)) * inflate
-    bound = jnp.where(jnp.isnan(jnp.stack([A, B])), jnp.inf, jnp.stack([A, B]))
-    bp = jnp.zeros((P * SCREEN, 2 * K2), jnp.float32).at[:N, :K].set(b)
-    scr = bp.reshape(P, SCREEN, K2, 2).transpose(0, 2, 1, 3).reshape(P, K2, 2 * SCREEN)
-    return scr.astype(jnp.bfloat16), bound
+    nc = jnp.sqrt(jnp.sum(copy * copy, axis=-1))
+    A = (screen_gamma(K) * nw + jnp.sqrt(jnp.sum((w - copy) ** 2, axis=-1)) + 4 * _U * nc) * inflate
+    A = jnp.where(ok & jnp.isfinite(nw) & (nw < 1e7), A, jnp.inf)
+    B = nc * inflate
+    bound = jnp.stack([A, jnp.where(jnp.isnan(B), jnp.inf, B), scale])
+    qp = jnp.zeros((P * SCREEN, 2 * K2), jnp.int8).at[:N, :K].set(q.astype(jnp.int8))
+    return qp.reshape(P, SCREEN, K2, 2).transpose(0, 2, 1, 3).reshape(P, K2, 2 * SCREEN), bound
 
 
 def with_screen(w: "PanelWeight", screen: bool = True) -> "PanelWeight":
@@ -269,7 +277,7 @@ def pack_params(params: dict, width: int | None = None, screen: bool | None = No
     "layers"), the output projection -- an untied lm_head [D, V], or else the tied embedding [V, D] as rows, which
     keeps its row-major array as the lookup table (`PanelWeight.table`; an untied model's embedding is only looked
     up and stays as it is). Norms and biases stay as they are. width: columns a panel (default `default_width()`).
-    screen: give the output projection its bfloat16 screen for greedy decoding (`screen_of`); None: where the
+    screen: give the output projection its int8 screen for greedy decoding (`screen_of`); None: where the
     kernel runs it (`kernels.screen()`)."""
     if screen is None:
         from . import kernels

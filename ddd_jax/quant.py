@@ -328,7 +328,7 @@ def dequantize_tree(tree):
 
 def describe(tree) -> str:
     """'float32' (the float dtype of plain weights; ' (panels)' when panel-major, ' (16-column panels)' for
-    16-column ones, ' + bfloat16 screen' when the output projection has one: `panels.screen_of`), or e.g. 'gguf blocks q4_1+q8_0' when any weight is blocks (' (panels)' when they are
+    16-column ones, ' + int8 screen' when the output projection has one: `panels.screen_of`), or e.g. 'gguf blocks q4_1+q8_0' when any weight is blocks (' (panels)' when they are
     BlockPanels)."""
     blocks = [x for x in jax.tree.leaves(tree, is_leaf=is_block) if is_block(x)]
     if blocks:
@@ -339,7 +339,7 @@ def describe(tree) -> str:
     width = width_of(tree)
     layout = "" if width is None else " (16-column panels)" if width == PANEL16 else " (panels)"
     if any(x.screen is not None for x in jax.tree.leaves(tree, is_leaf=is_panels) if is_panels(x)):
-        layout += " + bfloat16 screen"
+        layout += " + int8 screen"
     return str(floats[0].dtype) + layout if floats else "none"
 
 

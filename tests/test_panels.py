@@ -220,7 +220,7 @@ def test_pack_params_and_float_views():
     assert quant.as_float(packed["layers"]["wq"]).shape == (2, 4, 6)
     assert quant.describe(panels.pack_params(params, screen=False)) == "float32 (panels)"
     assert quant.describe(panels.pack_params(params, width=16, screen=False)) == "float32 (16-column panels)"
-    assert quant.describe(panels.pack_params(params, screen=True)) == "float32 (panels) + bfloat16 screen"
+    assert quant.describe(panels.pack_params(params, screen=True)) == "float32 (panels) + int8 screen"
 
 
 def test_load_target_packs_on_cpu_and_is_bitwise_the_row_major_target(tiny_hf_llama, tmp_path):

@@ -1,5 +1,5 @@
-"""The screened greedy lm_head (`kernels.greedy_screened`, `panels.screen_of`): a bfloat16 copy of the output
-projection screens the vocabulary, every column that could still be a row's maximum is recomputed exactly, so the
+"""The screened greedy lm_head (`kernels.greedy_screened`, `panels.screen_of`): an int8 copy of the output
+projection screens the vocabulary (in bfloat16 arithmetic), every column that could still be a row's maximum is recomputed exactly, so the
 token is the exact product's first maximum -- checked against `greedy_token` of the exact product on random and on
 adversarial (near-tied) weights, non-finite rows, both panel widths and both layouts, the kernel's exact fallback
 and XLA's path; and the bound is shown to matter (a zero bound gives wrong tokens on the same data)."""
@@ -32,45 +32,55 @@ def _bf16(a):
     return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
+def _int8(w, s=None):
+    """The screen's copy of rows w [N, K]: (q int8 values as float, the scales s, w^ = s q), as `screen_of` makes it
+    (s: its scales, max |w| / 127 to within an ulp)."""
+    w = np.asarray(w, np.float32)
+    s = (np.abs(w).max(axis=1) / np.float32(127.0)).astype(np.float32) if s is None else np.asarray(s, np.float32)
+    q = np.clip(np.round(w / np.where(s > 0, s, 1)[:, None]), -127, 127)
+    return q, s, (q * s[:, None]).astype(np.float64)
+
+
 def _near_tied(rng, N, K, rel):
-    """N rows, all one random row plus noise of relative size `rel` (bfloat16's spacing is 2^-8 relative)."""
+    """N rows, all one random row plus noise of relative size `rel` (an int8 step is ~1/127 of a row's largest)."""
     w0 = rng.standard_normal(K).astype(np.float32)
     return (w0[None] * (1 + rel * rng.standard_normal((N, K)))).astype(np.float32), w0
 
 
 def test_screen_of_layout_and_bound_hold():
-    """screen_of: [ceil(N / 48), ceil(K / 2), 96] holding each row's bfloat16 (k in pairs, zeros past N and K), and
-    bounds A, B with |x . w - x~ . b| <= |x| A + |x - x~| B for float64 products (the kernel adds its float32
-    summation errors on top)."""
+    """screen_of: [ceil(N / 48), ceil(K / 2), 96] int8 holding each row's q = round(w / s) (k in pairs, zeros past N
+    and K), s = max |w| / 127, and bounds A, B with |x . w - x~ . w^| <= |x| A + |x - x~| B for float64 products
+    (x~: x in bfloat16; the kernel adds its float32 summation errors on top)."""
     rng = np.random.default_rng(0)
     N, K = 101, 37
     w = rng.standard_normal((N, K)).astype(np.float32)
-    w[3, 5] = 1e-39  # a subnormal: flushed to zero in the screen
+    w[4] = 0.0  # a zero row: scale 0, q 0
     scr, bound = panels.screen_of(w)
-    assert scr.shape == (3, 19, 96) and scr.dtype == jnp.bfloat16 and bound.shape == (2, N)
-    b = np.asarray(scr, np.float32).reshape(3, 19, 48, 2).transpose(0, 2, 1, 3).reshape(144, 38)
-    expect = _bf16(w)
-    expect[3, 5] = 0.0
-    np.testing.assert_array_equal(b[:N, :K], expect)
-    assert not b[N:].any() and not b[:, K:].any()
-    A, B = np.asarray(bound, np.float64)
+    assert scr.shape == (3, 19, 96) and scr.dtype == jnp.int8 and bound.shape == (3, N)
+    qs = np.asarray(scr, np.float64).reshape(3, 19, 48, 2).transpose(0, 2, 1, 3).reshape(144, 38)
+    A, B, S = np.asarray(bound, np.float64)
+    np.testing.assert_allclose(S, np.abs(w).max(axis=1) / 127.0, rtol=1e-6)
+    q, _, wh = _int8(w, S)
+    np.testing.assert_array_equal(qs[:N, :K], q)
+    assert not qs[N:].any() and not qs[:, K:].any()
+    assert S[4] == 0 and not qs[4].any()
     x = rng.standard_normal((50, K))
     xt = _bf16(x).astype(np.float64)
-    err = np.abs(x @ w.T.astype(np.float64) - xt @ b[:N, :K].T.astype(np.float64))
+    err = np.abs(x @ w.T.astype(np.float64) - xt @ wh.T)
     lim = np.linalg.norm(x, axis=1)[:, None] * A[None] + np.linalg.norm(x - xt, axis=1)[:, None] * B[None]
     assert (err <= lim).all()
-    # x along a row's rounding error (and itself a bfloat16 vector, so x~ = x): Cauchy-Schwarz is nearly tight there
-    d = w - b[:N, :K]
-    x = _bf16(d * 2.0 ** 12).astype(np.float64)
-    err = np.abs(np.einsum("nk,nk->n", x, w.astype(np.float64)) - np.einsum("nk,nk->n", x, b[:N, :K]))
+    # x along a row's rounding error (x~ taken as x): Cauchy-Schwarz is nearly tight there
+    d = w.astype(np.float64) - wh
+    x = d * 2.0 ** 12
+    err = np.abs(np.einsum("nk,nk->n", x, w.astype(np.float64)) - np.einsum("nk,nk->n", x, wh))
     nx = np.linalg.norm(x, axis=1)
     assert (err <= nx * A).all()
-    assert (err >= 0.9 * nx * np.linalg.norm(d.astype(np.float64), axis=1)).all()  # the bound's term is needed
+    assert (err >= 0.9 * nx * np.linalg.norm(d, axis=1)).all()  # the bound's term is needed
     nw = np.linalg.norm(w.astype(np.float64), axis=1)
-    want_a = panels.screen_gamma(K) * nw + np.linalg.norm(d.astype(np.float64), axis=1)
-    want_b = np.linalg.norm(b[:N, :K].astype(np.float64), axis=1)
+    want_a = panels.screen_gamma(K) * nw + np.linalg.norm(d, axis=1)
+    want_b = np.linalg.norm(wh, axis=1)
     assert (A >= want_a).all() and (B >= want_b).all()
-    np.testing.assert_allclose(A, want_a, rtol=2e-3)  # inflated by 1e-3 for float32 sums
+    np.testing.assert_allclose(A, want_a, rtol=2e-3, atol=1e-7)  # inflated by 1e-3 for float32 sums
     np.testing.assert_allclose(B, want_b, rtol=2e-3)
     w[7, 2] = np.inf
     w[9, 0] = 3e7
@@ -98,9 +108,10 @@ def test_screened_tokens_are_the_exact_first_maximum(rows, width):
 
 @needs_screen
 def test_near_ties_are_recomputed_and_the_bound_matters():
-    """Rows that differ below bfloat16's resolution: the screen alone orders them wrongly, the screened kernel
+    """Rows that differ below the int8 copy's resolution: the screen alone orders them wrongly, the screened kernel
     recomputes every candidate and answers the exact first maximum, exact ties included; with a zero bound (a
-    broken certificate) the same kernel answers wrongly -- so this test can fail. 5,000 near-tied rows (more
+    broken certificate) the same kernel answers wrongly -- so this test can fail. Rows the copy holds exactly, where
+    the whole error is x's rounding to bfloat16, need the bound's |x - x~| term. 5,000 near-tied rows (more
     candidates than the kernel takes) fall back to the exact kernel, with the same answer."""
     rng = np.random.default_rng(2)
     N, K = 600, 64
@@ -111,23 +122,30 @@ def test_near_ties_are_recomputed_and_the_bound_matters():
     pw = panels.with_screen(panels.pack(jnp.asarray(w), rows=True, table=True))
     exact = _exact(x, pw)
     assert exact[0] == min(5, top)
-    naive = np.argmax(_bf16(x) @ _bf16(w).T, axis=1)
-    assert (naive != exact).any(), "the data must fool the bfloat16 screen alone"
+    naive = np.argmax(_bf16(x).astype(np.float64) @ _int8(w)[2].T, axis=1)
+    assert (naive != exact).any(), "the data must fool the int8 screen alone"
     np.testing.assert_array_equal(_screened(x, pw), exact)
-    zero = jnp.zeros_like(pw.screen_bound)
+    zero = jnp.zeros_like(pw.screen_bound).at[2].set(pw.screen_bound[2])  # the scales kept, the bounds zero
     assert (_screened(x, pw, zero) != exact).any(), "a zero bound must be caught"
-    # weights that are bfloat16 already, so the whole error is x's rounding (the bound's |x - x~| |b| term): a zero
-    # row (logit 0) and a row d with x~ . d < 0 < x . d (d along the sign of x - x~), the rest below zero
+    # rows the copy holds exactly (integers up to 127: scale 1): a zero row (logit 0) and a row d with
+    # x~ . d < 0 < x . d -- d along the sign of x - x~, then brought just below zero on x~ in integer steps -- and
+    # rows far below; coordinate 0 of x is zero and holds d's 127
     x = rng.standard_normal((1, K)).astype(np.float32)
-    xt = _bf16(x)[0]
-    d = np.sign(x[0] - xt).astype(np.float32)
-    j = int(np.argmax(np.abs(xt)))
-    d[j] = _bf16(d[j] - (xt @ d + 0.05) / xt[j])
-    wb = np.concatenate([np.zeros((1, K), np.float32), d[None], -_bf16(np.linspace(0.1, 1, 50)[:, None] * xt)])
-    pw = panels.with_screen(panels.pack(jnp.asarray(wb), rows=True, table=True))
-    assert xt @ d < 0 < x[0].astype(np.float64) @ d and _exact(x, pw)[0] == 1
+    x[0, 0] = 0.0
+    xt = _bf16(x)[0].astype(np.float64)
+    r = x[0].astype(np.float64) - xt
+    d = np.where(r > 0, 100.0, -100.0)
+    d[0] = 127.0
+    target = -0.25 * (r @ d)
+    for j in np.argsort(-np.abs(xt))[:-1]:  # the largest |x~| first, so the last steps are the finest
+        d[j] = np.clip(d[j] + np.round((target - xt @ d) / xt[j]), -127, 127)
+    rows = np.concatenate([np.zeros((1, K)), d[None], -np.linspace(0.1, 1, 50)[:, None] * xt]).astype(np.float32)
+    assert np.array_equal(_int8(rows[:2])[2], rows[:2]), "rows 0 and 1 must be exact in the copy"
+    assert xt @ d < 0 < x[0].astype(np.float64) @ d
+    pw = panels.with_screen(panels.pack(jnp.asarray(rows), rows=True, table=True))
+    assert _exact(x, pw)[0] == 1 and np.argmax(xt @ _int8(rows)[2].T) == 0
     np.testing.assert_array_equal(_screened(x, pw), [1])
-    w, w0 = _near_tied(rng, 5000, K, 1e-4)
+    w, w0 = _near_tied(rng, 5000, K, 1e-5)
     pw = panels.with_screen(panels.pack(jnp.asarray(w), rows=True))
     x = (w0 + 0.01 * rng.standard_normal((3, K))).astype(np.float32)
     np.testing.assert_array_equal(_screened(x, pw), _exact(x, pw))
@@ -176,6 +194,7 @@ def test_pack_params_screens_the_output_projection_where_it_runs(tie):
     p = panels.pack_params(params)
     assert (p[key].screen is not None) == kernels.screen()
     assert panels.pack_params(params, screen=True)[key].screen.shape == (3, 16, 96)
+    assert panels.pack_params(params, screen=True)[key].screen_bound.shape == (3, 97)
     assert panels.pack_params(params, screen=False)[key].screen is None
     assert all(v.screen is None for v in p["layers"].values() if panels.is_panels(v))
 

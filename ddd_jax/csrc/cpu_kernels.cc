@@ -1342,32 +1342,39 @@ ffi::Error LinearPanelsGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   return ffi::Error::Success();
 }
 
-// ----------------------------------------------- greedy lm_head screened by a bfloat16 copy ("screen panels")
+// ------------------------------------------------- greedy lm_head screened by an int8 copy ("screen panels")
 // Greedy decoding needs each row's argmax, not its logits. A one-row lm_head reads 113 MB of float32 panels for
-// SmolLM2 (~3.2 ms of a ~17.7 ms token); a bfloat16 copy is half the bytes, and AVX-512 BF16 dot products do half
-// the instructions at many rows. The copy only screens: every row whose exact logit could still be the maximum is
-// recomputed exactly, so the token is bitwise the exact kernel's (ties to the first index, V - 1 for a NaN).
+// SmolLM2 (~3.2 ms of a ~17.7 ms token). An int8 copy (one float scale per output column) is a quarter of the bytes;
+// its weights widen exactly to bfloat16 in registers (|q| <= 127), so AVX-512 BF16 dot products (vdpbf16ps) do half
+// the instructions of the float32 kernel at many rows. The copy only screens: every column whose exact logit could
+// still be the row's maximum is recomputed exactly, so the token is bitwise the exact kernel's (ties to the first
+// index, V - 1 for a NaN).
 //
-// The bound. For a row x and an output column v with float32 weights w and their bfloat16 copy b (round to
-// nearest even, subnormals flushed to zero), let x~ be x rounded the same way, a the exact kernel's logit (an fma
-// chain over k from zero) and s the screen's (a chain of vdpbf16ps over x~ and b). By Cauchy-Schwarz and the
-// summation error of K roundings (gamma = 2 K u / (1 - 2 K u), u = 2^-24, taken twice over):
-//   |a - s| <= |x| (gamma |w| + |w - b|) + (|x - x~| + gamma |x~|) |b| + K 2^-126        (|.|: 2-norms)
-//            = alpha A_v + beta B_v + tau,
-// where A_v = gamma |w_v| + |w_v - b_v| and B_v = |b_v| are computed once and rounded up (the bound rows,
-// `ddd_jax.panels.screen_of`), and alpha, beta come from x per call (float64, inflated by 2^-20 to cover the
-// float32 arithmetic below; 2^-20 |s| more covers the rounding of s +- e). A column is a candidate when s + e
-// reaches the largest s - e of its row; the true maximum always is one. A row whose x is not finite or has
-// |x| > 1e30, and a column whose bound is not finite (w_v not finite or |w_v| >= 1e7: A_v = inf), are candidates /
-// fall back to the exact kernel, so no exact logit outside the candidates can overflow or be NaN.
-// SmolLM2, 520 final hidden states of vanilla decoding (runs/s22/cand.py): candidates median 1, max 6.
-#define DDD_BF16 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c")))
-bool g_bf16 = false;                  // set at load: g_avx512 and AVX512_BF16 (DDD_JAX_NO_SCREEN=1: off)
-constexpr int64_t kScreenCols = kPanel512;  // columns of a screen panel [P, K2, 48 columns x 2 k] (bfloat16)
+// The bound. For a row x and an output column v with float32 weights w and their copy w^ = s_v q (q int8,
+// s_v = max |w| / 127), let x~ be x in bfloat16 (round to nearest even, subnormals flushed to zero), a the exact
+// kernel's logit (an fma chain over k from zero) and c the screen's, s_v (x~ . q) (a chain of vdpbf16ps: exact
+// products, float32 sums; then one product). By Cauchy-Schwarz and the summation errors (gamma = 2 K u /
+// (1 - 2 K u), u = 2^-24, taken twice over):
+//   |a - c| <= |x| (gamma |w| + |w - w^|) + (|x - x~| + gamma |x~|) |w^| + 2^-20 |c| + tau       (|.|: 2-norms)
+//            = alpha A_v + beta B_v + 2^-20 |c| + tau,
+// where A_v = gamma |w_v| + |w_v - w^_v| and B_v = |w^_v| are computed once and rounded up (the bound rows,
+// `ddd_jax.panels.screen_of`), alpha = |x| and beta = |x - x~| + gamma |x~| per call (float64, inflated by 2^-20
+// to cover the float32 arithmetic below); 2^-20 |c| covers c's own rounding and that of c +- e; tau = 2^-80 the
+// sums' flushed subnormals. A column is a candidate when c + e reaches the largest c - e of its row; the true
+// maximum always is one. A row whose x is not finite or has |x| > 1e30, and a column whose bound is not finite
+// (w_v not finite or |w_v| >= 1e7: A_v = inf), are candidates / fall back to the exact kernel, so no exact logit
+// outside the candidates can overflow or be NaN.
+// SmolLM2, 520 final hidden states of vanilla decoding (runs/s22/cand.py, cand8.py): candidates median 1, max 6 with
+// a bfloat16 copy of the weights; ~5 on average, max 39, with the int8 copy. The lm_head alone, alternating
+// processes (runs/s22/scr_ab.py): bfloat16 copy / int8 copy, 1 row 1.9-2.3 / 0.8-1.4 ms, 8 rows 2.2-2.7 / 1.5-2.7,
+// 16 rows 3.6-4.3 / 2.8-3.5. (int8 x, vpdpwssd, was faster only up to ~5 rows: half vdpbf16ps's rate here.)
+#define DDD_SCREEN __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c")))
+bool g_screen = false;                // set at load: g_avx512 and AVX512_BF16 (DDD_JAX_NO_SCREEN=1: off)
+constexpr int64_t kScreenCols = kPanel512;  // columns of a screen panel [P, K2, 48 columns x 2 k] (int8)
 constexpr int64_t kMaxCandidates = 4096;  // a row with more falls back to the exact kernel
 
 // x [M, K] float32 -> xp [M, K2] pairs of bfloat16 (k = 2i low, 2i + 1 high; 0 past K), round to nearest even,
-// subnormals to zero; alpha, beta [M] as above. False when a row is not finite or too large (exact kernel).
+// subnormals to zero; alpha, beta [M] as above. False when a row is not finite or too large (the exact kernel then).
 inline uint16_t bf16_of(float f) {
   if (std::fabs(f) < 1.17549435e-38f) return std::signbit(f) ? 0x8000 : 0;  // subnormals (and zeros) to zero
   uint32_t u;
@@ -1406,20 +1413,26 @@ bool screen_rows(const float* x, int64_t M, int64_t K, uint32_t* xp, float* alph
   return true;
 }
 
+// An MT x 48 tile of x~ . q: vdpbf16ps over the K2 pairs, each panel row's int8 pairs widened to bfloat16.
 template <int MT>
-DDD_BF16 inline void sp_tile(const uint32_t* xp, int64_t K2, const uint16_t* w, float* out, int64_t ldo,
-                             bool prefetch) {
+DDD_SCREEN inline void sp_tile(const uint32_t* xp, int64_t K2, const int8_t* w, float* out, int64_t ldo,
+                               bool prefetch) {
   __m512 acc[MT][3];
   DDD_UNROLL for (int r = 0; r < MT; ++r)
     DDD_UNROLL for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_setzero_ps();
-  const uint16_t* pf = w + g_panel_ahead * 2 * kScreenCols;
+  const int8_t* pf = w + g_panel_ahead * 2 * kScreenCols;
   for (int64_t i = 0; i < K2; ++i, w += 2 * kScreenCols, pf += 2 * kScreenCols) {
     if (prefetch) {
-      const char* q = reinterpret_cast<const char*>(pf);
-      DDD_UNROLL for (int b = 0; b < 192; b += 64) _mm_prefetch(q + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(pf) + 64, _MM_HINT_T0);
     }
-    __m512bh wv[3];
-    DDD_UNROLL for (int v = 0; v < 3; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + 32 * v);
+    __m512bh wv[3];  // 32 int8 (16 columns x a k pair) -> 32 bfloat16, exactly (|q| <= 127)
+    DDD_UNROLL for (int v = 0; v < 3; ++v) {
+      const __m128i* q = reinterpret_cast<const __m128i*>(w + 32 * v);
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
+      wv[v] = _mm512_cvtne2ps_pbh(hi, lo);
+    }
     DDD_UNROLL for (int r = 0; r < MT; ++r) {
       const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r * K2 + i]));
       DDD_UNROLL for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], b, wv[v]);
@@ -1438,17 +1451,23 @@ struct ScreenRange {  // one chunk's columns of one row
 struct ScreenCall {
   int64_t M = 0, K2 = 0, N = 0;
   const uint32_t* xp = nullptr;
-  const uint16_t* s = nullptr;        // [P, K2, 96]
+  const int8_t* s = nullptr;          // [P, K2, 96]
   const float* A = nullptr;           // [N]
   const float* B = nullptr;           // [N]
+  const float* S = nullptr;           // [N]: the columns' scales s_v
   const float* alpha = nullptr;       // [M]
   const float* beta = nullptr;        // [M]
   float tau = 0.0f;
-  float* out = nullptr;               // [M, N] screened logits
+  float* out = nullptr;               // [M, N] x~ . q (times S: the screened logits)
   ScreenRange* ranges = nullptr;      // [chunk start / 48, M]
 
-  // e' for 16 columns at j of row m (see the bound), and the finite-lanes mask of s and e'.
-  DDD_BF16 inline __m512 err16(int64_t m, int64_t j, __m512 sv, __mmask16 live, __mmask16* fin) const {
+  // 16 screened logits at j of row m (out times the scales).
+  DDD_SCREEN inline __m512 logits16(int64_t m, int64_t j, __mmask16 live) const {
+    return _mm512_mul_ps(_mm512_maskz_loadu_ps(live, out + m * N + j), _mm512_maskz_loadu_ps(live, S + j));
+  }
+
+  // e' for 16 columns at j of row m (see the bound), and the finite-lanes mask of the logits and e'.
+  DDD_SCREEN inline __m512 err16(int64_t m, int64_t j, __m512 sv, __mmask16 live, __mmask16* fin) const {
     const __m512 a = _mm512_maskz_loadu_ps(live, A + j), b = _mm512_maskz_loadu_ps(live, B + j);
     const __m512 absd = _mm512_abs_ps(sv);
     __m512 e = _mm512_fmadd_ps(_mm512_set1_ps(alpha[m]), a, _mm512_mul_ps(_mm512_set1_ps(beta[m]), b));
@@ -1457,11 +1476,11 @@ struct ScreenCall {
     return e;
   }
 
-  DDD_BF16 void columns(int64_t n0, int64_t n1) const {
+  DDD_SCREEN void columns(int64_t n0, int64_t n1) const {
     alignas(64) float part[8 * kScreenCols];
     const bool prefetch = M <= 2 && g_panel_ahead > 0;
     for (int64_t c0 = n0; c0 < n1; c0 += kScreenCols) {
-      const uint16_t* wp = s + (c0 / kScreenCols) * K2 * 2 * kScreenCols;
+      const int8_t* wp = s + (c0 / kScreenCols) * K2 * 2 * kScreenCols;
       const int64_t cw = std::min<int64_t>(kScreenCols, n1 - c0);
       panel_row_tiles(M, N, c0, cw, out, part, [&](auto mt, int64_t m, float* o, int64_t ldo) {
         sp_tile<decltype(mt)::value>(xp + m * K2, K2, wp, o, ldo, prefetch);
@@ -1472,7 +1491,7 @@ struct ScreenCall {
       bool bad = false;
       for (int64_t j = n0; j < n1; j += 16) {
         const __mmask16 live = j + 16 <= n1 ? __mmask16(0xFFFF) : __mmask16((1u << (n1 - j)) - 1);
-        const __m512 sv = _mm512_maskz_loadu_ps(live, out + m * N + j);
+        const __m512 sv = logits16(m, j, live);
         __mmask16 fin;
         const __m512 e = err16(m, j, sv, live, &fin);
         bad |= fin != live;
@@ -1484,10 +1503,10 @@ struct ScreenCall {
   }
 
   // Row m's candidates in [n0, n1) (s + e' >= L, or not finite), in column order.
-  DDD_BF16 void candidates(int64_t m, int64_t n0, int64_t n1, float L, std::vector<int32_t>& c) const {
+  DDD_SCREEN void candidates(int64_t m, int64_t n0, int64_t n1, float L, std::vector<int32_t>& c) const {
     for (int64_t j = n0; j < n1; j += 16) {
       const __mmask16 live = j + 16 <= n1 ? __mmask16(0xFFFF) : __mmask16((1u << (n1 - j)) - 1);
-      const __m512 sv = _mm512_maskz_loadu_ps(live, out + m * N + j);
+      const __m512 sv = logits16(m, j, live);
       __mmask16 fin;
       const __m512 e = err16(m, j, sv, live, &fin);
       __mmask16 keep = _mm512_mask_cmp_ps_mask(fin, _mm512_add_ps(sv, e), _mm512_set1_ps(L), _CMP_GE_OQ);
@@ -1509,11 +1528,11 @@ DDD_AVX2 float exact_logit(const float* x, const float* w, int64_t K, int64_t pw
   return acc;
 }
 
-// x [..., K] float32, w [L, P, K, W] float32 (the exact panels) at `layer`, s [P48, K2, 96] bfloat16 (the screen
-// panels), bound [2, N] float32 (A, B) -> ids [...]: each row's greedy token, bitwise `LinearPanelsGreedy`'s.
-// scratch [..., N] float32: the screened logits (not the logits: only for the kernel's own use).
+// x [..., K] float32, w [L, P, K, W] float32 (the exact panels) at `layer`, s [P48, K2, 96] int8 (the screen
+// panels), bound [3, N] float32 (A, B, the scales) -> ids [...]: each row's greedy token, bitwise
+// `LinearPanelsGreedy`'s. scratch [..., N] float32: the kernel's own (screened logits before their scales).
 ffi::Error LinearPanelsGreedyScreened(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::BF16> s,
+                                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S8> s,
                                       ffi::Buffer<ffi::F32> bound, ffi::ResultBuffer<ffi::S32> ids,
                                       ffi::ResultBuffer<ffi::F32> scratch) {
   const std::string name = "ddd_linear_panels_greedy_screened";
@@ -1527,14 +1546,15 @@ ffi::Error LinearPanelsGreedyScreened(ffi::ThreadPool pool, ffi::Buffer<ffi::F32
   if (sd.size() != 3 || sd[0] != P48 || sd[1] != K2 || sd[2] != 2 * kScreenCols)
     return ffi::Error::InvalidArgument(name + ": s must be [ceil(N / 48), ceil(K / 2), 96]");
   const auto bd = bound.dimensions();
-  if (bd.size() != 2 || bd[0] != 2 || bd[1] != N) return ffi::Error::InvalidArgument(name + ": bound must be [2, N]");
+  if (bd.size() != 2 || bd[0] != 3 || bd[1] != N) return ffi::Error::InvalidArgument(name + ": bound must be [3, N]");
   int32_t* id = ids->typed_data();
   thread_local std::vector<uint32_t> xp;
   thread_local std::vector<float> coef;
   xp.resize(static_cast<size_t>(M * K2));
   coef.resize(static_cast<size_t>(2 * M));
-  if (!g_bf16 || K == 0 || !screen_rows(p.x, M, K, xp.data(), coef.data(), coef.data() + M)) {
-    greedy_exact(pool, p, id);  // no BF16 instructions, or a row not finite / too large: the exact kernel
+  if (!g_screen || K == 0 ||
+      !screen_rows(p.x, M, K, xp.data(), coef.data(), coef.data() + M)) {
+    greedy_exact(pool, p, id);  // no BF16, or a row not finite / too large: the exact kernel
     return ffi::Error::Success();
   }
   std::vector<ScreenRange> ranges(static_cast<size_t>(P48 * M), ScreenRange{0.0f, 0.0f, false, false});
@@ -1543,12 +1563,13 @@ ffi::Error LinearPanelsGreedyScreened(ffi::ThreadPool pool, ffi::Buffer<ffi::F32
   c.K2 = K2;
   c.N = N;
   c.xp = xp.data();
-  c.s = reinterpret_cast<const uint16_t*>(s.typed_data());
+  c.s = s.typed_data();
   c.A = bound.typed_data();
   c.B = bound.typed_data() + N;
+  c.S = bound.typed_data() + 2 * N;
   c.alpha = coef.data();
   c.beta = coef.data() + M;
-  c.tau = static_cast<float>(K) * std::ldexp(1.0f, -125);
+  c.tau = std::ldexp(1.0f, -80);
   c.out = p.out;
   c.ranges = ranges.data();
   for_column_chunks(pool, M, K, N, kScreenCols, p.out, [&c](int64_t n0, int64_t n1) { c.columns(n0, n1); });
@@ -2247,8 +2268,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearPanelsGreedyScreened, LinearPanelsGreedyS
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [..., K]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // w [L, P, K, W], panel-major (exact)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // s [ceil(N / 48), ceil(K / 2), 96]: the screen
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // bound [2, N]: A, B
+                                  .Arg<ffi::Buffer<ffi::S8>>()    // s [ceil(N / 48), ceil(K / 2), 96]: the screen
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // bound [3, N]: A, B, the scales
                                   .Ret<ffi::Buffer<ffi::S32>>()   // ids [...]: each row's first maximum
                                   .Ret<ffi::Buffer<ffi::F32>>());  // scratch [..., N]: screened logits
 
@@ -2271,7 +2292,7 @@ __attribute__((visibility("default"))) int ddd_cpu_supported() {
   g_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") && !(no512 && *no512 && std::strcmp(no512, "0") != 0);
   const char* noscreen = std::getenv("DDD_JAX_NO_SCREEN");
-  g_bf16 = g_avx512 && __builtin_cpu_supports("avx512bf16") &&
+  g_screen = g_avx512 && __builtin_cpu_supports("avx512bf16") &&
            !(noscreen && *noscreen && std::strcmp(noscreen, "0") != 0);
   const char* l2 = std::getenv("DDD_JAX_L2_PREFETCH_ROWS");
   g_l2_prefetch_rows = l2 && *l2 ? std::max<int64_t>(1, std::atoll(l2)) : __builtin_cpu_is("amd") ? 1 : 6;
@@ -2279,11 +2300,11 @@ __attribute__((visibility("default"))) int ddd_cpu_supported() {
 }
 // 1 when the AVX-512 paths run (x @ W of 3 to 85 rows, GGUF blocks, attention).
 __attribute__((visibility("default"))) int ddd_avx512() { return g_avx512; }
-// 1 when the screened greedy lm_head runs (AVX-512 BF16 dot products; else its exact fallback).
-__attribute__((visibility("default"))) int ddd_screen() { return g_bf16; }
+// 1 when the screened greedy lm_head runs (AVX-512 BF16; else its exact fallback).
+__attribute__((visibility("default"))) int ddd_screen() { return g_screen; }
 // Turn it off (0) or back on where the CPU has it (1). For benchmarks and tests.
 __attribute__((visibility("default"))) void ddd_set_screen(int on) {
-  g_bf16 = on && g_avx512 && __builtin_cpu_supports("avx512bf16");
+  g_screen = on && g_avx512 && __builtin_cpu_supports("avx512bf16");
 }
 // The row count from which the AVX-512 products prefetch into L2 instead of L1 (see g_l2_prefetch_rows).
 __attribute__((visibility("default"))) int64_t ddd_l2_prefetch_rows() { return g_l2_prefetch_rows; }
