@@ -180,24 +180,28 @@ def screen_of(rows):
 
     screen: each row v as int8 q_v with one float32 scale s_v = max |w_v| / 127 (q = round(w / s), so the copy is
         w^_v = s_v q_v), panel p holding rows [48 p, 48 p + 48), k in pairs: [p, i, 2 c + j] = q[48 p + c, 2 i + j],
-        zeros past N and K.
+        zeros past N and K (and for a row that is not finite or tiny).
     bound: A_v = gamma |w_v| + |w_v - w^_v|, B_v = |w^_v| (2-norms over k, in float32, inflated by
         max(1e-3, 8 K 2^-24) to cover their rounding; gamma = `screen_gamma(K)`), and s_v. A_v = inf for a row
-        that is not finite or has |w_v| >= 1e7, so the kernel always recomputes it. With these the kernel bounds
+        that is not finite, has |w_v| >= 1e7 or has its largest weight in (0, 1e-18), so the kernel always
+        recomputes it. With these the kernel bounds
         |exact - screened| for a row x by |x| A_v + (|x - x~| + gamma |x~|) B_v plus the float32 rounding of the
         screened logit (x~: x in bfloat16), a Cauchy-Schwarz bound plus both products' summation errors
         (csrc/cpu_kernels.cc, "greedy lm_head screened by an int8 copy")."""
     if np.ndim(rows) != 2:
         raise ValueError(f"screen_of: rows must be [N, K]; got {np.shape(rows)}")
-    return _screen_of(jnp.asarray(rows, jnp.float32))
+    # rows of tiny nonzero weights, whose squares (and scale) may underflow or be flushed to zero in float32
+    # arithmetic, are always recomputed; found on the host, where nothing is flushed
+    amax = np.abs(np.asarray(rows, np.float32)).max(axis=1)
+    return _screen_of(jnp.asarray(rows, jnp.float32), jnp.asarray((amax > 0) & (amax < 1e-18)))
 
 
 @jax.jit
-def _screen_of(w):
+def _screen_of(w, tiny):
     N, K = w.shape
     P, K2 = -(-N // SCREEN), -(-K // 2)
     scale = jnp.max(jnp.abs(w), axis=-1) / 127.0
-    ok = jnp.isfinite(scale)
+    ok = jnp.isfinite(scale) & ~tiny
     scale = jnp.where(ok, scale, 0.0)
     q = jnp.where(scale[:, None] > 0, jnp.clip(jnp.round(w / jnp.where(scale > 0, scale, 1.0)[:, None]), -127, 127),
                   0.0)

@@ -84,8 +84,9 @@ def test_screen_of_layout_and_bound_hold():
     np.testing.assert_allclose(B, want_b, rtol=2e-3)
     w[7, 2] = np.inf
     w[9, 0] = 3e7
+    w[11] = 1e-39  # tiny: its squares and scale would underflow
     _, bound = panels.screen_of(w)
-    assert np.isinf(np.asarray(bound)[0, [7, 9]]).all() and np.isfinite(np.asarray(bound)[0, :7]).all()
+    assert np.isinf(np.asarray(bound)[0, [7, 9, 11]]).all() and np.isfinite(np.asarray(bound)[0, :7]).all()
 
 
 @needs_screen
