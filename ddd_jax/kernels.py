@@ -395,9 +395,10 @@ def greedy_screened(x, data, n: int, scr, bound, first_max):
     columns), screened by its int8 copy `scr` [ceil(n / 48), ceil(K / 2), 96] with per-column error bounds and
     scales `bound` [3, n] (`panels.screen_of`): returns tokens [...] int32, equal to `first_max(product_panels(x,
     data, n))` -- the exact first maximum, n - 1 for a row holding a NaN -- on every path. On CPU with AVX-512 BF16
-    the kernel computes the products in bfloat16 (the int8 weights widen exactly), keeps the columns whose error interval reaches the row's best lower
-    bound (a certified bound: the exact maximum is always kept) and recomputes those exactly from `data`; elsewhere
-    (and for a row it cannot bound) it runs the exact kernel; off CPU, XLA's product and `first_max`."""
+    the kernel computes the products in bfloat16 (the int8 weights widen exactly), keeps the columns whose error
+    interval reaches the row's best lower bound (a certified bound: the exact maximum is always kept) and
+    recomputes those exactly from `data`; elsewhere (and for a row it cannot bound) it runs the exact kernel; off
+    CPU, XLA's product and `first_max`."""
     w4 = data if data.ndim == 4 else data[None]
     layer = jnp.zeros((), jnp.int32)
     K = x.shape[-1]

@@ -232,9 +232,9 @@ def lm_head_greedy(params, cfg: ModelConfig, hidden):
 
 def greedy_tokens(params, cfg: ModelConfig, hidden):
     """Greedy tokens [...] int32 of hidden [..., D]: `verify.greedy_token(lm_head(...))`, without the logits. An
-    output projection with an int8 screen (`panels.screen_of`) runs the screened kernel on CPU: integer
-    products, the columns that could still be the maximum recomputed exactly -- the same tokens, from a quarter of
-    the bytes (`kernels.greedy_screened`)."""
+    output projection with an int8 screen (`panels.screen_of`) runs the screened kernel on CPU: bfloat16
+    products over the int8 copy, the columns that could still be the maximum recomputed exactly -- the same
+    tokens, from a quarter of the bytes (`kernels.greedy_screened`)."""
     w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     if isinstance(w, PanelWeight) and w.screen is not None:
         return kernels.greedy_screened(hidden, w.data, w.n, w.screen, w.screen_bound, greedy_token)

@@ -23,13 +23,12 @@ as rows: the panels of its transpose, plus its row-major array for lookups) when
 backend, no mesh); `panels=False` keeps the row-major arrays. A draft head bound to a panel-major target packs its
 own matrices and draft-vocabulary rows for the decode loops too (`pack_head`, `Draft.packed`; float16 as stored).
 The output projection also gets a **screen** where the CPU has AVX-512 BF16 (`kernels.screen()`): an int8 copy of
-its rows (a float32 scale per row), 48-column panels of k pairs, with two error-bound floats per output column
-(`screen_of`). Greedy decoding's lm_head (`llama.forward(..., greedy=True, return_logits=False)`) runs bfloat16
-products over it (the int8 weights widen exactly), keeps every column that could still be the row's maximum under a
-certified bound and recomputes those exactly from the float32 panels, so the token is the exact product's first
-maximum (`kernels.greedy_screened`). It reads a quarter of the bytes at one row and does half the instructions at
-many. `pack_params(..., screen=False)`
-goes without.
+its rows, 48-column panels of k pairs, with two error-bound floats and a scale per output column (`screen_of`).
+Greedy decoding's lm_head (`llama.forward(..., greedy=True, return_logits=False)`) runs bfloat16 products over it
+(the int8 weights widen exactly), keeps every column that could still be the row's maximum under a certified bound
+and recomputes those exactly from the float32 panels, so the token is the exact product's first maximum
+(`kernels.greedy_screened`). It reads a quarter of the bytes at one row and does half the instructions at many.
+`pack_params(..., screen=False)` goes without.
 Wherever a float array is wanted (saving, the PyTorch counterpart, nnx modules) `unpack` / `unpack_params` (and
 `quant.as_float` / `quant.dequantize_tree`) give the logical weight back.
 """

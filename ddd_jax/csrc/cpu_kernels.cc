@@ -227,6 +227,12 @@ DDD_AVX512 inline void nn_rows512(const float* x, int64_t ldx, const W* w, int64
 }
 
 bool g_avx512 = false;  // set at load (ddd_cpu_supported); DDD_JAX_NO_AVX512=1 keeps the AVX2 path
+
+// An environment switch: set to anything but "" or "0".
+inline bool env_set(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v && std::strcmp(v, "0") != 0;
+}
 constexpr int64_t kPanel512 = 48;  // columns of one AVX-512 panel (3 vectors)
 
 // Whether x @ W of M rows takes the AVX-512 path (column chunks then come in multiples of kPanel512): 3 to 85 rows,
@@ -1372,6 +1378,12 @@ ffi::Error LinearPanelsGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
 bool g_screen = false;                // set at load: g_avx512 and AVX512_BF16 (DDD_JAX_NO_SCREEN=1: off)
 constexpr int64_t kScreenCols = kPanel512;  // columns of a screen panel [P, K2, 48 columns x 2 k] (int8)
 constexpr int64_t kMaxCandidates = 4096;  // a row with more falls back to the exact kernel
+inline bool screen_supported() { return g_avx512 && __builtin_cpu_supports("avx512bf16"); }
+
+// The lanes of 16 columns from j that lie before n1.
+inline __mmask16 lanes16(int64_t j, int64_t n1) {
+  return j + 16 <= n1 ? __mmask16(0xFFFF) : __mmask16((1u << (n1 - j)) - 1);
+}
 
 // x [M, K] float32 -> xp [M, K2] pairs of bfloat16 (k = 2i low, 2i + 1 high; 0 past K), round to nearest even,
 // subnormals to zero; alpha, beta [M] as above. False when a row is not finite or too large (the exact kernel then).
@@ -1490,7 +1502,7 @@ struct ScreenCall {
       __m512 lo = _mm512_set1_ps(-INFINITY), hi = _mm512_set1_ps(-INFINITY);
       bool bad = false;
       for (int64_t j = n0; j < n1; j += 16) {
-        const __mmask16 live = j + 16 <= n1 ? __mmask16(0xFFFF) : __mmask16((1u << (n1 - j)) - 1);
+        const __mmask16 live = lanes16(j, n1);
         const __m512 sv = logits16(m, j, live);
         __mmask16 fin;
         const __m512 e = err16(m, j, sv, live, &fin);
@@ -1505,7 +1517,7 @@ struct ScreenCall {
   // Row m's candidates in [n0, n1) (s + e' >= L, or not finite), in column order.
   DDD_SCREEN void candidates(int64_t m, int64_t n0, int64_t n1, float L, std::vector<int32_t>& c) const {
     for (int64_t j = n0; j < n1; j += 16) {
-      const __mmask16 live = j + 16 <= n1 ? __mmask16(0xFFFF) : __mmask16((1u << (n1 - j)) - 1);
+      const __mmask16 live = lanes16(j, n1);
       const __m512 sv = logits16(m, j, live);
       __mmask16 fin;
       const __m512 e = err16(m, j, sv, live, &fin);
@@ -2288,12 +2300,9 @@ extern "C" {
 // 1 when this CPU runs the kernels (AVX2 + FMA + F16C).
 __attribute__((visibility("default"))) int ddd_cpu_supported() {
   __builtin_cpu_init();
-  const char* no512 = std::getenv("DDD_JAX_NO_AVX512");
   g_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") && !(no512 && *no512 && std::strcmp(no512, "0") != 0);
-  const char* noscreen = std::getenv("DDD_JAX_NO_SCREEN");
-  g_screen = g_avx512 && __builtin_cpu_supports("avx512bf16") &&
-           !(noscreen && *noscreen && std::strcmp(noscreen, "0") != 0);
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") && !env_set("DDD_JAX_NO_AVX512");
+  g_screen = screen_supported() && !env_set("DDD_JAX_NO_SCREEN");
   const char* l2 = std::getenv("DDD_JAX_L2_PREFETCH_ROWS");
   g_l2_prefetch_rows = l2 && *l2 ? std::max<int64_t>(1, std::atoll(l2)) : __builtin_cpu_is("amd") ? 1 : 6;
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -2304,7 +2313,7 @@ __attribute__((visibility("default"))) int ddd_avx512() { return g_avx512; }
 __attribute__((visibility("default"))) int ddd_screen() { return g_screen; }
 // Turn it off (0) or back on where the CPU has it (1). For benchmarks and tests.
 __attribute__((visibility("default"))) void ddd_set_screen(int on) {
-  g_screen = on && g_avx512 && __builtin_cpu_supports("avx512bf16");
+  g_screen = on && screen_supported();
 }
 // The row count from which the AVX-512 products prefetch into L2 instead of L1 (see g_l2_prefetch_rows).
 __attribute__((visibility("default"))) int64_t ddd_l2_prefetch_rows() { return g_l2_prefetch_rows; }
