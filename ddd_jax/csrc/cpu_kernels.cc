@@ -1532,12 +1532,49 @@ struct ScreenCall {
   }
 };
 
-// Column v of the exact panels (width pw) times x: the fma chain over k from zero of every panel kernel.
-DDD_AVX2 float exact_logit(const float* x, const float* w, int64_t K, int64_t pw, int64_t v) {
-  const float* col = w + (v / pw) * K * pw + v % pw;
-  float acc = 0.0f;
-  for (int64_t k = 0; k < K; ++k) acc = __builtin_fmaf(x[k], col[k * pw], acc);
-  return acc;
+// Exact logits of 16 columns of NB (row, group) items at once: per lane the fma chain over k from zero of every
+// panel kernel (acc = fma(x[k], w[k, v], acc)), NB independent chains so their latencies overlap, each stream
+// prefetched kExactAhead k rows ahead (a group's k rows are pw floats apart: one cache line each).
+constexpr int64_t kExactAhead = 16;
+template <int NB>
+DDD_AVX512 void exact_group_tile(const float* x, const float* w, int64_t K, int64_t pw, int64_t G16,
+                                 const int64_t* items, float* out) {
+  const float* xr[NB];
+  const float* col[NB];
+  __m512 acc[NB];
+  DDD_UNROLL for (int b = 0; b < NB; ++b) {
+    const int64_t m = items[b] / G16, v = (items[b] % G16) * 16;
+    xr[b] = x + m * K;
+    col[b] = w + (v / pw) * K * pw + v % pw;
+    acc[b] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    if (k + kExactAhead < K)
+      DDD_UNROLL for (int b = 0; b < NB; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(col[b] + (k + kExactAhead) * pw), _MM_HINT_T0);
+    DDD_UNROLL for (int b = 0; b < NB; ++b)
+      acc[b] = _mm512_fmadd_ps(_mm512_set1_ps(xr[b][k]), _mm512_loadu_ps(col[b] + k * pw), acc[b]);
+  }
+  DDD_UNROLL for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + 16 * b, acc[b]);
+}
+
+// out[16 i + j] = the exact logit of row items[i] / G16, column 16 (items[i] % G16) + j, for i < n (x [M, K] and
+// the panels w [P, K, pw] of the product; pw a multiple of 16, so a group lies in one panel, padded past N). Four
+// items a tile; over the helpers when there are many (a screen too loose for a row yields hundreds).
+DDD_AVX512 void exact_groups(ffi::ThreadPool& pool, const float* x, const float* w, int64_t K, int64_t pw,
+                             int64_t G16, const int64_t* items, int64_t n, float* out) {
+  constexpr int64_t kTile = 4;
+  auto tile = [=](int64_t i0) {
+    switch (std::min<int64_t>(kTile, n - i0)) {
+      case 4: return exact_group_tile<4>(x, w, K, pw, G16, items + i0, out + 16 * i0);
+      case 3: return exact_group_tile<3>(x, w, K, pw, G16, items + i0, out + 16 * i0);
+      case 2: return exact_group_tile<2>(x, w, K, pw, G16, items + i0, out + 16 * i0);
+      default: return exact_group_tile<1>(x, w, K, pw, G16, items + i0, out + 16 * i0);
+    }
+  };
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  const int64_t threads = tiles >= 4 ? pool_threads(pool) : 1;
+  parallel_chunks(threads, tiles, [&](int64_t t) { tile(t * kTile); });
 }
 
 // x [..., K] float32, w [L, P, K, W] float32 (the exact panels) at `layer`, s [P48, K2, 96] int8 (the screen
@@ -1585,29 +1622,53 @@ ffi::Error LinearPanelsGreedyScreened(ffi::ThreadPool pool, ffi::Buffer<ffi::F32
   c.out = p.out;
   c.ranges = ranges.data();
   for_column_chunks(pool, M, K, N, kScreenCols, p.out, [&c](int64_t n0, int64_t n1) { c.columns(n0, n1); });
-  std::vector<int32_t> cand;
+  // Every row's candidates (a row with more than kMaxCandidates: the exact kernel for every row), and the
+  // (row, 16-column group) pairs that hold them ...
+  const int64_t G16 = (N + 15) / 16;
+  thread_local std::vector<int32_t> cand;       // the rows' candidates, row after row, each row's in column order
+  thread_local std::vector<int64_t> row_start;  // [M + 1]: row m's candidates are cand[row_start[m]:row_start[m + 1]]
+  thread_local std::vector<int64_t> items;      // m * G16 + g: row m's exact logits of columns [16 g, 16 g + 16)
+  cand.clear();
+  items.clear();
+  row_start.assign(static_cast<size_t>(M + 1), 0);
   for (int64_t m = 0; m < M; ++m) {
+    const size_t first = cand.size();
+    row_start[m] = static_cast<int64_t>(first);
     float L = -INFINITY;
     for (int64_t q = 0; q < P48; ++q)
       if (ranges[q * M + m].used) L = std::max(L, ranges[q * M + m].lo);
-    cand.clear();
     for (int64_t q = 0; q < P48; ++q) {
       const ScreenRange& r = ranges[q * M + m];
       if (!r.used || !(r.bad || r.hi >= L)) continue;
       int64_t q1 = q + 1;  // the chunk's end: the next used slot
       while (q1 < P48 && !ranges[q1 * M + m].used) ++q1;
       c.candidates(m, q * kScreenCols, std::min(N, q1 * kScreenCols), L, cand);
-      if (static_cast<int64_t>(cand.size()) > kMaxCandidates) break;
+      if (static_cast<int64_t>(cand.size() - first) > kMaxCandidates) break;
     }
-    if (static_cast<int64_t>(cand.size()) > kMaxCandidates) {  // a bound too loose to pay: the exact kernel
+    if (static_cast<int64_t>(cand.size() - first) > kMaxCandidates) {  // a bound too loose to pay: the exact kernel
       greedy_exact(pool, p, id);
       return ffi::Error::Success();
     }
+    for (size_t i = first; i < cand.size(); ++i) {
+      const int64_t it = m * G16 + cand[i] / 16;
+      if (items.empty() || items.back() != it) items.push_back(it);
+    }
+  }
+  row_start[M] = static_cast<int64_t>(cand.size());
+  // ... their exact logits, 16 columns at a time ...
+  thread_local std::vector<float> exact;
+  exact.resize(items.size() * 16);
+  exact_groups(pool, p.x, p.w, K, p.pw, G16, items.data(), static_cast<int64_t>(items.size()), exact.data());
+  // ... and each row's first maximum among its candidates.
+  size_t it = 0;
+  for (int64_t m = 0; m < M; ++m) {
     float best = 0.0f;
     int32_t at = -1;
     bool nan = false;
-    for (int32_t v : cand) {
-      const float a = exact_logit(p.x + m * K, p.w, K, p.pw, v);
+    for (int64_t i = row_start[m]; i < row_start[m + 1]; ++i) {
+      const int32_t v = cand[i];
+      while (items[it] != m * G16 + v / 16) ++it;
+      const float a = exact[it * 16 + v % 16];
       nan |= std::isnan(a);
       if (at < 0 || a > best) {
         best = a;
