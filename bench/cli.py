@@ -108,6 +108,9 @@ def add_parser(subparsers) -> None:
     b.add_argument("--cost-context", type=int, default=256, help="tokens already in the KV cache")
     b.add_argument("--cost-logits", action="store_true",
                    help="time forwards that return full logits (sampling's verification) instead of greedy tokens")
+    b.add_argument("--cost-inputs", choices=("decoded", "synthetic"), default="decoded",
+                   help="what the cost curve verifies: tokens the target decoded greedily after a chat prompt, over "
+                        "a cache of its own decoded context (default), or token ids 0..n-1 over a zero cache")
     b.add_argument("--op-profile", action="store_true",
                    help="only profile the decode loops op by op (jax.profiler) for --methods (default vanilla,"
                         "ddd-device) on --limit prompts: ms per target call by group and by HLO op")
@@ -292,7 +295,7 @@ def run_bench(args) -> int:
         from .cost import cost_curve
         target, draft, draft_name = load_models(args, need_draft=args.draft != "none")
         res = cost_curve(target, draft, sizes=args.cost_sizes, context=args.cost_context, repeat=max(args.repeat, 5),
-                         progress=not args.no_progress, logits=args.cost_logits)
+                         progress=not args.no_progress, logits=args.cost_logits, inputs=args.cost_inputs)
         res["draft"] = draft_name
         from .run import environment
         res["env"] = environment()  # load average, CPU kernels on/off, commit

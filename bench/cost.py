@@ -4,6 +4,12 @@ This is what decides tree sizes: a tree of N tokens pays t(N) per target call an
 tau(N) * t(1) > t(N) + draft time. On accelerators t(N) is flat up to a large N; on CPU it grows quickly.
 The draft-step curve (one head forward + projection onto the head's draft vocabulary for a beam of k tokens,
 as `drafting.draft_step` runs it) prices each draft step.
+
+What is verified is, by default, what decoding verifies: the cache holds `context` tokens the target itself decoded
+greedily after a chat prompt, and the n tokens are the next ones it decodes (`inputs="decoded"`). The forward's cost
+depends on its inputs where the greedy lm_head is screened (`kernels.greedy_screened` recomputes the columns its
+int8 copy cannot rule out): over a zero cache and the token ids 0..n-1 (`inputs="synthetic"`, what this curve timed
+until 2026-11-26) SmolLM2's rows had 6-240 such columns; over decoded text ~5 on average.
 """
 from __future__ import annotations
 
@@ -49,8 +55,38 @@ def _draft_step(dparams, dcfg, tparams, tcfg, cache, tokens, feats, positions, m
     return draft_logits(dparams, tparams, tcfg, h, dcfg), with_length(new, cache.length)
 
 
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _greedy_step(params, cfg, cache, tokens, positions):
+    out = llama.forward(params, cfg, tokens, positions, cache, return_logits=False, greedy=True)
+    return out.greedy[:, -1], out.cache
+
+
+COST_PROMPT = "Write a detailed essay on the history of the printing press and how it changed Europe."
+
+
+def decoded_inputs(target, n: int, capacity: int, dtype):
+    """(ids [n], cache): the first n tokens of a greedy decode by the target itself -- a chat prompt (`COST_PROMPT`;
+    the token ids 1..8 for a target without a tokenizer) and its continuation, end-of-turn tokens included -- and
+    a cache of `capacity` slots holding all of them."""
+    cfg = target.config
+    prompt = target.encode_chat([{"role": "user", "content": COST_PROMPT}]) if target.tokenizer is not None \
+        else [1 + i % (cfg.vocab_size - 1) for i in range(8)]
+    prompt = prompt[:n]
+    if n > capacity:
+        raise ValueError(f"{n} decoded tokens exceed capacity={capacity}")
+    cache = llama.new_cache(cfg, 1, capacity, dtype)
+    ids = list(prompt)
+    nxt, cache = _greedy_step(target.params, cfg, cache, jnp.asarray([prompt], jnp.int32),
+                              jnp.arange(len(prompt), dtype=jnp.int32)[None])
+    while len(ids) < n:
+        ids.append(int(nxt[0]))
+        p = jnp.full((1, 1), len(ids) - 1, jnp.int32)
+        nxt, cache = _greedy_step(target.params, cfg, cache, jnp.asarray([[ids[-1]]], jnp.int32), p)
+    return np.asarray(ids, np.int32), cache
+
+
 def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capacity: int | None = None,
-               repeat: int = 5, progress: bool = False, logits: bool = False) -> dict:
+               repeat: int = 5, progress: bool = False, logits: bool = False, inputs: str = "decoded") -> dict:
     """Median wall time of one target forward over n new tokens (tree-masked like verification) for n in
     `sizes`, with `context` tokens already in a cache of `capacity` slots (default: context + 256, rounded
     up to 256 like the benchmark's shared capacity). With a draft, also one draft step over a beam of n tokens.
@@ -60,23 +96,34 @@ def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capa
     Every size is compiled and run once first; then `repeat` rounds each time every size once, in order, so all
     sizes see the same stretch of the machine (a CPU VM's memory speed drifts over tens of seconds: timing the
     sizes one after another put t(1) and t(16) in different phases and moved their ratio by ~10%). Each row
-    also gets `target_rel_1_rounds`: t(n) / t(1) within each round."""
+    also gets `target_rel_1_rounds`: t(n) / t(1) within each round.
+
+    inputs: "decoded" (default) -- the cache holds `context` tokens the target decoded greedily and the n tokens
+    are the next ones it decodes (`decoded_inputs`), as in decoding; "synthetic" -- a zero cache and the token ids
+    0..n-1 (the screened lm_head then recomputes many more columns: see the module docstring)."""
     cfg = target.config
     capacity = capacity or -(-(context + 256) // 256) * 256
     if context + max(sizes) > capacity:
         raise ValueError(f"context={context} + {max(sizes)} tokens exceed capacity={capacity}")
     if repeat < 1:
         raise ValueError(f"repeat={repeat}: need at least one timed round")
+    if inputs not in ("decoded", "synthetic"):
+        raise ValueError(f"inputs must be 'decoded' or 'synthetic', got {inputs!r}")
     dtype = target.params["embed"].dtype
     length = lambda: jnp.full((1,), context, jnp.int32)  # noqa: E731  (a fresh buffer each: caches are donated)
     # one target cache and one draft cache, threaded through every call (donated, handed back at `context`)
-    caches = {"target": with_length(llama.new_cache(cfg, 1, capacity, dtype), length())}
+    if inputs == "decoded":
+        ids, cache = decoded_inputs(target, context + max(sizes), capacity, dtype)
+        verified = ids[context:]
+    else:
+        cache, verified = llama.new_cache(cfg, 1, capacity, dtype), np.arange(max(sizes), dtype=np.int32)
+    caches = {"target": with_length(cache, length())}
     if draft is not None:
         caches["draft"] = with_length(new_draft_cache(draft.config, 1, capacity, dtype), length())
         dparams = draft.decode_params()
 
     def calls(n):
-        toks = jnp.asarray(np.arange(n, dtype=np.int32)[None] % cfg.vocab_size)
+        toks = jnp.asarray(verified[None, :n] % cfg.vocab_size)
         pos = context + jnp.arange(n, dtype=jnp.int32)[None]
         mask = causal_mask(1, n)
 
@@ -127,5 +174,5 @@ def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capa
     from ddd_jax.quant import describe
     return {"format": "ddd-jax-cost-curve", "target": target.name, "context": context, "capacity": capacity,
             "repeat": repeat, "interleaved": True, "dtype": str(dtype), "weights": describe(target.params),
-            "forward": "logits" if logits else "greedy tokens",
+            "forward": "logits" if logits else "greedy tokens", "inputs": inputs,
             "rows": rows}

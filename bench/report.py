@@ -133,7 +133,9 @@ def cost_table(result: dict) -> str:
                  + (f", load {load[0]:.1f}" if load else ""))
     weights = f" ({result['weights']})" if result.get("weights") else ""
     forward = f", forwards returning {result['forward']}" if result.get("forward") else ""
-    return (f"cost curve: target `{result['target']}`{weights}{forward}, context {result['context']} in a cache of "
-            f"{result['capacity']} slots{extra}\n"
+    inputs = {"decoded": ", verifying its own greedy tokens after a decoded context",
+              "synthetic": ", verifying token ids 0..n-1 after a zero cache"}.get(result.get("inputs"), "")
+    return (f"cost curve: target `{result['target']}`{weights}{forward}{inputs}, context {result['context']} in a "
+            f"cache of {result['capacity']} slots{extra}\n"
             + _table(["tokens", "target ms", "x one token (break-even tau)", "x one token, per round",
                       "draft step ms (beam of n)"], rows))

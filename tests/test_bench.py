@@ -324,6 +324,25 @@ def test_cost_curve(tiny, tmp_path):
     assert res["weights"] == quant.describe(target.params) and f"({res['weights']})" in report.cost_table(res)
     assert res["forward"] == "greedy tokens" and "forwards returning greedy tokens" in report.cost_table(res)
     assert cost_curve(target, None, sizes=(2,), context=16, repeat=1, logits=True)["forward"] == "logits"
+    assert res["inputs"] == "decoded" and "its own greedy tokens" in report.cost_table(res)
+    syn = cost_curve(target, None, sizes=(2,), context=16, repeat=1, inputs="synthetic")
+    assert syn["inputs"] == "synthetic" and "token ids 0..n-1" in report.cost_table(syn)
+    with pytest.raises(ValueError, match="inputs must be"):
+        cost_curve(target, None, sizes=(1,), context=16, repeat=1, inputs="random")
+
+
+def test_cost_curve_decodes_its_inputs_greedily(tiny):
+    """decoded_inputs: the prompt, then the target's own greedy tokens (vanilla `generate`'s, up to an end-of-turn
+    token, where generate stops and the rollout goes on), with every one of them in the cache."""
+    from ddd_jax.bench.cost import decoded_inputs
+    target, _ = tiny
+    ids, cache = decoded_inputs(target, 24, 64, jnp.float32)
+    assert ids.shape == (24,) and int(cache.length[0]) == 24
+    prompt = [int(i) for i in ids[:8]]
+    out = [int(t) for t in ddd_jax.generate(target, None, prompt, max_new_tokens=16, method="vanilla").tokens]
+    assert len(out) > 0 and [int(i) for i in ids[8:8 + len(out)]] == out
+    with pytest.raises(ValueError, match="exceed capacity"):
+        decoded_inputs(target, 65, 64, jnp.float32)
 
 
 def test_mtbench_questions(tmp_path):
