@@ -68,12 +68,12 @@ def decoded_inputs(target, n: int, capacity: int, dtype):
     """(ids [n], cache): the first n tokens of a greedy decode by the target itself -- a chat prompt (`COST_PROMPT`;
     the token ids 1..8 for a target without a tokenizer) and its continuation, end-of-turn tokens included -- and
     a cache of `capacity` slots holding all of them."""
+    if n > capacity:
+        raise ValueError(f"{n} decoded tokens exceed capacity={capacity}")
     cfg = target.config
     prompt = target.encode_chat([{"role": "user", "content": COST_PROMPT}]) if target.tokenizer is not None \
         else [1 + i % (cfg.vocab_size - 1) for i in range(8)]
     prompt = prompt[:n]
-    if n > capacity:
-        raise ValueError(f"{n} decoded tokens exceed capacity={capacity}")
     cache = llama.new_cache(cfg, 1, capacity, dtype)
     ids = list(prompt)
     nxt, cache = _greedy_step(target.params, cfg, cache, jnp.asarray([prompt], jnp.int32),
