@@ -69,6 +69,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare", action="store_true",
                    help="also run vanilla decoding and report whether the tokens are identical and the speed ratio")
+    p.add_argument("--compare-repeat", type=int, default=3,
+                   help="with --compare: timed runs of each, alternating method and vanilla after one warm-up run "
+                        "of each; the medians are reported (a noisy CPU's speed drifts between runs)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--gguf-blocks", action="store_true",
                    help="(GGUF targets) keep the Q4_1 / Q8_0 / Q4_0 matrices as blocks: the same float32 values and "
@@ -87,6 +90,8 @@ def run(args) -> int:
     from . import generate, load_draft, load_target
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.compare_repeat < 1:
+        raise ValueError(f"--compare-repeat must be >= 1, got {args.compare_repeat}")
     tree, ddd, source = tree_and_ddd(args)
     from .sharding import mesh_from_args
     target = load_target(args.target, mesh=mesh_from_args(args), gguf_blocks=args.gguf_blocks,
@@ -114,18 +119,33 @@ def run(args) -> int:
             sys.stdout.flush()
         stream = print_new
 
-    # first call compiles; report steady-state speed by running once to warm up when comparing
+    # first call compiles; when comparing, one warm-up run of each, then --compare-repeat timed runs of each,
+    # alternating, and the median run of each is reported (its stats; the speedup is the ratio of the medians)
     if args.compare:
         generate(target, draft, ids, method=args.method, sync=args.sync, **kw)
         generate(target, None, ids, **kw)
-    res = generate(target, draft, ids, method=args.method, sync=args.sync, stream=stream, **kw)
+    runs, vans = [], []
+    for r in range(args.compare_repeat if args.compare else 1):
+        runs.append(generate(target, draft, ids, method=args.method, sync=args.sync,
+                             stream=stream if r == 0 else None, **kw))
+        if args.compare:
+            vans.append(generate(target, None, ids, **kw))
+
+    def per_token(g):  # decode seconds per token after the first (which the prefill produces)
+        return g.stats["decode_s"] / max(len(g.tokens) - 1, 1)
+
+    def median(gs):
+        return sorted(gs, key=per_token)[(len(gs) - 1) // 2]
+
+    res = median(runs)
     out = {"tokens": res.tokens, "text": res.text, "stats": res.stats,
            "settings": {"tree": tree.__dict__, "ddd": {**ddd.__dict__}, "source": source}}
     if args.compare:
-        van = generate(target, None, ids, **kw)
-        out["vanilla"] = {"identical": van.tokens == res.tokens, "tokens_per_s": van.stats["tokens_per_s"],
-                          "speedup": (van.stats["decode_s"] / max(len(van.tokens) - 1, 1))
-                          / max(res.stats["decode_s"] / max(len(res.tokens) - 1, 1), 1e-9)}
+        van = median(vans)
+        out["vanilla"] = {"identical": all(v.tokens == g.tokens for v, g in zip(vans, runs)),
+                          "tokens_per_s": van.stats["tokens_per_s"],
+                          "speedup": per_token(van) / max(per_token(res), 1e-9), "runs": len(runs),
+                          "speedups": [per_token(v) / max(per_token(g), 1e-9) for v, g in zip(vans, runs)]}
     if args.json:
         print(json.dumps(out))
         return 0
@@ -142,6 +162,8 @@ def run(args) -> int:
     print(line, file=sys.stderr)
     if args.compare:
         v = out["vanilla"]
+        spread = (f" (median of {v['runs']} alternating runs: {min(v['speedups']):.2f}-{max(v['speedups']):.2f}x)"
+                  if v["runs"] > 1 else "")
         print(f"[vanilla] {v['tokens_per_s']:.1f} tok/s; identical tokens: {v['identical']}; "
-              f"speedup {v['speedup']:.2f}x", file=sys.stderr)
+              f"speedup {v['speedup']:.2f}x{spread}", file=sys.stderr)
     return 0
