@@ -61,3 +61,21 @@ def test_no_settings_file_means_paper_defaults(named):
     assert r.stats["settings"]["ddd"] == dataclasses.asdict(DDDConfig())
     assert "no tuned settings" in r.stats["settings"]["source"]
     assert generate(target, None, [1, 2, 3], max_new_tokens=4).stats["settings"] is None
+
+
+@pytest.mark.parametrize("speeds", [(0.81, 0.92), (0.95, 1.05)])
+def test_source_warns_when_the_tuner_found_speculation_slower_than_vanilla(named, speeds):
+    """Settings whose tuning runs measured every speculative method below vanilla (GGUF blocks on this CPU) say so in
+    stats["settings"]["source"]; one method at or above vanilla, and the source carries no warning."""
+    from ddd_jax.settings import tuned_for
+    target, draft = named
+    e2, dd = speeds
+    save_settings({**TUNED, "meta": {"target": target.name, "draft": draft.name, "eagle2": {"speedup": e2, "tau": 1.4},
+                                     "ddd": {"speedup": dd, "tau": 1.4}}}, backend=jax.default_backend())
+    source = tuned_for(target.name, draft.name, jax.default_backend())[1]
+    slower = max(speeds) < 1.0
+    assert ("vanilla decoding is faster here" in source) == slower
+    if slower:
+        assert "EAGLE-2 0.81x, DDD 0.92x of vanilla" in source
+        r = generate(target, draft, prompts(1, seed=5)[0], max_new_tokens=4, method="ddd")
+        assert r.stats["settings"]["source"] == source

@@ -136,7 +136,18 @@ def tuned_for(target_name: str | None, draft_name: str | None, backend: str | No
         if want is not None and want != got:
             return None, f"{where} was tuned for {what} {want!r}, not {got!r}"
     pair = " + ".join(str(x) for x in (meta.get("target"), meta.get("draft")) if x) or "any target"
-    return s, f"tuned for {pair} (settings file {where}{note})"
+    return s, f"tuned for {pair} (settings file {where}{note}){slower_than_vanilla(meta)}"
+
+
+def slower_than_vanilla(meta: dict) -> str:
+    """A warning for `source` when the tuner measured every speculative method slower than vanilla with these
+    settings (e.g. GGUF blocks on a CPU, where one token is cheap and several are not), else ""."""
+    speeds = {m: meta[m]["speedup"] for m in ("eagle2", "ddd") if isinstance(meta.get(m), dict)
+              and isinstance(meta[m].get("speedup"), (int, float))}
+    if not speeds or max(speeds.values()) >= 1.0:
+        return ""
+    said = ", ".join(f"{'EAGLE-2' if m == 'eagle2' else 'DDD'} {v:.2f}x" for m, v in speeds.items())
+    return f"; the tuner measured {said} of vanilla with them: vanilla decoding is faster here"
 
 
 def draft_dtype(target_name: str | None, draft_name: str | None, backend: str | None = None,
