@@ -328,8 +328,8 @@ def dequantize_tree(tree):
 
 def describe(tree) -> str:
     """'float32' (the float dtype of plain weights; ' (panels)' when panel-major, ' (16-column panels)' for
-    16-column ones, ' + int8 screen' when the output projection has one: `panels.screen_of`), or e.g. 'gguf blocks q4_1+q8_0' when any weight is blocks (' (panels)' when they are
-    BlockPanels)."""
+    16-column ones, ' + int8 screen' when the output projection has one: `panels.screen_of`), or e.g.
+    'gguf blocks q4_1+q8_0' when any weight is blocks (' (panels)' when they are BlockPanels)."""
     blocks = [x for x in jax.tree.leaves(tree, is_leaf=is_block) if is_block(x)]
     if blocks:
         layout = " (panels)" if any(isinstance(x, BlockPanels) for x in blocks) else ""

@@ -1370,8 +1370,9 @@ ffi::Error LinearPanelsGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
 // maximum always is one. A row whose x is not finite or has |x| > 1e30, and a column whose bound is not finite
 // (w_v not finite or |w_v| >= 1e7: A_v = inf), are candidates / fall back to the exact kernel, so no exact logit
 // outside the candidates can overflow or be NaN.
-// SmolLM2, 520 final hidden states of vanilla decoding (runs/s22/cand.py, cand8.py): candidates median 1, max 6 with
-// a bfloat16 copy of the weights; ~5 on average, max 39, with the int8 copy. The lm_head alone, alternating
+// SmolLM2, 520 final hidden states of vanilla decoding (runs/s22/cand.py; runs/s23/cand_x8.py with beta as computed
+// here): candidates median 1, max 6 with a bfloat16 copy of the weights; 7 on average, median 4, max 57 with the int8
+// copy (over the cost curve's old synthetic inputs 6 to 240 a row: see exact_groups). The lm_head alone, alternating
 // processes (runs/s22/scr_ab.py): bfloat16 copy / int8 copy, 1 row 1.9-2.3 / 0.8-1.4 ms, 8 rows 2.2-2.7 / 1.5-2.7,
 // 16 rows 3.6-4.3 / 2.8-3.5. (int8 x, vpdpwssd, was faster only up to ~5 rows: half vdpbf16ps's rate here.)
 #define DDD_SCREEN __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c")))
