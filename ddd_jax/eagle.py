@@ -158,7 +158,8 @@ class Draft:
     name: str | None = None  # what it was loaded as (a packaged name or a path): selects tuned settings
     # [V', D] the target's output-embedding rows of the draft vocabulary (derived from d2t once; never saved)
     lm_sub: jax.Array | None = field(init=False, default=None, repr=False)  # in the head's `weight_dtype`
-    # decode_params with the head's matrices and lm_sub panel-major, where the target's are (CPU kernels; never saved)
+    # decode_params with the head's matrices and lm_sub panel-major (float panels, or quant.BlockPanels for a GGUF-block
+    # head), where the target's are (CPU kernels; never saved)
     packed: dict | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self):
@@ -186,6 +187,15 @@ class Draft:
             if self.lm_sub is not None:  # rows: the panels of its transpose, as the target's tied embedding
                 packable = jnp.dtype(self.lm_sub.dtype) in panels.DTYPES  # (not bfloat16)
                 self.packed["lm_sub"] = panels.pack(self.lm_sub, rows=True, width=width) if packable else self.lm_sub
+        elif self.config.head_type == "eagle1" and mesh is None and target_panels:
+            # a GGUF-block head (`astype("q8_0")`): its matrices and vocabulary rows as quantized panels, which the
+            # panel kernel dequantizes in registers (bitwise the float32 panels of the same values), not through
+            # the slower row-block kernel (README, "Heads as blocks too")
+            pack = lambda v: quant.pack_blocks(v) if quant.is_block(v) else v  # noqa: E731
+            self.packed = {**self.params, "fc_w": pack(self.params["fc_w"]),
+                           "layers": {k: pack(v) for k, v in self.params["layers"].items()}}
+            if self.lm_sub is not None:
+                self.packed["lm_sub"] = quant.pack_blocks(self.lm_sub)
 
     @property
     def mesh(self):

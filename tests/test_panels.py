@@ -299,3 +299,37 @@ def test_a_head_drafts_from_panels_where_its_target_has_them(tiny_hf_llama):
     assert {x.width for x in jax.tree.leaves(d16.decode_params(), is_leaf=panels.is_panels)
             if panels.is_panels(x)} == {16}
     assert generate(p16, d16, ids, 16, method="ddd", tree=tree, ddd=ddd).tokens == van.tokens
+
+
+@needs_kernel
+def test_a_gguf_block_head_drafts_from_quantized_panels(tiny_hf_llama):
+    """A head stored as GGUF blocks (`Draft.astype("q8_0")`) bound to a panel-major target drafts from quantized
+    panels (`quant.BlockPanels`: dequantized in registers by the panel kernel) instead of its row blocks: every
+    matrix's product and the draft logits are bitwise those of its float32 twin (the dequantized values) drafting
+    from float32 panels, its `params` stay row blocks, and decoding stays token-identical to vanilla."""
+    from ddd_jax import DDDConfig, TreeConfig, generate, init_draft, load_target
+    from ddd_jax.eagle import draft_logits, with_draft_vocab
+    _, path = tiny_hf_llama()
+    pan = load_target(path, panels=True)
+    V, D = pan.config.vocab_size, pan.config.hidden_size
+    q = with_draft_vocab(init_draft(pan, 0), np.arange(0, V, 2)).astype("q8_0")
+    dq = q.decode_params()
+    mats = {"fc_w": dq["fc_w"], **{k: v for k, v in dq["layers"].items() if isinstance(v, quant.BlockPanels)}}
+    assert set(mats) == {"fc_w", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+    assert all(isinstance(w, quant.BlockPanels) and w.kind == "q8_0" for w in mats.values())
+    assert isinstance(dq["lm_sub"], quant.BlockPanels) and dq["lm_sub"].rows and "d2t" in dq
+    assert quant.is_block(q.params["fc_w"]) and quant.is_block(q.lm_sub)  # the saved form stays row blocks
+    rng = np.random.default_rng(11)
+    for name, w in mats.items():
+        twin = panels.pack(w.dequantize())
+        layer = 0 if name != "fc_w" else None
+        x = jnp.asarray(rng.standard_normal((5, w.shape[-2])), jnp.float32)
+        np.testing.assert_array_equal(np.asarray(layers.linear(x, w, layer)), np.asarray(layers.linear(x, twin, layer)),
+                                      err_msg=name)
+    h = jnp.asarray(rng.standard_normal((3, D)), jnp.float32)
+    twin_sub = panels.pack(q.lm_sub.dequantize(), rows=True)
+    np.testing.assert_array_equal(np.asarray(draft_logits(dq, pan.params, pan.config, h)),
+                                  np.asarray(draft_logits({"lm_sub": twin_sub}, pan.params, pan.config, h)))
+    tree, ddd = TreeConfig(top_k=2, total_tokens=4, depth=2), DDDConfig(check_steps=(1,), threshold=-0.3, max_depth=3)
+    ids = [3, 17, 5, 9, 30, 2, 11]
+    assert generate(pan, q, ids, 16, method="ddd", tree=tree, ddd=ddd).tokens == generate(pan, None, ids, 16).tokens
