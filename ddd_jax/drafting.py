@@ -241,11 +241,21 @@ def draft_in_program(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n
 _begin_jit = jax.jit(begin, static_argnames=("plan", "end_step", "decide"))
 
 
+# sync="host": each program returns the beam's confidence with it, so a check is one device->host read of values
+# already computed (as the paper's `.item()`), not a logsumexp run op by op outside jit (~1 ms a check on CPU,
+# each primitive its own dispatch: README, "Lazy evaluation across frameworks")
+@partial(jax.jit, static_argnames=("plan", "end_step"))
+def _begin_host_jit(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold, *, end_step: int):
+    d = begin(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold, end_step=end_step,
+              decide=False)
+    return d, confidence(d.beam)
+
+
 @partial(jax.jit, static_argnames=("plan", "start_step", "end_step"), donate_argnames=("dcache", "beam"))
 def _segment_jit(tparams, dparams, plan, dcache, base, beam, *, start_step: int, end_step: int):
     dcache, beam, _ = run_steps(dparams, plan, tparams, dcache, base, beam, end_step, jnp.float32(0), decide=False,
                                 start_step=start_step)
-    return dcache, beam
+    return dcache, beam, confidence(beam)
 
 
 def draft_from_host(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold,
@@ -256,15 +266,16 @@ def draft_from_host(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n,
         return _begin_jit(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold,
                           end_step=plan.max_depth)
     steps = plan.check_steps
-    d = _begin_jit(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold, end_step=steps[0],
-                   decide=False)
+    d, conf = _begin_host_jit(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold,
+                              end_step=steps[0])
     dcache, beam = d.dcache, d.beam
     for i, step in enumerate(steps):
-        conf, active = counter.read((confidence(beam), beam.active), draft=True)
+        conf, active = counter.read((conf, beam.active), draft=True)
         keep = _ask_policy(plan.policy, step, conf, active, threshold)
         beam = dataclasses.replace(beam, active=jnp.asarray(keep))
         if not keep.any():
             break
         end = steps[i + 1] if i + 1 < len(steps) else plan.max_depth
-        dcache, beam = _segment_jit(tparams, dparams, plan, dcache, d.base, beam, start_step=step, end_step=end)
+        dcache, beam, conf = _segment_jit(tparams, dparams, plan, dcache, d.base, beam, start_step=step,
+                                          end_step=end)
     return Draft(dcache=dcache, base=d.base, beam=beam, checks=d.checks)

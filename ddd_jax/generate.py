@@ -257,10 +257,11 @@ def _verify(tparams, plan: Plan, s: State, d: drafting.Draft):
     return o.cache, _features(plan, o), acc, key
 
 
-def _commit(plan: Plan, s: State, tcache_new, hidden, acc, key, d: drafting.Draft) -> State:
-    """Keep the accepted path's KV, emit its tokens, and queue its (token, feature) pairs for the next step 0."""
+def _commit(plan: Plan, s: State, tcache_new, hidden, acc, key, d: drafting.Draft, L=None) -> State:
+    """Keep the accepted path's KV, emit its tokens, and queue its (token, feature) pairs for the next step 0.
+    L: [B] the target cache's length before verification (default `s.tcache.length`)."""
     live = ~s.done
-    L = s.tcache.length
+    L = s.tcache.length if L is None else L
     tcache = commit(tcache_new, L, acc.path, acc.n)
     tcache = with_length(tcache, jnp.where(live, tcache.length, L))
     dcache = with_length(d.dcache, jnp.where(live, d.base, s.dcache.length))
@@ -286,8 +287,23 @@ def _cycle(tparams, dparams, plan: Plan, s: State, threshold) -> State:
 
 
 _cycle_jit = jax.jit(_cycle, static_argnames=("plan",), donate_argnames=("s",))
-_verify_jit = jax.jit(_verify, static_argnames=("plan",))
-_commit_jit = jax.jit(_commit, static_argnames=("plan",), donate_argnames=("s", "tcache_new"))
+
+
+# The phases as programs of their own (sync="host", profile=True): the target cache travels apart from the rest of
+# the state (`rest`: the state with tcache None) so that verification can take it donated and write the tree's
+# K/V in place -- undonated, every cycle copied the whole cache (23.6 MB at 512 slots for SmolLM2) -- and the
+# draft's cache reaches the commit donated too.
+def _verify_phase(tparams, plan: Plan, rest: State, tcache: KVCache, d: drafting.Draft):
+    tcache_new, hidden, acc, key = _verify(tparams, plan, dataclasses.replace(rest, tcache=tcache), d)
+    return tcache_new, hidden, acc, key, tcache.length
+
+
+def _commit_phase(plan: Plan, rest: State, L, tcache_new, hidden, acc, key, d: drafting.Draft, dcache) -> State:
+    return _commit(plan, rest, tcache_new, hidden, acc, key, dataclasses.replace(d, dcache=dcache), L=L)
+
+
+_verify_jit = jax.jit(_verify_phase, static_argnames=("plan",), donate_argnames=("tcache",))
+_commit_jit = jax.jit(_commit_phase, static_argnames=("plan",), donate_argnames=("rest", "tcache_new", "dcache"))
 
 
 @partial(jax.jit, static_argnames=("plan",), donate_argnames=("s",))
@@ -479,9 +495,10 @@ def _run_spec(tparams, dparams, plan, s, threshold, loop, counter, clock: _Phase
             d = drafting.draft_from_host(tparams, dparams, plan, s.dcache, s.pend_tok, s.pend_feat, s.pend_n,
                                          threshold, counter)
             clock.lap("draft", d)
-            tc_new, hidden, acc, key = _verify_jit(tparams, plan, s, d)
+            rest = dataclasses.replace(s, tcache=None)
+            tc_new, hidden, acc, key, L = _verify_jit(tparams, plan, rest, s.tcache, d)
             clock.lap("verify", acc)
-            s = _commit_jit(plan, s, tc_new, hidden, acc, key, d)
+            s = _commit_jit(plan, rest, L, tc_new, hidden, acc, key, dataclasses.replace(d, dcache=None), d.dcache)
             clock.lap("commit", s)
         else:
             s = _cycle_jit(tparams, dparams, plan, s, threshold)
