@@ -216,6 +216,10 @@ def run_lazy_eval(target, draft, prompts, *, tree=None, ddd=None, max_new_tokens
     if draft is None:
         raise ValueError("lazy-eval needs a draft head (EAGLE-2 and DDD rows)")
     tree, ddd = tree or TreeConfig(), ddd or DDDConfig()
+    if "torch" in fws and tree.lookup:  # refused before anything runs (the torch side would refuse mid-run)
+        raise ValueError(f"lazy-eval compares the frameworks on one tree, and the torch counterpart drafts from the "
+                         f"head alone: TreeConfig(lookup={tree.lookup}) (context-lookup candidates) is JAX-only; "
+                         "pass lookup=0 or frameworks=('jax',)")
     prompts = normalize_prompts(prompts)
     jdev = jax_device(device) if "jax" in fws else None
     rows = [(fw, m, s) for fw in fws for m, s in ROWS[fw]]

@@ -3,6 +3,7 @@ syncs counted and priced per framework (thin CLI over `ddd_jax.bench.lazy_eval`)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from .cli import DEFAULT_DRAFT, DEFAULT_TARGET, RANDOM_DRAFT, _out_dir, add_tree_flags, load_models, load_prompts, \
@@ -55,6 +56,12 @@ def run_lazy_eval_cli(args) -> int:
     prompts = load_prompts(args)
     args.dtype = None
     tree, ddd, source = resolve_configs(args, backend=args.device)
+    if "torch" in frameworks and tree.lookup:
+        # tuned settings may add context-lookup candidates, which only the JAX side has: both frameworks run the
+        # same tree, so the comparison drafts from the head alone
+        tree = dataclasses.replace(tree, lookup=0)
+        source += "; lookup=0 (the torch counterpart has no context lookup)"
+        print(f"settings: {source}", file=sys.stderr)
     target, draft, draft_name = load_models(args)
     res = run_lazy_eval(target, draft, prompts, tree=tree, ddd=ddd, max_new_tokens=args.max_new_tokens,
                         device=args.device, frameworks=frameworks, profile_prompts=args.profile_prompts,

@@ -220,3 +220,14 @@ def test_library_run_on_token_prompts(tiny):
     assert set(r["sync_cost_us"]) == {"torch"} and "torch_vs_jax" not in r["identity"]
     assert all(x["identical_to_vanilla"] for x in r["rows"]) and r["config"]["prompts"] == 2
     assert r["rows"][1]["draft_ms_per_call"] is None  # no profile pass asked for
+
+
+def test_library_refuses_a_lookup_tree_for_torch_before_running(tiny):
+    """The torch counterpart has no context lookup, so a tree with lookup candidates is refused up front (it used to
+    fail after the JAX rows had run); JAX alone takes it."""
+    import dataclasses
+    target, draft, _ = tiny
+    tree = dataclasses.replace(TREE, lookup=2)
+    with pytest.raises(ValueError, match="lookup=2"):
+        run_lazy_eval(target, draft, PROMPTS[:1], tree=tree, ddd=DDD, max_new_tokens=MAX_NEW, frameworks="jax,torch",
+                      profile_prompts=0, progress=False, sync_rounds=1, warmup=False)
