@@ -59,8 +59,9 @@ def run_lazy_eval_cli(args) -> int:
     if "torch" in frameworks and tree.lookup:
         # tuned settings may add context-lookup candidates, which only the JAX side has: both frameworks run the
         # same tree, so the comparison drafts from the head alone
-        tree = dataclasses.replace(tree, lookup=0)
-        source += "; lookup=0 (the torch counterpart has no context lookup)"
+        n = min(tree.total_tokens, tree.pool_size(ddd.check_steps[0]) + 1)  # what DDD's first stop can still fill
+        tree = dataclasses.replace(tree, lookup=0, total_tokens=n)
+        source += f"; lookup=0, total_tokens={n} (the torch counterpart has no context lookup)"
         print(f"settings: {source}", file=sys.stderr)
     target, draft, draft_name = load_models(args)
     res = run_lazy_eval(target, draft, prompts, tree=tree, ddd=ddd, max_new_tokens=args.max_new_tokens,
