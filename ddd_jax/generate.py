@@ -280,16 +280,20 @@ def _commit(plan: Plan, s: State, tcache_new, hidden, acc, key, d: drafting.Draf
         ctx=ctx)
 
 
-def _cycle(tparams, dparams, plan: Plan, s: State, threshold) -> State:
-    d = drafting.draft_in_program(tparams, dparams, plan, s.dcache, s.pend_tok, s.pend_feat, s.pend_n, threshold)
+def _verify_commit(tparams, plan: Plan, s: State, d: drafting.Draft) -> State:
     tcache_new, hidden, acc, key = _verify(tparams, plan, s, d)
     return _commit(plan, s, tcache_new, hidden, acc, key, d)
+
+
+def _cycle(tparams, dparams, plan: Plan, s: State, threshold) -> State:
+    d = drafting.draft_in_program(tparams, dparams, plan, s.dcache, s.pend_tok, s.pend_feat, s.pend_n, threshold)
+    return _verify_commit(tparams, plan, s, d)
 
 
 _cycle_jit = jax.jit(_cycle, static_argnames=("plan",), donate_argnames=("s",))
 
 
-# The phases as programs of their own (sync="host", profile=True): the target cache travels apart from the rest of
+# The phases as programs of their own (profile=True): the target cache travels apart from the rest of
 # the state (`rest`: the state with tcache None) so that verification can take it donated and write the tree's
 # K/V in place -- undonated, every cycle copied the whole cache (23.6 MB at 512 slots for SmolLM2) -- and the
 # draft's cache reaches the commit donated too.
@@ -302,6 +306,13 @@ def _commit_phase(plan: Plan, rest: State, L, tcache_new, hidden, acc, key, d: d
     return _commit(plan, rest, tcache_new, hidden, acc, key, dataclasses.replace(d, dcache=dcache), L=L)
 
 
+def _verify_commit_host(tparams, plan: Plan, s: State, d: drafting.Draft, dcache) -> State:
+    """sync="host" without the phase clock: the host decides inside the draft only, so verification and commit run
+    as one program (the state and the draft's cache donated)."""
+    return _verify_commit(tparams, plan, s, dataclasses.replace(d, dcache=dcache))
+
+
+_verify_commit_jit = jax.jit(_verify_commit_host, static_argnames=("plan",), donate_argnames=("s", "dcache"))
 _verify_jit = jax.jit(_verify_phase, static_argnames=("plan",), donate_argnames=("tcache",))
 _commit_jit = jax.jit(_commit_phase, static_argnames=("plan",), donate_argnames=("rest", "tcache_new", "dcache"))
 
@@ -494,12 +505,16 @@ def _run_spec(tparams, dparams, plan, s, threshold, loop, counter, clock: _Phase
             clock.start()
             d = drafting.draft_from_host(tparams, dparams, plan, s.dcache, s.pend_tok, s.pend_feat, s.pend_n,
                                          threshold, counter)
-            clock.lap("draft", d)
-            rest = dataclasses.replace(s, tcache=None)
-            tc_new, hidden, acc, key, L = _verify_jit(tparams, plan, rest, s.tcache, d)
-            clock.lap("verify", acc)
-            s = _commit_jit(plan, rest, L, tc_new, hidden, acc, key, dataclasses.replace(d, dcache=None), d.dcache)
-            clock.lap("commit", s)
+            if clock.enabled:
+                clock.lap("draft", d)
+                rest = dataclasses.replace(s, tcache=None)
+                tc_new, hidden, acc, key, L = _verify_jit(tparams, plan, rest, s.tcache, d)
+                clock.lap("verify", acc)
+                s = _commit_jit(plan, rest, L, tc_new, hidden, acc, key, dataclasses.replace(d, dcache=None),
+                                d.dcache)
+                clock.lap("commit", s)
+            else:
+                s = _verify_commit_jit(tparams, plan, s, dataclasses.replace(d, dcache=None), d.dcache)
         else:
             s = _cycle_jit(tparams, dparams, plan, s, threshold)
         shown, finished = _poll(s, plan, counter, stream, shown)

@@ -81,9 +81,10 @@ def test_device_mode_counts_checks_without_syncs():
 
 
 def test_host_phases_take_the_caches_donated_and_read_computed_confidence(monkeypatch):
-    """sync="host" runs the draft, verification and commit as programs of their own. Verification takes the target
-    cache donated (writes the tree's K/V in place: undonated, every cycle copied the whole cache) and the commit
-    the draft's; each check reads a confidence its segment program computed (not a logsumexp run op by op)."""
+    """sync="host" drafts in segments read by the host, then verifies and commits in one program; with the phase
+    clock (profile=True) verification and commit are programs of their own. Either way the target cache and the
+    draft's cache arrive donated (written in place: undonated, every cycle copied the whole target cache), and each
+    check reads a confidence its segment program computed (not a logsumexp run op by op on the host's side)."""
     import importlib
 
     import jax
@@ -92,16 +93,23 @@ def test_host_phases_take_the_caches_donated_and_read_computed_confidence(monkey
     target, draft = tiny_target(), fitted_draft()
     p = prompts(1, seed=3, lo=6, hi=7)[0]
     donated, reads = [], []
-    verify, commit, read = G._verify_jit, G._commit_jit, drafting.SyncCounter.read
+    fused, verify, commit, read = G._verify_commit_jit, G._verify_jit, G._commit_jit, drafting.SyncCounter.read
+    conf = drafting.confidence
+
+    def spy_fused(tparams, plan, s, d, dcache):
+        tcache = s.tcache
+        out = fused(tparams, plan, s, d, dcache)
+        donated.append(("fused", tcache.k.is_deleted() and dcache.k.is_deleted()))
+        return out
 
     def spy_verify(tparams, plan, rest, tcache, d):
         out = verify(tparams, plan, rest, tcache, d)
-        donated.append(("target", tcache.k.is_deleted()))
+        donated.append(("verify", tcache.k.is_deleted()))
         return out
 
     def spy_commit(plan, rest, L, tc_new, hidden, acc, key, d, dcache):
         out = commit(plan, rest, L, tc_new, hidden, acc, key, d, dcache)
-        donated.append(("draft", dcache.k.is_deleted()))
+        donated.append(("commit", dcache.k.is_deleted()))
         return out
 
     def spy_read(self, x, draft=False):
@@ -109,22 +117,24 @@ def test_host_phases_take_the_caches_donated_and_read_computed_confidence(monkey
             reads.append(all(isinstance(a, jax.Array) and a.is_fully_addressable for a in jax.tree.leaves(x)))
         return read(self, x, draft)
 
-    monkeypatch.setattr(G, "_verify_jit", spy_verify)
-    monkeypatch.setattr(G, "_commit_jit", spy_commit)
-    monkeypatch.setattr(drafting.SyncCounter, "read", spy_read)
-    conf = drafting.confidence
-
     def traced_only(beam):
         if not isinstance(beam.score, jax.core.Tracer):
             pytest.fail("confidence computed outside a program, op by op")
         return conf(beam)
 
+    monkeypatch.setattr(G, "_verify_commit_jit", spy_fused)
+    monkeypatch.setattr(G, "_verify_jit", spy_verify)
+    monkeypatch.setattr(G, "_commit_jit", spy_commit)
+    monkeypatch.setattr(drafting.SyncCounter, "read", spy_read)
     monkeypatch.setattr(drafting, "confidence", traced_only)
     ref = generate(target, None, p, max_new_tokens=12)
-    r = generate(target, draft, p, max_new_tokens=12, method="ddd", sync="host", tree=TREE, ddd=DDD)
-    assert r.tokens == ref.tokens
-    assert donated and all(d for _, d in donated) and {k for k, _ in donated} == {"target", "draft"}
-    assert reads and all(reads) and len(reads) == r.stats["draft_syncs"]
+    for profile, programs in ((False, {"fused"}), (True, {"verify", "commit"})):
+        donated.clear(), reads.clear()
+        r = generate(target, draft, p, max_new_tokens=12, method="ddd", sync="host", tree=TREE, ddd=DDD,
+                     profile=profile)
+        assert r.tokens == ref.tokens
+        assert donated and all(d for _, d in donated) and {k for k, _ in donated} == programs, (profile, donated)
+        assert reads and all(reads) and len(reads) == r.stats["draft_syncs"]
 
 
 def test_policy_needs_a_host_sync_mode():
