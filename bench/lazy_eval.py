@@ -194,6 +194,19 @@ def _environment(device: str, torch_models) -> dict:
     return env
 
 
+def without_lookup(tree, ddd):
+    """(tree, why): `tree` without context-lookup candidates, which only the JAX side has (tuned settings may add
+    them), and with `total_tokens` capped at what DDD's first stop can fill without them -- so that both frameworks
+    run one tree -- and a note saying so."""
+    import dataclasses
+
+    from ddd_jax.config import ddd_pool
+    tree = dataclasses.replace(tree, lookup=0)
+    n = min(tree.total_tokens, ddd_pool(tree, ddd) + 1)
+    return dataclasses.replace(tree, total_tokens=n), f"lookup=0, total_tokens={n} (the torch counterpart has no " \
+                                                      "context lookup)"
+
+
 def run_lazy_eval(target, draft, prompts, *, tree=None, ddd=None, max_new_tokens: int = 64, device: str = "cpu",
                   frameworks=FRAMEWORKS, profile_prompts: int = 3, warmup: bool = True, progress: bool = True,
                   torch_compile: bool = False, torch_threads: int | None = None, sync_rounds: int = 40,

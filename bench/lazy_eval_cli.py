@@ -3,7 +3,6 @@ syncs counted and priced per framework (thin CLI over `ddd_jax.bench.lazy_eval`)
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 from .cli import DEFAULT_DRAFT, DEFAULT_TARGET, RANDOM_DRAFT, _out_dir, add_tree_flags, load_models, load_prompts, \
@@ -42,7 +41,7 @@ def add_parser(subparsers) -> None:
 
 
 def run_lazy_eval_cli(args) -> int:
-    from .lazy_eval import check_request, markdown, run_lazy_eval, write_outputs
+    from .lazy_eval import check_request, markdown, run_lazy_eval, without_lookup, write_outputs
     # everything that can be refused is refused before a model is loaded or a file written
     frameworks = check_request(args.frameworks, args.device)
     if args.max_new_tokens < 1:
@@ -57,11 +56,8 @@ def run_lazy_eval_cli(args) -> int:
     args.dtype = None
     tree, ddd, source = resolve_configs(args, backend=args.device)
     if "torch" in frameworks and tree.lookup:
-        # tuned settings may add context-lookup candidates, which only the JAX side has: both frameworks run the
-        # same tree, so the comparison drafts from the head alone
-        n = min(tree.total_tokens, tree.pool_size(ddd.check_steps[0]) + 1)  # what DDD's first stop can still fill
-        tree = dataclasses.replace(tree, lookup=0, total_tokens=n)
-        source += f"; lookup=0, total_tokens={n} (the torch counterpart has no context lookup)"
+        tree, why = without_lookup(tree, ddd)
+        source += f"; {why}"
         print(f"settings: {source}", file=sys.stderr)
     target, draft, draft_name = load_models(args)
     res = run_lazy_eval(target, draft, prompts, tree=tree, ddd=ddd, max_new_tokens=args.max_new_tokens,

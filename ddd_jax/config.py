@@ -398,10 +398,16 @@ class DDDConfig:
         return self.check_steps[0]
 
 
+def ddd_pool(tree: TreeConfig, ddd: DDDConfig) -> int:
+    """The candidate pool at DDD's shallowest stop (its first check step), context-lookup candidates included: a
+    tree drafts at most this many nodes there (`check_tree_for_ddd`)."""
+    return tree.pool_size(ddd.check_steps[0]) + tree.lookup
+
+
 def check_tree_for_ddd(tree: TreeConfig, ddd: DDDConfig) -> None:
     """DDD may stop after its first check step, so the tree's `total_tokens - 1` drafted nodes must fit the
     candidate pool at that depth. The one statement of this rule (generate, settings, bench and tune use it)."""
-    pool = tree.pool_size(ddd.check_steps[0]) + tree.lookup
+    pool = ddd_pool(tree, ddd)
     if tree.total_tokens - 1 > pool:
         raise ValueError(f"total_tokens - 1 = {tree.total_tokens - 1} exceeds the candidate pool at DDD's shallowest "
                          f"stop (step {ddd.check_steps[0]}): {pool} (top_k={tree.top_k}, lookup={tree.lookup})")

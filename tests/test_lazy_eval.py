@@ -231,3 +231,14 @@ def test_library_refuses_a_lookup_tree_for_torch_before_running(tiny):
     with pytest.raises(ValueError, match="lookup=2"):
         run_lazy_eval(target, draft, PROMPTS[:1], tree=tree, ddd=DDD, max_new_tokens=MAX_NEW, frameworks="jax,torch",
                       profile_prompts=0, progress=False, sync_rounds=1, warmup=False)
+    # what the CLI runs instead for tuned settings with a lookup (cpu.json's tree: 7 tokens need the lookup's 4
+    # candidates beside the root's top 4 at DDD's step-0 stop)
+    from ddd_jax.bench.lazy_eval import without_lookup
+    from ddd_jax.config import check_tree_for_ddd
+    cpu, ddd = TreeConfig(top_k=4, total_tokens=7, depth=2, lookup=4), DDDConfig(check_steps=(0, 1, 3, 5))
+    t, why = without_lookup(cpu, ddd)
+    assert (t.lookup, t.total_tokens, t.top_k, t.depth) == (0, 5, 4, 2) and "total_tokens=5" in why
+    check_tree_for_ddd(t, ddd)
+    with pytest.raises(ValueError, match="candidate pool"):
+        check_tree_for_ddd(dataclasses.replace(cpu, lookup=0), ddd)
+    assert without_lookup(dataclasses.replace(cpu, total_tokens=3), ddd)[0].total_tokens == 3  # small trees stay
