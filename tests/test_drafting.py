@@ -80,6 +80,7 @@ def test_device_mode_counts_checks_without_syncs():
     assert r.stats["ddd_checks"] == sum(n_checks(x, DDD.check_steps) for x in r.stats["depth_per_call"]) > 0
 
 
+@pytest.mark.slow  # ~20 s (two host-mode decodes, their programs compiled): make test runs it
 def test_host_phases_take_the_caches_donated_and_read_computed_confidence(monkeypatch):
     """sync="host" drafts in segments read by the host, then verifies and commits in one program; with the phase
     clock (profile=True) verification and commit are programs of their own. Either way the target cache and the

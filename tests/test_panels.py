@@ -302,6 +302,7 @@ def test_a_head_drafts_from_panels_where_its_target_has_them(tiny_hf_llama):
 
 
 @needs_kernel
+@pytest.mark.slow  # ~15 s: make test runs it
 def test_a_gguf_block_head_drafts_from_quantized_panels(tiny_hf_llama):
     """A head stored as GGUF blocks (`Draft.astype("q8_0")`) bound to a panel-major target drafts from quantized
     panels (`quant.BlockPanels`: dequantized in registers by the panel kernel) instead of its row blocks: every
