@@ -244,11 +244,15 @@ _begin_jit = jax.jit(begin, static_argnames=("plan", "end_step", "decide"))
 # sync="host": each program returns the beam's confidence with it, so a check is one device->host read of values
 # already computed (as the paper's `.item()`), not a logsumexp run op by op outside jit (~1 ms a check on CPU,
 # each primitive its own dispatch: README, "Lazy evaluation across frameworks")
-@partial(jax.jit, static_argnames=("plan", "end_step"))
-def _begin_host_jit(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold, *, end_step: int):
-    d = begin(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold, end_step=end_step,
+def begin_host(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold) -> tuple[Draft, jax.Array]:
+    """sync="host": the draft up to its first check step, and that beam's confidence [B] (traceable; `generate`
+    runs it in one program with the previous cycle's verification)."""
+    d = begin(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold, end_step=plan.check_steps[0],
               decide=False)
     return d, confidence(d.beam)
+
+
+_begin_host_jit = jax.jit(begin_host, static_argnames=("plan",))
 
 
 @partial(jax.jit, static_argnames=("plan", "start_step", "end_step"), donate_argnames=("dcache", "beam"))
@@ -258,19 +262,16 @@ def _segment_jit(tparams, dparams, plan, dcache, base, beam, *, start_step: int,
     return dcache, beam, confidence(beam)
 
 
-def draft_from_host(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold,
-                    counter: SyncCounter) -> Draft:
-    """The draft phase driven from a Python loop: one jitted program, or for DDD sync="host" the paper's shape --
-    a segment up to each check step, a counted host read of the confidence, and the host's decision."""
-    if not plan.host_checks:
-        return _begin_jit(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold,
-                          end_step=plan.max_depth)
+def finish_from_host(tparams, dparams, plan, d: Draft, first, threshold, counter: SyncCounter) -> Draft:
+    """sync="host" from the first check on: the host applies the plan's policy to `first` -- the first check's
+    (confidence, active), already read -- and then runs a segment up to each next check and reads its confidence
+    (one counted sync a check) until the policy stops every sequence or the last step is drafted."""
     steps = plan.check_steps
-    d, conf = _begin_host_jit(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold,
-                              end_step=steps[0])
     dcache, beam = d.dcache, d.beam
+    conf, active = first
     for i, step in enumerate(steps):
-        conf, active = counter.read((conf, beam.active), draft=True)
+        if i > 0:
+            conf, active = counter.read((conf, beam.active), draft=True)
         keep = _ask_policy(plan.policy, step, conf, active, threshold)
         beam = dataclasses.replace(beam, active=jnp.asarray(keep))
         if not keep.any():
@@ -279,3 +280,15 @@ def draft_from_host(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n,
         dcache, beam, conf = _segment_jit(tparams, dparams, plan, dcache, d.base, beam, start_step=step,
                                           end_step=end)
     return Draft(dcache=dcache, base=d.base, beam=beam, checks=d.checks)
+
+
+def draft_from_host(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold,
+                    counter: SyncCounter) -> Draft:
+    """The draft phase driven from a Python loop: one jitted program, or for DDD sync="host" the paper's shape --
+    a segment up to each check step, a counted host read of the confidence, and the host's decision."""
+    if not plan.host_checks:
+        return _begin_jit(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold,
+                          end_step=plan.max_depth)
+    d, conf = _begin_host_jit(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold)
+    return finish_from_host(tparams, dparams, plan, d, counter.read((conf, d.beam.active), draft=True), threshold,
+                            counter)

@@ -9,8 +9,12 @@ Loops:
 * speculative ``method="eagle2"`` / ``"ddd"`` with ``sync="device"`` or ``"callback"``: by default the whole
   generation is one jitted `lax.while_loop` over cycles; ``loop="host"`` runs one fused jitted cycle per
   Python iteration (one sync per cycle to read the done flag).
-* ``sync="host"`` (and ``profile=True``): a Python loop over cycles whose phases are separate jitted calls;
-  drafting is `drafting.draft_from_host` (for sync="host": a segment per check and a host read at each).
+* ``sync="host"``: a Python loop in the fewest programs the host's decisions allow -- one per check. A cycle's
+  verification and commit run in one program with the next cycle's draft up to its first check, the host reads
+  that check's confidence together with the done flags (one sync), and each later check is a segment program and
+  a read (`drafting.finish_from_host`).
+* ``profile=True``: a Python loop over cycles whose phases (draft, verify, commit) are separate jitted calls;
+  drafting is `drafting.draft_from_host`.
 
 ``profile=True`` blocks after each phase to split wall time into draft / verify / commit (same tokens; the
 blocking adds time, so use it for the split, not for speed).
@@ -257,14 +261,16 @@ def _verify(tparams, plan: Plan, s: State, d: drafting.Draft):
     return o.cache, _features(plan, o), acc, key
 
 
-def _commit(plan: Plan, s: State, tcache_new, hidden, acc, key, d: drafting.Draft, L=None) -> State:
+def _commit(plan: Plan, s: State, tcache_new, hidden, acc, key, d: drafting.Draft, L=None, dlen=None) -> State:
     """Keep the accepted path's KV, emit its tokens, and queue its (token, feature) pairs for the next step 0.
-    L: [B] the target cache's length before verification (default `s.tcache.length`)."""
+    L: [B] the target cache's length before verification (default `s.tcache.length`); dlen: [B] the draft cache's
+    length before the draft (default `s.dcache.length`)."""
     live = ~s.done
     L = s.tcache.length if L is None else L
+    dlen = s.dcache.length if dlen is None else dlen
     tcache = commit(tcache_new, L, acc.path, acc.n)
     tcache = with_length(tcache, jnp.where(live, tcache.length, L))
-    dcache = with_length(d.dcache, jnp.where(live, d.base, s.dcache.length))
+    dcache = with_length(d.dcache, jnp.where(live, d.base, dlen))
     out, out_len, done, keep = _emit(plan, s.out, s.out_len, s.done, acc.emitted, acc.n)
     feat = jnp.take_along_axis(hidden, acc.path[:, :, None], axis=1)  # [B, M, D]
     root = jnp.take_along_axis(acc.emitted, (acc.n - 1)[:, None], axis=1)[:, 0]
@@ -280,9 +286,9 @@ def _commit(plan: Plan, s: State, tcache_new, hidden, acc, key, d: drafting.Draf
         ctx=ctx)
 
 
-def _verify_commit(tparams, plan: Plan, s: State, d: drafting.Draft) -> State:
+def _verify_commit(tparams, plan: Plan, s: State, d: drafting.Draft, dlen=None) -> State:
     tcache_new, hidden, acc, key = _verify(tparams, plan, s, d)
-    return _commit(plan, s, tcache_new, hidden, acc, key, d)
+    return _commit(plan, s, tcache_new, hidden, acc, key, d, dlen=dlen)
 
 
 def _cycle(tparams, dparams, plan: Plan, s: State, threshold) -> State:
@@ -306,13 +312,18 @@ def _commit_phase(plan: Plan, rest: State, L, tcache_new, hidden, acc, key, d: d
     return _commit(plan, rest, tcache_new, hidden, acc, key, dataclasses.replace(d, dcache=dcache), L=L)
 
 
-def _verify_commit_host(tparams, plan: Plan, s: State, d: drafting.Draft, dcache) -> State:
-    """sync="host" without the phase clock: the host decides inside the draft only, so verification and commit run
-    as one program (the state and the draft's cache donated)."""
-    return _verify_commit(tparams, plan, s, dataclasses.replace(d, dcache=dcache))
+def _verify_commit_begin(tparams, dparams, plan: Plan, s: State, dlen, d: drafting.Draft, dcache, threshold):
+    """sync="host": verify and commit a cycle and draft the next one up to its first check, in one program (the
+    state and the draft's cache donated). The state comes and goes without its draft cache, which travels in the
+    Draft (dlen: [B] its length before that draft, what the commit keeps for finished rows). Returns (state,
+    dlen, the next Draft, its confidence [B])."""
+    s = _verify_commit(tparams, plan, s, dataclasses.replace(d, dcache=dcache), dlen=dlen)
+    d_next, conf = drafting.begin_host(tparams, dparams, plan, s.dcache, s.pend_tok, s.pend_feat, s.pend_n,
+                                       threshold)
+    return dataclasses.replace(s, dcache=None), s.dcache.length, d_next, conf
 
 
-_verify_commit_jit = jax.jit(_verify_commit_host, static_argnames=("plan",), donate_argnames=("s", "dcache"))
+_verify_commit_begin_jit = jax.jit(_verify_commit_begin, static_argnames=("plan",), donate_argnames=("s", "dcache"))
 _verify_jit = jax.jit(_verify_phase, static_argnames=("plan",), donate_argnames=("tcache",))
 _commit_jit = jax.jit(_commit_phase, static_argnames=("plan",), donate_argnames=("rest", "tcache_new", "dcache"))
 
@@ -484,38 +495,64 @@ def _run_vanilla(tparams, plan, s, loop, counter, stream):
             return s
 
 
-def _poll(s: State, plan: Plan, counter: SyncCounter, stream, shown: int):
-    """The one per-cycle host sync of the Python loops: done flags (and new tokens when streaming)."""
-    if stream is None:
-        done, cyc = counter.read((s.done, s.cycle))
-    else:
-        done, cyc, out, n = counter.read((s.done, s.cycle, s.out, s.out_len))
+def _progress(s: State, stream):
+    """What a Python loop reads of the state each cycle: done flags and cycle count (and the output when
+    streaming)."""
+    return (s.done, s.cycle) if stream is None else (s.done, s.cycle, s.out, s.out_len)
+
+
+def _finished(seen, plan: Plan, stream, shown: int):
+    """(tokens shown, whether decoding is over) from `_progress` values read on the host."""
+    done, cyc = seen[0], seen[1]
+    if stream is not None:
+        out, n = seen[2], seen[3]
         stream([int(t) for t in out[0, shown:int(n[0])]])
         shown = int(n[0])
     return shown, bool(done.all()) or int(cyc) >= plan.max_new_tokens
 
 
+def _poll(s: State, plan: Plan, counter: SyncCounter, stream, shown: int):
+    """The one per-cycle host sync of the Python loops: done flags (and new tokens when streaming)."""
+    return _finished(counter.read(_progress(s, stream)), plan, stream, shown)
+
+
+def _run_host_checks(tparams, dparams, plan, s, threshold, counter: SyncCounter, stream):
+    """sync="host" without the phase clock: one program per check. The read of a cycle's first check also reads
+    the done flags the previous cycle's commit left (one sync for both; when decoding is over, that last read is
+    the loop's and the draft it came with is dropped), so the host syncs are the checks plus one."""
+    shown = 0
+    d, conf = drafting._begin_host_jit(tparams, dparams, plan, s.dcache, s.pend_tok, s.pend_feat, s.pend_n,
+                                       threshold)
+    dlen, s = s.dcache.length, dataclasses.replace(s, dcache=None)
+    while True:
+        conf, active, seen = counter.read((conf, d.beam.active, _progress(s, stream)))
+        shown, finished = _finished(seen, plan, stream, shown)
+        if finished:
+            return dataclasses.replace(s, dcache=with_length(d.dcache, dlen))
+        counter.draft += 1  # the read was this cycle's first check
+        d = drafting.finish_from_host(tparams, dparams, plan, d, (conf, active), threshold, counter)
+        s, dlen, d, conf = _verify_commit_begin_jit(tparams, dparams, plan, s, dlen,
+                                                    dataclasses.replace(d, dcache=None), d.dcache, threshold)
+
+
 def _run_spec(tparams, dparams, plan, s, threshold, loop, counter, clock: _PhaseClock, stream):
     if loop == "device" and not clock.enabled:
         return _spec_loop(tparams, dparams, plan, s, threshold)
-    phases = clock.enabled or plan.host_checks  # else one fused jitted cycle per iteration
+    if plan.host_checks and not clock.enabled:
+        return _run_host_checks(tparams, dparams, plan, s, threshold, counter, stream)
     shown = 0
     while True:
-        if phases:
+        if clock.enabled:  # the phases as programs of their own, each timed
             clock.start()
             d = drafting.draft_from_host(tparams, dparams, plan, s.dcache, s.pend_tok, s.pend_feat, s.pend_n,
                                          threshold, counter)
-            if clock.enabled:
-                clock.lap("draft", d)
-                rest = dataclasses.replace(s, tcache=None)
-                tc_new, hidden, acc, key, L = _verify_jit(tparams, plan, rest, s.tcache, d)
-                clock.lap("verify", acc)
-                s = _commit_jit(plan, rest, L, tc_new, hidden, acc, key, dataclasses.replace(d, dcache=None),
-                                d.dcache)
-                clock.lap("commit", s)
-            else:
-                s = _verify_commit_jit(tparams, plan, s, dataclasses.replace(d, dcache=None), d.dcache)
-        else:
+            clock.lap("draft", d)
+            rest = dataclasses.replace(s, tcache=None)
+            tc_new, hidden, acc, key, L = _verify_jit(tparams, plan, rest, s.tcache, d)
+            clock.lap("verify", acc)
+            s = _commit_jit(plan, rest, L, tc_new, hidden, acc, key, dataclasses.replace(d, dcache=None), d.dcache)
+            clock.lap("commit", s)
+        else:  # one fused jitted cycle per iteration
             s = _cycle_jit(tparams, dparams, plan, s, threshold)
         shown, finished = _poll(s, plan, counter, stream, shown)
         if finished:

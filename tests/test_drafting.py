@@ -82,10 +82,11 @@ def test_device_mode_counts_checks_without_syncs():
 
 @pytest.mark.slow  # ~20 s (two host-mode decodes, their programs compiled): make test runs it
 def test_host_phases_take_the_caches_donated_and_read_computed_confidence(monkeypatch):
-    """sync="host" drafts in segments read by the host, then verifies and commits in one program; with the phase
-    clock (profile=True) verification and commit are programs of their own. Either way the target cache and the
-    draft's cache arrive donated (written in place: undonated, every cycle copied the whole target cache), and each
-    check reads a confidence its segment program computed (not a logsumexp run op by op on the host's side)."""
+    """sync="host" runs one program per check: a cycle's verification and commit share a program with the next
+    cycle's draft up to its first check, whose read also brings the done flags (host syncs = checks + 1). With the
+    phase clock (profile=True) verification and commit are programs of their own. Either way the target cache and
+    the draft's cache arrive donated (written in place: undonated, every cycle copied the whole target cache), and
+    each read is of values a program computed (not a logsumexp run op by op on the host's side)."""
     import importlib
 
     import jax
@@ -94,12 +95,12 @@ def test_host_phases_take_the_caches_donated_and_read_computed_confidence(monkey
     target, draft = tiny_target(), fitted_draft()
     p = prompts(1, seed=3, lo=6, hi=7)[0]
     donated, reads = [], []
-    fused, verify, commit, read = G._verify_commit_jit, G._verify_jit, G._commit_jit, drafting.SyncCounter.read
+    fused, verify, commit, read = G._verify_commit_begin_jit, G._verify_jit, G._commit_jit, drafting.SyncCounter.read
     conf = drafting.confidence
 
-    def spy_fused(tparams, plan, s, d, dcache):
+    def spy_fused(tparams, dparams, plan, s, dlen, d, dcache, threshold):
         tcache = s.tcache
-        out = fused(tparams, plan, s, d, dcache)
+        out = fused(tparams, dparams, plan, s, dlen, d, dcache, threshold)
         donated.append(("fused", tcache.k.is_deleted() and dcache.k.is_deleted()))
         return out
 
@@ -113,9 +114,8 @@ def test_host_phases_take_the_caches_donated_and_read_computed_confidence(monkey
         donated.append(("commit", dcache.k.is_deleted()))
         return out
 
-    def spy_read(self, x, draft=False):
-        if draft:  # (confidence [B], active [B]): arrays a program returned, nothing left to compute
-            reads.append(all(isinstance(a, jax.Array) and a.is_fully_addressable for a in jax.tree.leaves(x)))
+    def spy_read(self, x, draft=False):  # arrays a program returned, nothing left to compute
+        reads.append((draft, all(isinstance(a, jax.Array) and a.is_fully_addressable for a in jax.tree.leaves(x))))
         return read(self, x, draft)
 
     def traced_only(beam):
@@ -123,7 +123,7 @@ def test_host_phases_take_the_caches_donated_and_read_computed_confidence(monkey
             pytest.fail("confidence computed outside a program, op by op")
         return conf(beam)
 
-    monkeypatch.setattr(G, "_verify_commit_jit", spy_fused)
+    monkeypatch.setattr(G, "_verify_commit_begin_jit", spy_fused)
     monkeypatch.setattr(G, "_verify_jit", spy_verify)
     monkeypatch.setattr(G, "_commit_jit", spy_commit)
     monkeypatch.setattr(drafting.SyncCounter, "read", spy_read)
@@ -133,9 +133,16 @@ def test_host_phases_take_the_caches_donated_and_read_computed_confidence(monkey
         donated.clear(), reads.clear()
         r = generate(target, draft, p, max_new_tokens=12, method="ddd", sync="host", tree=TREE, ddd=DDD,
                      profile=profile)
+        st = r.stats
         assert r.tokens == ref.tokens
         assert donated and all(d for _, d in donated) and {k for k, _ in donated} == programs, (profile, donated)
-        assert reads and all(reads) and len(reads) == r.stats["draft_syncs"]
+        assert reads and all(ok for _, ok in reads) and len(reads) == st["host_syncs"]
+        if profile:  # a read per check, then one of the done flags per cycle
+            assert sum(d for d, _ in reads) == st["draft_syncs"] == st["ddd_checks"]
+            assert st["host_syncs"] == st["draft_syncs"] + st["target_calls"]
+        else:  # a cycle's first check reads the done flags too; the last read finds decoding over
+            assert st["draft_syncs"] == st["ddd_checks"] == st["host_syncs"] - 1
+            assert len(donated) == st["target_calls"]
 
 
 def test_policy_needs_a_host_sync_mode():
