@@ -145,6 +145,22 @@ def test_host_phases_take_the_caches_donated_and_read_computed_confidence(monkey
             assert len(donated) == st["target_calls"]
 
 
+@pytest.mark.parametrize("method,sync,profile", [("vanilla", "device", False), ("ddd", "device", False),
+                                                  ("ddd", "host", False), ("ddd", "host", True)])
+def test_stream_delivers_every_token_once_in_order(method, sync, profile):
+    """`stream` (which runs the Python loops) hands over each new token once, in order, by the end all of them --
+    also where the host mode reads the done flags and the output with a cycle's first check."""
+    target, draft = tiny_target(), fitted_draft()
+    p = prompts(1, seed=5, lo=6, hi=7)[0]
+    kw = dict(max_new_tokens=12, method=method, sync=sync, tree=TREE, ddd=DDD)
+    d = None if method == "vanilla" else draft
+    ref = generate(target, d, p, **kw)
+    chunks = []
+    r = generate(target, d, p, stream=chunks.append, profile=profile, **kw)
+    assert [t for c in chunks for t in c] == r.tokens == ref.tokens
+    assert len(chunks) >= r.stats["target_calls"] // 2 and sum(map(len, chunks)) == len(ref.tokens)
+
+
 def test_policy_needs_a_host_sync_mode():
     target, draft = tiny_target(), fitted_draft()
     with pytest.raises(ValueError, match="policy runs on the host"):
