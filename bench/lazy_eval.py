@@ -7,7 +7,9 @@ prompt to prompt) after an untimed warm-up per row and prompt bucket (JAX compil
 profile pass on a few prompts splits time per target call into draft / verify (JAX: `profile=True`, blocking after
 each phase; torch: eager phases, synchronised on CUDA). `sync_cost_us` is the cost of one device->host read of a
 scalar right after a step of real work (a draft step's vocabulary projection + DDD's confidence), per framework
-(`sync_cost`).
+(`sync_cost`). `loop_cost` (JAX) prices the other half of a host-driven loop: DDD with device sync run as one
+program per cycle from a Python loop, against the same cycles inside one on-device loop, on the profile prompts
+(`loop_cost`).
 
 The result (`lazy_eval.json`) is a contract read by other tools: `rows` (one per framework x method x sync, with
 ROW_FIELDS) and `sync_cost_us` {"jax": us, "torch": us}; see `ROW_FIELDS`.
@@ -170,6 +172,33 @@ def torch_sync_loop(work, device, k: int = 4):
     return loop
 
 
+def loop_cost(decode, prompt_ids: list, rounds: int = 2) -> dict:
+    """What driving decoding from the host costs beyond its reads: decode(ids, loop) -> a `generate` result of DDD
+    with device sync, loop "host" (one jitted program per cycle and one read of the done flags) or "device" (the
+    whole generation one jitted loop). Each prompt runs once untimed per loop (compiles), then `rounds` rounds,
+    the two loops alternating which goes first. Returns {"host_loop_ms_per_call", "device_loop_ms_per_call",
+    "ms_per_call" (their difference: a program boundary and a read per target call), "identical" (the same
+    tokens), "prompts", "rounds"}."""
+    loops = ("host", "device")
+    ref = {}
+    for i, ids in enumerate(prompt_ids):
+        for lp in loops:
+            ref[(i, lp)] = decode(ids, lp).tokens
+    secs, calls = dict.fromkeys(loops, 0.0), dict.fromkeys(loops, 0)
+    identical = all(ref[(i, "host")] == ref[(i, "device")] for i in range(len(prompt_ids)))
+    for r in range(rounds):
+        for i, ids in enumerate(prompt_ids):
+            for lp in (loops if (r + i) % 2 == 0 else loops[::-1]):
+                res = decode(ids, lp)
+                secs[lp] += res.stats["decode_s"]
+                calls[lp] += res.stats["target_calls"]
+                identical = identical and res.tokens == ref[(i, lp)]
+    ms = {lp: 1e3 * secs[lp] / calls[lp] if calls[lp] else None for lp in loops}
+    diff = ms["host"] - ms["device"] if None not in ms.values() else None
+    return {"host_loop_ms_per_call": ms["host"], "device_loop_ms_per_call": ms["device"], "ms_per_call": diff,
+            "identical": identical, "prompts": len(prompt_ids), "rounds": rounds}
+
+
 # ----------------------------------------------------------------------------------------------- the run
 def _progress(total: int, enabled: bool, desc: str):
     if not enabled:
@@ -210,12 +239,14 @@ def without_lookup(tree, ddd):
 def run_lazy_eval(target, draft, prompts, *, tree=None, ddd=None, max_new_tokens: int = 64, device: str = "cpu",
                   frameworks=FRAMEWORKS, profile_prompts: int = 3, warmup: bool = True, progress: bool = True,
                   torch_compile: bool = False, torch_threads: int | None = None, sync_rounds: int = 40,
-                  chat: bool = True, tie_tol: float = 1e-2,
+                  loop_rounds: int = 2, chat: bool = True, tie_tol: float = 1e-2,
                   target_name: str | None = None, draft_name: str | None = None, notes: dict | None = None) -> dict:
     """Run vanilla, EAGLE-2 and DDD in JAX and PyTorch on `prompts` (see module docstring); returns the JSON dict.
 
     prompts: as `bench.run.normalize_prompts` (token ids, strings, or {"id", "category", "turns"}); the first turn
-    is used. Keys: format, env, config, sync_cost_us, sync_cost, rows, identity, records."""
+    is used. loop_rounds: rounds of `loop_cost` on the profile prompts (JAX; 0, or no profile prompts: none).
+    Keys: format, env, config, sync_cost_us, sync_cost, loop_cost (None without JAX or its prompts), rows,
+    identity, records."""
     import jax
 
     from ddd_jax.config import DDDConfig, TreeConfig
@@ -294,6 +325,15 @@ def run_lazy_eval(target, draft, prompts, *, tree=None, ddd=None, max_new_tokens
             if bar is not None:
                 bar.close()
         profiles = _profiles(run, rows, ids_list[:profile_prompts], progress)
+        loops = None
+        if "jax" in fws and loop_rounds > 0 and profile_prompts > 0:
+            import ddd_jax
+
+            def decode(ids, loop):
+                return ddd_jax.generate(target, draft, ids, capacity=capacity, max_new_tokens=max_new_tokens,
+                                        method="ddd", sync="device", tree=tree, ddd=ddd, loop=loop)
+
+            loops = loop_cost(decode, ids_list[:profile_prompts], loop_rounds)
         identity = _identity(target, records, fws, tie_tol)
     out_rows = [_summarize(row, records, profiles.get(row), identity, costs) for row in rows]
     return {
@@ -311,6 +351,7 @@ def run_lazy_eval(target, draft, prompts, *, tree=None, ddd=None, max_new_tokens
         "sync_cost": {"work": "h = tanh(x @ A); conf = logsumexp(topk(log_softmax(h @ W.T), k)) with A [D, D] and W "
                               "the draft's output rows [V', D]; cost = median over rounds of (time of `steps` steps reading "
                               "conf after every step - the same steps reading once at the end) / steps", **costs},
+        "loop_cost": loops,
         "rows": out_rows,
         "identity": identity,
         "records": records,
@@ -444,9 +485,17 @@ def markdown(result: dict) -> str:
                     "same tokens as JAX", "same depths as JAX"], rows)
     costs = ", ".join(f"{fw} {v['us']:.0f} µs (quartiles {v['p25_us']:.0f} .. {v['p75_us']:.0f} µs; step of work "
                       f"{v['step_us']:.0f} µs)" for fw, v in result["sync_cost"].items() if isinstance(v, dict))
-    return "\n".join([head, "", table, "", f"cost of one device->host sync of a scalar after a step of work: {costs}",
-                      "draft/verify ms per call: profile pass (first "
-                      f"{c['profile_prompts']} prompts); vanilla: one target forward per call"])
+    lines = [head, "", table, "", f"cost of one device->host sync of a scalar after a step of work: {costs}"]
+    lc = result.get("loop_cost")
+    if lc and lc.get("ms_per_call") is not None:
+        lines.append(f"jax, DDD device sync from a Python loop (one program and one read a cycle) against its "
+                     f"on-device loop: {lc['host_loop_ms_per_call']:.2f} against "
+                     f"{lc['device_loop_ms_per_call']:.2f} ms a target call ({lc['ms_per_call']:+.2f} ms; first "
+                     f"{lc['prompts']} prompts, {lc['rounds']} rounds" + ("" if lc["identical"] else "; TOKENS DIFFER")
+                     + ")")
+    lines.append(f"draft/verify ms per call: profile pass (first {c['profile_prompts']} prompts); vanilla: one target "
+                 "forward per call")
+    return "\n".join(lines)
 
 
 def write_outputs(result: dict, out_dir) -> list[Path]:

