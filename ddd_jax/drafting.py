@@ -62,6 +62,11 @@ class SyncCounter:
         from .sharding import to_host  # arrays sharded over several processes: the whole value on each
         return jax.tree.map(to_host, x)
 
+    def count_draft(self):
+        """Count the last read as a draft sync too: a read that turned out to serve a DDD check (sync="host" reads
+        a cycle's first check with the loop's done flags)."""
+        self.draft += 1
+
 
 @jax.tree_util.register_dataclass
 @dataclass

@@ -529,7 +529,7 @@ def _run_host_checks(tparams, dparams, plan, s, threshold, counter: SyncCounter,
         shown, finished = _finished(seen, plan, stream, shown)
         if finished:
             return dataclasses.replace(s, dcache=with_length(d.dcache, dlen))
-        counter.draft += 1  # the read was this cycle's first check
+        counter.count_draft()  # the read was this cycle's first check
         d = drafting.finish_from_host(tparams, dparams, plan, d, (conf, active), threshold, counter)
         s, dlen, d, conf = _verify_commit_begin_jit(tparams, dparams, plan, s, dlen,
                                                     dataclasses.replace(d, dcache=None), d.dcache, threshold)
