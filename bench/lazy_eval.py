@@ -12,7 +12,8 @@ program per cycle from a Python loop, against the same cycles inside one on-devi
 (`loop_cost`).
 
 The result (`lazy_eval.json`) is a contract read by other tools: `rows` (one per framework x method x sync, with
-ROW_FIELDS) and `sync_cost_us` {"jax": us, "torch": us}; see `ROW_FIELDS`.
+ROW_FIELDS) and `sync_cost_us` {"jax": us, "torch": us}; see `ROW_FIELDS`. `loop_cost` (a dict, or None) was
+added beside them.
 """
 from __future__ import annotations
 
