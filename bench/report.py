@@ -87,6 +87,9 @@ def bench_table(result: dict) -> str:
     table = _table(["method", "tok/s", "speedup", "tau", "target calls", "mean depth", "syncs/call",
                     "draft/verify/commit ms/call", "compile s", "mismatches"], rows)
     notes = []
+    if env.get("compile_cache"):
+        notes.append(f"- compile s: JAX's persistent compilation cache is on ({env['compile_cache']}): a program an "
+                     "earlier run compiled is loaded instead (DDD_JAX_COMPILE_CACHE=0 compiles everything)")
     for lb, ident in ({} if sampling else result["identity"]["methods"]).items():
         for d in ident["details"][:5]:
             kind = "near-tie" if d.get("near_tie") else "REAL" if "near_tie" in d else "differs"

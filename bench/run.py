@@ -262,6 +262,8 @@ def environment() -> dict:
         "cpu_model": kernels.cpu_model(),
         # float32 products: HIGHEST (ddd_jax.kernels.precision) unless a default matmul precision is set
         "matmul_precision": jax.config.jax_default_matmul_precision or "float32 products at HIGHEST",
+        # JAX's persistent compilation cache (the command line's default): compile times then include cache loads
+        "compile_cache": jax.config.jax_compilation_cache_dir,
     }
 
 
