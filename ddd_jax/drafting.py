@@ -257,7 +257,9 @@ def begin_host(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, thre
     return d, confidence(d.beam)
 
 
-_begin_host_jit = jax.jit(begin_host, static_argnames=("plan",))
+# the named boundary of the first cycle's draft under sync="host" (later cycles run begin_host inside
+# generate._verify_commit_begin), and of `draft_from_host`
+begin_host_jit = jax.jit(begin_host, static_argnames=("plan",))
 
 
 @partial(jax.jit, static_argnames=("plan", "start_step", "end_step"), donate_argnames=("dcache", "beam"))
@@ -294,6 +296,6 @@ def draft_from_host(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n,
     if not plan.host_checks:
         return _begin_jit(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold,
                           end_step=plan.max_depth)
-    d, conf = _begin_host_jit(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold)
+    d, conf = begin_host_jit(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold)
     return finish_from_host(tparams, dparams, plan, d, counter.read((conf, d.beam.active), draft=True), threshold,
                             counter)

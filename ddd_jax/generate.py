@@ -521,8 +521,8 @@ def _run_host_checks(tparams, dparams, plan, s, threshold, counter: SyncCounter,
     the done flags the previous cycle's commit left (one sync for both; when decoding is over, that last read is
     the loop's and the draft it came with is dropped), so the host syncs are the checks plus one."""
     shown = 0
-    d, conf = drafting._begin_host_jit(tparams, dparams, plan, s.dcache, s.pend_tok, s.pend_feat, s.pend_n,
-                                       threshold)
+    d, conf = drafting.begin_host_jit(tparams, dparams, plan, s.dcache, s.pend_tok, s.pend_feat, s.pend_n,
+                                      threshold)
     dlen, s = s.dcache.length, dataclasses.replace(s, dcache=None)
     while True:
         conf, active, seen = counter.read((conf, d.beam.active, _progress(s, stream)))
