@@ -124,6 +124,9 @@ def add_parser(subparsers) -> None:
                                           "(EAGLE-2; optionally a context-lookup chain), then threshold x, check steps "
                                           "S, max depth n (DDD).")
     _common(t, 5, 64)
+    t.add_argument("--no-resume", action="store_true",
+                   help="start over even when --out holds the journal of a killed tune of the same search "
+                        "(tune.partial.jsonl; by default the tune replays its finished stages and goes on)")
     t.add_argument("--grid-total-tokens", type=_ints, default=None, help="e.g. 4,8,16,32")
     t.add_argument("--grid-depth", type=_ints, default=None, help="e.g. 2,3,4,6")
     t.add_argument("--grid-top-k", type=_ints, default=None, help="e.g. 2,4,8")
@@ -395,7 +398,7 @@ def run_peers(args) -> int:
 def run_tune(args) -> int:
     import jax
     from . import plots, report
-    from .tune import SearchSpace, tune
+    from .tune import JOURNAL_NAME, SearchSpace, tune
     from ddd_jax.settings import save_settings
     grid = {k: getattr(args, f"grid_{k}") for k in ("total_tokens", "depth", "top_k", "threshold", "check_offsets",
                                                      "max_depth_extra", "step0", "lookup", "lookup_logp")}
@@ -404,8 +407,9 @@ def run_tune(args) -> int:
     target, draft, draft_name = load_models(args)
     out = _out_dir(args, "tune")
     res = tune(target, draft, prompts, space, max_new_tokens=args.max_new_tokens, repeat=args.repeat,
-               progress=not args.no_progress, draft_name=draft_name)
+               progress=not args.no_progress, draft_name=draft_name, checkpoint_dir=out, resume=not args.no_resume)
     report.write_json(res, out / "tune.json")
+    (out / JOURNAL_NAME).unlink(missing_ok=True)
     plots.plot_tune(res, out / "tune.png")
     table = report.tune_table(res)
     (out / "tune.md").write_text(table + "\n")

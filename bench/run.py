@@ -296,10 +296,11 @@ def _partial_header(**fields) -> dict:
                       "prompts_sha256": digest})
 
 
-def _read_partial(path: Path, header: dict) -> list:
-    """The records of the prompts a killed run finished, from its checkpoint (one header line, then one line per
-    prompt in order); [] when there is none. A checkpoint of another configuration is refused by name; a torn last
-    line (the run killed while writing it) is dropped."""
+def _read_partial(path: Path, header: dict, index: str = "prompt") -> list:
+    """The lines a killed run finished, from its checkpoint: one header line, then one JSON object per unit of work
+    in order, numbered by its `index` field (a bench: a prompt's records; a tune: a stage); [] when there is none.
+    A checkpoint of another configuration is refused by name; a torn last line (the run killed while writing it)
+    is dropped."""
     if not path.is_file():
         return []
     lines = path.read_text().splitlines()
@@ -309,9 +310,9 @@ def _read_partial(path: Path, header: dict) -> list:
         head = None
     if head != header:
         changed = sorted(k for k in set(header) | set(head or {}) if (head or {}).get(k) != header.get(k))
-        raise ValueError(f"{path} is the checkpoint of a different benchmark (differs in: {', '.join(changed)}); "
+        raise ValueError(f"{path} is the checkpoint of a different run (differs in: {', '.join(changed)}); "
                          "remove it, pass another --out, or --no-resume to start over")
-    records, kept = [], lines[:1]
+    groups, kept = [], lines[:1]
     for n, line in enumerate(lines[1:], start=1):
         try:
             group = json.loads(line)
@@ -319,14 +320,14 @@ def _read_partial(path: Path, header: dict) -> list:
             if n == len(lines) - 1:
                 break  # torn last line
             raise ValueError(f"{path}: line {n + 1} is not JSON") from None
-        if group.get("prompt") != n - 1:
-            raise ValueError(f"{path}: line {n + 1} holds prompt {group.get('prompt')}, expected {n - 1}")
-        records.extend(group["records"])
+        if group.get(index) != n - 1:
+            raise ValueError(f"{path}: line {n + 1} holds {index} {group.get(index)}, expected {n - 1}")
+        groups.append(group)
         kept.append(line)
-    if len(kept) < len(lines):  # drop the torn line before new prompts are appended
+    if len(kept) < len(lines):  # drop the torn line before new work is appended
         from ddd_jax.io import atomic_write_text
         atomic_write_text(path, "\n".join(kept) + "\n")
-    return records
+    return groups
 
 
 def _append_partial(path: Path, line: dict) -> None:
@@ -373,7 +374,7 @@ def run_benchmark(target, draft, prompts, methods=DEFAULT_METHODS, *, tree: Tree
                                  capacity=capacity, chat=chat, warmup=warmup, target=target_name or target.name,
                                  draft=draft_name, draft_dtype=None if draft is None else draft.weight_dtype,
                                  prompts=prompts)
-        records = _read_partial(checkpoint, header) if resume else []
+        records = [r for g in _read_partial(checkpoint, header) for r in g["records"]] if resume else []
         while start < len(prompts) and sum(n_turns[:start + 1]) <= len(records):
             start += 1
         if not records:

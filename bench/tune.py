@@ -22,7 +22,9 @@ The result: settings {"tree", "ddd", "meta"} for `ddd_jax.settings.save_settings
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 
@@ -30,7 +32,7 @@ from ddd_jax.config import DDDConfig, TreeConfig, check_tree_for_ddd
 from ddd_jax.settings import save_settings, weight_storage
 
 from .run import MethodSpec, environment, method_label, normalize_prompts, parse_method, required_capacity, run_benchmark, \
-    _length_bound
+    _append_partial, _length_bound, _partial_header, _read_partial
 
 
 @dataclass(frozen=True)
@@ -118,9 +120,19 @@ def _valid_ddd(tree: TreeConfig, check_steps, threshold, max_depth) -> DDDConfig
     return d
 
 
+JOURNAL_NAME = "tune.partial.jsonl"  # the stages a tune finished, in the checkpoint folder
+
+
 def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_tokens: int = 64, repeat: int = 1,
-         chat: bool = True, progress: bool = True, log=print, draft_name: str | None = None) -> dict:
-    """Search the space on `prompts` (a few); returns {"settings", "stages", "env", "config"}."""
+         chat: bool = True, progress: bool = True, log=print, draft_name: str | None = None,
+         checkpoint_dir=None, resume: bool = True) -> dict:
+    """Search the space on `prompts` (a few); returns {"settings", "stages", "env", "config"}.
+
+    checkpoint_dir: a folder where each finished stage is journaled (`JOURNAL_NAME`) and the stage under way keeps
+    its bench checkpoint (`run_benchmark(checkpoint=...)`); with resume (default) a tune killed part way replays
+    the journaled stages, since the descent's later candidates follow from them, and goes on from the prompt its
+    last stage reached. A journal of another search (space, prompts, settings, models) is refused by name. The
+    caller removes the journal once the result is written; resume=False starts over."""
     space = space or SearchSpace()
     prompts = normalize_prompts(prompts)
     if draft is None:
@@ -142,11 +154,35 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
     common = dict(max_new_tokens=max_new_tokens, repeat=repeat, chat=chat, capacity=capacity, profile_prompts=0,
                   progress=progress, draft_name=draft_name)
     stages = []
+    journal, done = None, []
+    if checkpoint_dir is not None:
+        journal = Path(checkpoint_dir) / JOURNAL_NAME
+        header = _partial_header(kind="tune", space=space.to_dict(), max_new_tokens=max_new_tokens, repeat=repeat,
+                                 chat=chat, capacity=capacity, target=target.name, draft=draft_name,
+                                 draft_dtype=draft.weight_dtype, prompts=prompts)
+        done = [g["stage"] for g in _read_partial(journal, header, index="stage_index")] if resume else []
+        if not done:
+            journal.parent.mkdir(parents=True, exist_ok=True)
+            journal.write_text(json.dumps(header) + "\n")
 
     def run_stage(name: str, cands: list) -> dict:
         """cands: [(value, MethodSpec)]; returns the best candidate row."""
         specs = [parse_method("vanilla")] + [s for _, s in cands]
-        res = run_benchmark(target, draft, prompts, specs, **common)
+        i = len(stages)
+        if i < len(done):  # journaled by an earlier, killed run: the same stage with the same candidates
+            st = done[i]
+            if st["stage"] != name or [r["label"] for r in st["rows"]] != [s.label for _, s in cands]:
+                raise ValueError(f"{journal}: stage {i + 1} is {st['stage']} over {[r['label'] for r in st['rows']]}, "
+                                 f"this search's is {name} over {[s.label for _, s in cands]}; pass --no-resume")
+            stages.append(st)
+            rows = st["rows"]
+            best = next(r for r in rows if r["label"] == st["best"])
+            if log:
+                log(f"[tune] {name}: best {best['label']} speedup {best['speedup']:.3f} tau {best['tau']:.2f} "
+                    "(journaled)")
+            return best, rows
+        ckpt = None if journal is None else journal.parent / f"tune-stage{i + 1}.partial.jsonl"
+        res = run_benchmark(target, draft, prompts, specs, **common, checkpoint=ckpt, resume=resume)
         rows = []
         for value, spec in cands:
             s = res["methods"][spec.label]["summary"]
@@ -158,6 +194,9 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
         stages.append({"stage": name, "rows": rows, "best": best["label"],
                        "vanilla_tokens_per_s": res["methods"]["vanilla"]["summary"]["tokens_per_s"],
                        "identity_real_mismatches": res["identity"]["total_real_mismatches"]})
+        if journal is not None:
+            _append_partial(journal, {"stage_index": i, "stage": stages[-1]})
+            ckpt.unlink(missing_ok=True)
         if log:
             log(f"[tune] {name}: best {best['label']} speedup {best['speedup']:.3f} tau {best['tau']:.2f}")
         return best, rows

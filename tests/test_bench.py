@@ -503,10 +503,44 @@ def test_bench_resumes_after_the_prompts_a_killed_run_finished(tiny, tmp_path, m
     assert calls and [5, 6, 7, 8, 9] not in calls  # only prompt 1's two turns ran
     assert json.loads(ckpt.read_text().splitlines()[-1])["prompt"] == 1
 
-    with pytest.raises(ValueError, match=r"different benchmark \(differs in: gen\)"):
+    with pytest.raises(ValueError, match=r"different run \(differs in: gen\)"):
         run_benchmark(target, draft, PROMPTS, methods, **{**kw, "max_new_tokens": MAX_NEW + 1})
     calls.clear()
     r2 = run_benchmark(target, draft, PROMPTS, methods, **kw, resume=False)
     assert calls[0] == [5, 6, 7, 8, 9]  # started over at prompt 0
     assert [rec["runs"]["vanilla"]["tokens"] for rec in r2["records"]] == \
         [rec["runs"]["vanilla"]["tokens"] for rec in r["records"]]
+
+
+def test_tuner_replays_the_stages_a_killed_tune_journaled(tiny, tmp_path, monkeypatch):
+    import ddd_jax.bench.tune as btune
+    target, draft = tiny
+    space = SearchSpace(total_tokens=(3, 4), depth=(2,), top_k=(2,), threshold=(-0.3, -1.0), check_offsets=(-1,),
+                        max_depth_extra=(1,), step0=(False,), start_top_k=2, start_total_tokens=4, start_depth=2)
+    real, calls = btune.run_benchmark, []
+
+    def counting(*a, **k):
+        calls.append([s.label for s in a[3]])
+        if kill_at is not None and len(calls) > kill_at:
+            raise RuntimeError("killed")
+        return real(*a, **k)
+
+    monkeypatch.setattr(btune, "run_benchmark", counting)
+    kw = dict(max_new_tokens=MAX_NEW, progress=False, log=None, checkpoint_dir=tmp_path)
+    kill_at = 1  # after the first stage (eagle2:total_tokens)
+    with pytest.raises(RuntimeError, match="killed"):
+        tune(target, draft, PROMPTS, space, **kw)
+    lines = (tmp_path / btune.JOURNAL_NAME).read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[1])["stage"]["stage"] == "eagle2:total_tokens"
+    first = json.loads(lines[1])["stage"]
+    assert not (tmp_path / "tune-stage1.partial.jsonl").exists()  # a finished stage's bench checkpoint goes
+
+    calls.clear()
+    kill_at = None
+    res = tune(target, draft, PROMPTS, space, **kw)
+    assert [st["stage"] for st in res["stages"]] == ["eagle2:total_tokens", "ddd:threshold", "final"]
+    assert res["stages"][0] == first and len(calls) == 2  # replayed, not measured again: two stages ran
+    assert res["settings"]["tree"]["total_tokens"] == int(first["best"].split("N=")[1].split(",")[0])
+    assert space.contains(res["settings"])
+    with pytest.raises(ValueError, match=r"different run \(differs in: space\)"):
+        tune(target, draft, PROMPTS, SearchSpace(**{**space.to_dict(), "threshold": (-0.5, -1.0)}), **kw)
