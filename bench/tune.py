@@ -173,7 +173,8 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
             st = done[i]
             if st["stage"] != name or [r["label"] for r in st["rows"]] != [s.label for _, s in cands]:
                 raise ValueError(f"{journal}: stage {i + 1} is {st['stage']} over {[r['label'] for r in st['rows']]}, "
-                                 f"this search's is {name} over {[s.label for _, s in cands]}; pass --no-resume")
+                                 f"this search's is {name} over {[s.label for _, s in cands]}; "
+                                 "start over (--no-resume, resume=False)")
             stages.append(st)
             rows = st["rows"]
             best = next(r for r in rows if r["label"] == st["best"])

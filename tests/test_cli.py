@@ -58,8 +58,8 @@ def test_compile_cache_dir_respects_the_user(tmp_path, monkeypatch):
     assert compile_cache_dir({}, configured=str(tmp_path / "mine")) is None  # JAX_COMPILATION_CACHE_DIR / config
 
 
-_COMPILE = ("from ddd_jax.cli import enable_compile_cache; print(enable_compile_cache()); import jax, jax.numpy as jnp; "
-            "jax.block_until_ready(jax.jit(lambda x: jnp.sin(x) * 3 + 1)(jnp.ones(7)))")
+_COMPILE = ("from ddd_jax.cli import enable_compile_cache; print(enable_compile_cache()); "
+            "import jax, jax.numpy as jnp; jax.block_until_ready(jax.jit(lambda x: jnp.sin(x) * 3 + 1)(jnp.ones(7)))")
 
 
 @pytest.mark.parametrize("user_dir", [False, True])
