@@ -17,6 +17,7 @@ added beside them.
 """
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -237,12 +238,20 @@ def without_lookup(tree, ddd):
                                                       "context lookup)"
 
 
+PARTIAL_NAME = "lazy_eval.partial.jsonl"  # the checkpoint `ddd-jax lazy-eval` keeps in --out
+
+
 def run_lazy_eval(target, draft, prompts, *, tree=None, ddd=None, max_new_tokens: int = 64, device: str = "cpu",
                   frameworks=FRAMEWORKS, profile_prompts: int = 3, warmup: bool = True, progress: bool = True,
                   torch_compile: bool = False, torch_threads: int | None = None, sync_rounds: int = 40,
                   loop_rounds: int = 2, chat: bool = True, tie_tol: float = 1e-2,
-                  target_name: str | None = None, draft_name: str | None = None, notes: dict | None = None) -> dict:
+                  target_name: str | None = None, draft_name: str | None = None, notes: dict | None = None,
+                  checkpoint=None, resume: bool = True) -> dict:
     """Run vanilla, EAGLE-2 and DDD in JAX and PyTorch on `prompts` (see module docstring); returns the JSON dict.
+
+    checkpoint / resume: as `bench.run.run_benchmark`'s -- each prompt's runs are appended to the file as soon as
+    they are done, and a run of the same configuration resumes after the prompts a killed one finished (the sync
+    costs, profiles and loop cost are measured again: they take seconds).
 
     prompts: as `bench.run.normalize_prompts` (token ids, strings, or {"id", "category", "turns"}); the first turn
     is used. loop_rounds: rounds of `loop_cost` on the profile prompts (JAX; 0, or no profile prompts: none).
@@ -253,7 +262,8 @@ def run_lazy_eval(target, draft, prompts, *, tree=None, ddd=None, max_new_tokens
     from ddd_jax.config import DDDConfig, TreeConfig
     from ddd_jax.generate import bucket_length
 
-    from .run import build_prompt, normalize_prompts, required_capacity
+    from .run import _append_partial, _partial_header, _read_partial, build_prompt, normalize_prompts, \
+        required_capacity
 
     fws = check_request(frameworks, device)
     if max_new_tokens < 1:
@@ -302,9 +312,26 @@ def run_lazy_eval(target, draft, prompts, *, tree=None, ddd=None, max_new_tokens
             costs["torch"] = sync_cost(torch_sync_loop(work, tmodels.device, tree.top_k), rounds=sync_rounds)
 
         records, warmed = [], {}
+        if checkpoint is not None:
+            checkpoint = Path(checkpoint)
+            header = _partial_header(kind="lazy-eval", rows=labels, device=device, max_new_tokens=max_new_tokens,
+                                     tree=tree.to_dict(), ddd=[list(ddd.check_steps), ddd.threshold, ddd.max_depth],
+                                     warmup=warmup, chat=chat, capacity=capacity, torch_compile=torch_compile,
+                                     target=target_name or target.name, draft=draft_name, prompts=prompts)
+            records = [g["record"] for g in _read_partial(checkpoint, header)] if resume else []
+            if not records:
+                checkpoint.parent.mkdir(parents=True, exist_ok=True)
+                checkpoint.write_text(json.dumps(header) + "\n")
+            elif progress:
+                print(f"lazy-eval: resuming after {len(records)} of {len(prompts)} prompts ({checkpoint})",
+                      file=sys.stderr)
         bar = _progress(len(prompts) * len(rows), progress, "lazy-eval")
+        if bar is not None and records:
+            bar.update(len(records) * len(rows))
         try:
             for i, (p, ids) in enumerate(zip(prompts, ids_list)):
+                if i < len(records):
+                    continue
                 rec = {"id": p["id"], "category": p.get("category"), "turn": 1, "prompt_ids": ids, "runs": {}}
                 order = rows[i % len(rows):] + rows[: i % len(rows)]  # rotate slot positions
                 for row in order:
@@ -322,6 +349,8 @@ def run_lazy_eval(target, draft, prompts, *, tree=None, ddd=None, max_new_tokens
                         bar.update(1)
                 rec["runs"] = {lb: rec["runs"][lb] for lb in labels}
                 records.append(rec)
+                if checkpoint is not None:
+                    _append_partial(checkpoint, {"prompt": i, "record": rec})
         finally:
             if bar is not None:
                 bar.close()

