@@ -17,7 +17,6 @@ added beside them.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -262,7 +261,7 @@ def run_lazy_eval(target, draft, prompts, *, tree=None, ddd=None, max_new_tokens
     from ddd_jax.config import DDDConfig, TreeConfig
     from ddd_jax.generate import bucket_length
 
-    from .run import _append_partial, _partial_header, _read_partial, build_prompt, normalize_prompts, \
+    from .run import _append_partial, _open_partial, _partial_header, build_prompt, normalize_prompts, \
         required_capacity
 
     fws = check_request(frameworks, device)
@@ -318,11 +317,8 @@ def run_lazy_eval(target, draft, prompts, *, tree=None, ddd=None, max_new_tokens
                                      tree=tree.to_dict(), ddd=[list(ddd.check_steps), ddd.threshold, ddd.max_depth],
                                      warmup=warmup, chat=chat, capacity=capacity, torch_compile=torch_compile,
                                      target=target_name or target.name, draft=draft_name, prompts=prompts)
-            records = [g["record"] for g in _read_partial(checkpoint, header)] if resume else []
-            if not records:
-                checkpoint.parent.mkdir(parents=True, exist_ok=True)
-                checkpoint.write_text(json.dumps(header) + "\n")
-            elif progress:
+            records = [g["record"] for g in _open_partial(checkpoint, header, resume)]
+            if records and progress:
                 print(f"lazy-eval: resuming after {len(records)} of {len(prompts)} prompts ({checkpoint})",
                       file=sys.stderr)
         bar = _progress(len(prompts) * len(rows), progress, "lazy-eval")

@@ -332,6 +332,16 @@ def _read_partial(path: Path, header: dict, index: str = "prompt") -> list:
     return groups
 
 
+def _open_partial(path: Path, header: dict, resume: bool = True, index: str = "prompt") -> list:
+    """The groups a killed run of the same configuration left in its checkpoint (`_read_partial`; none without
+    resume); where there are none, the file is started over with `header`."""
+    groups = _read_partial(path, header, index) if resume else []
+    if not groups:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(header) + "\n")
+    return groups
+
+
 def _append_partial(path: Path, line: dict) -> None:
     from ddd_jax.bench.report import _jsonable
     with open(path, "a") as f:
@@ -372,17 +382,13 @@ def run_benchmark(target, draft, prompts, methods=DEFAULT_METHODS, *, tree: Tree
     records, start = [], 0
     if checkpoint is not None:
         checkpoint = Path(checkpoint)
-        header = _partial_header(methods=[s.describe() for s in specs], gen=gen_kw, repeat=repeat, turns=turns,
-                                 capacity=capacity, chat=chat, warmup=warmup, target=target_name or target.name,
-                                 draft=draft_name, draft_dtype=None if draft is None else draft.weight_dtype,
-                                 prompts=prompts)
-        records = [r for g in _read_partial(checkpoint, header) for r in g["records"]] if resume else []
-        while start < len(prompts) and sum(n_turns[:start + 1]) <= len(records):
-            start += 1
-        if not records:
-            checkpoint.parent.mkdir(parents=True, exist_ok=True)
-            checkpoint.write_text(json.dumps(header) + "\n")
-        elif progress:
+        header = _partial_header(kind="bench", methods=[s.describe() for s in specs], gen=gen_kw, repeat=repeat,
+                                 turns=turns, capacity=capacity, chat=chat, warmup=warmup,
+                                 target=target_name or target.name, draft=draft_name,
+                                 draft_dtype=None if draft is None else draft.weight_dtype, prompts=prompts)
+        done = _open_partial(checkpoint, header, resume)
+        records, start = [r for g in done for r in g["records"]], len(done)
+        if start and progress:
             print(f"bench: resuming after {start} of {len(prompts)} prompts ({checkpoint})", file=sys.stderr)
     bar = _progress(sum(n_turns) * len(specs) * repeat, progress, "bench")
     if bar is not None and start:

@@ -22,7 +22,6 @@ The result: settings {"tree", "ddd", "meta"} for `ddd_jax.settings.save_settings
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from ddd_jax.config import DDDConfig, TreeConfig, check_tree_for_ddd
 from ddd_jax.settings import save_settings, weight_storage
 
 from .run import MethodSpec, environment, method_label, normalize_prompts, parse_method, required_capacity, run_benchmark, \
-    _append_partial, _length_bound, _partial_header, _read_partial
+    _append_partial, _length_bound, _open_partial, _partial_header
 
 
 @dataclass(frozen=True)
@@ -160,10 +159,7 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
         header = _partial_header(kind="tune", space=space.to_dict(), max_new_tokens=max_new_tokens, repeat=repeat,
                                  chat=chat, capacity=capacity, target=target.name, draft=draft_name,
                                  draft_dtype=draft.weight_dtype, prompts=prompts)
-        done = [g["stage"] for g in _read_partial(journal, header, index="stage_index")] if resume else []
-        if not done:
-            journal.parent.mkdir(parents=True, exist_ok=True)
-            journal.write_text(json.dumps(header) + "\n")
+        done = [g["stage"] for g in _open_partial(journal, header, resume, index="stage_index")]
 
     def run_stage(name: str, cands: list) -> dict:
         """cands: [(value, MethodSpec)]; returns the best candidate row."""
