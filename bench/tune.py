@@ -161,24 +161,9 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
                                  draft_dtype=draft.weight_dtype, prompts=prompts)
         done = [g["stage"] for g in _open_partial(journal, header, resume, index="stage_index")]
 
-    def run_stage(name: str, cands: list) -> dict:
-        """cands: [(value, MethodSpec)]; returns the best candidate row."""
+    def measure_stage(name: str, cands: list, ckpt) -> dict:
+        """One interleaved bench of vanilla and the candidates; the stage's record."""
         specs = [parse_method("vanilla")] + [s for _, s in cands]
-        i = len(stages)
-        if i < len(done):  # journaled by an earlier, killed run: the same stage with the same candidates
-            st = done[i]
-            if st["stage"] != name or [r["label"] for r in st["rows"]] != [s.label for _, s in cands]:
-                raise ValueError(f"{journal}: stage {i + 1} is {st['stage']} over {[r['label'] for r in st['rows']]}, "
-                                 f"this search's is {name} over {[s.label for _, s in cands]}; "
-                                 "start over (--no-resume, resume=False)")
-            stages.append(st)
-            rows = st["rows"]
-            best = next(r for r in rows if r["label"] == st["best"])
-            if log:
-                log(f"[tune] {name}: best {best['label']} speedup {best['speedup']:.3f} tau {best['tau']:.2f} "
-                    "(journaled)")
-            return best, rows
-        ckpt = None if journal is None else journal.parent / f"tune-stage{i + 1}.partial.jsonl"
         res = run_benchmark(target, draft, prompts, specs, **common, checkpoint=ckpt, resume=resume)
         rows = []
         for value, spec in cands:
@@ -187,16 +172,32 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
                          "tokens_per_s": s["tokens_per_s"], "mean_depth": s["mean_depth"],
                          "mismatches": s["mismatches"], "compile_s_est": res["methods"][spec.label]["compile"]["compile_s_est"],
                          "spec": spec.describe()})
-        best = max(rows, key=lambda r: r["speedup"] or 0.0)
-        stages.append({"stage": name, "rows": rows, "best": best["label"],
-                       "vanilla_tokens_per_s": res["methods"]["vanilla"]["summary"]["tokens_per_s"],
-                       "identity_real_mismatches": res["identity"]["total_real_mismatches"]})
-        if journal is not None:
-            _append_partial(journal, {"stage_index": i, "stage": stages[-1]})
-            ckpt.unlink(missing_ok=True)
+        return {"stage": name, "rows": rows, "best": max(rows, key=lambda r: r["speedup"] or 0.0)["label"],
+                "vanilla_tokens_per_s": res["methods"]["vanilla"]["summary"]["tokens_per_s"],
+                "identity_real_mismatches": res["identity"]["total_real_mismatches"]}
+
+    def run_stage(name: str, cands: list) -> dict:
+        """cands: [(value, MethodSpec)]; returns the best candidate row and all rows. A stage an earlier, killed run
+        journaled is taken from the journal: the same stage over the same candidates."""
+        i = len(stages)
+        if i < len(done):
+            st = done[i]
+            if st["stage"] != name or [r["label"] for r in st["rows"]] != [s.label for _, s in cands]:
+                raise ValueError(f"{journal}: stage {i + 1} is {st['stage']} over {[r['label'] for r in st['rows']]}, "
+                                 f"this search's is {name} over {[s.label for _, s in cands]}; "
+                                 "start over (--no-resume, resume=False)")
+        else:
+            ckpt = None if journal is None else journal.parent / f"tune-stage{i + 1}.partial.jsonl"
+            st = measure_stage(name, cands, ckpt)
+            if journal is not None:
+                _append_partial(journal, {"stage_index": i, "stage": st})
+                ckpt.unlink(missing_ok=True)
+        stages.append(st)
+        best = next(r for r in st["rows"] if r["label"] == st["best"])
         if log:
-            log(f"[tune] {name}: best {best['label']} speedup {best['speedup']:.3f} tau {best['tau']:.2f}")
-        return best, rows
+            log(f"[tune] {name}: best {best['label']} speedup {best['speedup']:.3f} tau {best['tau']:.2f}"
+                + (" (journaled)" if i < len(done) else ""))
+        return best, st["rows"]
 
     # ---- EAGLE-2 tree
     cur = {"top_k": space.start_top_k, "total_tokens": space.start_total_tokens, "depth": space.start_depth}
