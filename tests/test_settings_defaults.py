@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 from ddd_jax import DDDConfig, TreeConfig, generate
-from ddd_jax.settings import save_settings
+from ddd_jax.checkpoints.registry import NAMED_DRAFTS, NAMED_TARGETS
+from ddd_jax.settings import SETTINGS_DIR, load_settings, save_settings, settings_path, to_configs
 from spec_helpers import fitted_draft, prompts, tiny_target
 
 TUNED = {"tree": {"top_k": 2, "total_tokens": 5, "depth": 2},
@@ -79,3 +80,17 @@ def test_source_warns_when_the_tuner_found_speculation_slower_than_vanilla(named
         assert "EAGLE-2 0.81x, DDD 0.92x of vanilla" in source
         r = generate(target, draft, prompts(1, seed=5)[0], max_new_tokens=4, method="ddd")
         assert r.stats["settings"]["source"] == source
+
+
+@pytest.mark.parametrize("path", sorted(SETTINGS_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_shipped_settings_files_are_valid_and_name_their_backend_and_pair(path):
+    """Each file under ddd_jax/settings/ loads, is for the backend (and storage) its name says, and names the shipped
+    target/head pair, so a renamed head cannot silently turn the tuned defaults off."""
+    backend, _, storage = path.stem.partition("-")
+    s = load_settings(path=path)
+    assert path == settings_path(backend, storage or None)
+    assert s["meta"]["backend"] == backend
+    assert s["meta"].get("weight_storage", "float") == ("float" if not storage else storage)
+    assert s["meta"]["target"] in NAMED_TARGETS and s["meta"]["draft"] in NAMED_DRAFTS
+    tree, ddd = to_configs(s)
+    assert tree.total_tokens >= 1 and max(ddd.check_steps) < ddd.max_depth
