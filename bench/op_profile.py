@@ -106,7 +106,11 @@ def _events(xplane: str, module: str):
 def op_profile(target, draft, prompt_ids: list, method: str, sync: str = "device", max_new_tokens: int = 64,
                warmup: int = 1, trace_dir: str | None = None, **gen_kw) -> dict:
     """Profile one method's decode loop over `prompt_ids` (see the module docstring). Returns per-op and per-group
-    ms per target call, the calls, the loop's traced wall time per call and the compiled module's name."""
+    ms per target call, the calls, the loop's traced wall time per call and the compiled module's name.
+
+    gen_kw go to `generate`; pass one `capacity` that fits every prompt (`bench.run.required_capacity`, as
+    `ddd-jax bench --op-profile` does): with each prompt's own, a prompt whose cache needs more slots than the
+    warm-up's compiles the loop again, and the compile lands in the traced wall time (not in the ops)."""
     gen = importlib.import_module("ddd_jax.generate")  # the module (the package re-exports the function)
     loop = LOOPS.get(method, "_spec_loop")
     captured = {}
@@ -166,7 +170,7 @@ def op_profile(target, draft, prompt_ids: list, method: str, sync: str = "device
     return {"method": method, "sync": sync if method == "ddd" else None, "module": module, "prompts": len(prompt_ids),
             "target_calls": calls, "traced_wall_ms_per_call": 1e3 * decode_s / calls,
             "ops_ms_per_call": sum(r["ms"] for r in rows), "groups": dict(groups.most_common()), "ops": rows,
-            "total_tokens": getattr(plan, "total_tokens", None), "trace_dir": tdir}
+            "total_tokens": getattr(plan, "total_tokens", None), "capacity": gen_kw.get("capacity"), "trace_dir": tdir}
 
 
 def table(res: dict, top: int = 12) -> str:

@@ -457,6 +457,35 @@ def test_op_profile_splits_the_decode_loops(tiny, tmp_path):
         op_profile(target, draft, prompts[:1], "ddd", "host", MAX_NEW, warmup=0, tree=TREE, ddd=DDD)
 
 
+def test_cli_op_profile_gives_every_prompt_and_method_one_capacity(tiny, tmp_path, monkeypatch):
+    """`bench --op-profile` passes one cache capacity that fits the longest prompt under every method: with each
+    prompt's own, a longer prompt recompiled the loop inside the traced wall time (DDD's cycle read 41.5 ms on the
+    CPU against 22 ms of ops)."""
+    import ddd_jax.bench.cli as bcli
+    import ddd_jax.bench.op_profile as bop
+    from ddd_jax.bench.run import parse_method
+    from ddd_jax.cli import main as cli_main
+    from ddd_jax.generate import cache_capacity, make_plan
+    target, draft = tiny
+    prompts = [[5, 6, 7], list(range(1, 250))]  # per-prompt capacities 256 and 512 under either method
+    seen = []
+    monkeypatch.setattr(bcli, "load_models", lambda args, need_draft: (target, draft, "random-init"))
+    monkeypatch.setattr(bcli, "load_prompts", lambda args: prompts)
+    monkeypatch.setattr(bop, "op_profile", lambda t, d, ids, method, sync, max_new, trace_dir=None, **kw:
+                        seen.append((method, [len(i) for i in ids], kw)) or {"ops": [], "groups": {}})
+    monkeypatch.setattr(bop, "table", lambda res: "")
+    assert cli_main(["bench", "--op-profile", "--methods", "vanilla,ddd-device", "--settings", "none",
+                     "--max-new-tokens", str(MAX_NEW), "--out", str(tmp_path)]) == 0
+    assert [m for m, _, _ in seen] == ["vanilla", "ddd"] and all(n == [3, 249] for _, n, _ in seen)
+    caps = {kw["capacity"] for _, _, kw in seen}
+    specs = [parse_method(m, TreeConfig(), DDDConfig()) for m in ("vanilla", "ddd-device")]
+    need = max(cache_capacity(249, make_plan(target, draft, method=s.method, sync=s.sync, tree=s.tree, ddd=s.ddd,
+                                             temperature=0.0, top_p=1.0, max_new_tokens=MAX_NEW)) for s in specs)
+    assert caps == {need} and need > cache_capacity(3, make_plan(target, draft, method="ddd", sync="device",
+                                                                 tree=TreeConfig(), ddd=DDDConfig(), temperature=0.0,
+                                                                 top_p=1.0, max_new_tokens=MAX_NEW))
+
+
 def test_kernel_ab_rejects_bad_input(tmp_path):
     from ddd_jax.bench import kernel_ab
     with pytest.raises(SystemExit, match="at least two builds"):
