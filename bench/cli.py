@@ -283,8 +283,7 @@ def run_op_profile(args, tree, ddd, source, out) -> int:
     capacity = required_capacity(target, draft, specs, [len(i) for i in ids], args.max_new_tokens)
     results = []
     for spec in specs:
-        kw = {"capacity": capacity} if spec.method == "vanilla" else {"tree": spec.tree, "ddd": spec.ddd,
-                                                                        "capacity": capacity}
+        kw = {"capacity": capacity, **({} if spec.method == "vanilla" else {"tree": spec.tree, "ddd": spec.ddd})}
         res = op_profile(target, draft if spec.method != "vanilla" else None, ids, spec.method, spec.sync,
                          args.max_new_tokens, trace_dir=str(out / "trace" / spec.label.replace("/", "_")), **kw)
         res["label"] = spec.label

@@ -478,12 +478,11 @@ def test_cli_op_profile_gives_every_prompt_and_method_one_capacity(tiny, tmp_pat
                      "--max-new-tokens", str(MAX_NEW), "--out", str(tmp_path)]) == 0
     assert [m for m, _, _ in seen] == ["vanilla", "ddd"] and all(n == [3, 249] for _, n, _ in seen)
     caps = {kw["capacity"] for _, _, kw in seen}
-    specs = [parse_method(m, TreeConfig(), DDDConfig()) for m in ("vanilla", "ddd-device")]
-    need = max(cache_capacity(249, make_plan(target, draft, method=s.method, sync=s.sync, tree=s.tree, ddd=s.ddd,
-                                             temperature=0.0, top_p=1.0, max_new_tokens=MAX_NEW)) for s in specs)
-    assert caps == {need} and need > cache_capacity(3, make_plan(target, draft, method="ddd", sync="device",
-                                                                 tree=TreeConfig(), ddd=DDDConfig(), temperature=0.0,
-                                                                 top_p=1.0, max_new_tokens=MAX_NEW))
+    plans = [make_plan(target, draft, method=s.method, sync=s.sync, tree=s.tree, ddd=s.ddd, temperature=0.0,
+                       top_p=1.0, max_new_tokens=MAX_NEW)
+             for s in (parse_method(m, TreeConfig(), DDDConfig()) for m in ("vanilla", "ddd-device"))]
+    need = max(cache_capacity(249, p) for p in plans)
+    assert caps == {need} and need > max(cache_capacity(3, p) for p in plans)
 
 
 def test_kernel_ab_rejects_bad_input(tmp_path):
