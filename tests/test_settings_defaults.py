@@ -94,3 +94,18 @@ def test_shipped_settings_files_are_valid_and_name_their_backend_and_pair(path):
     assert s["meta"]["target"] in NAMED_TARGETS and s["meta"]["draft"] in NAMED_DRAFTS
     tree, ddd = to_configs(s)
     assert tree.total_tokens >= 1 and max(ddd.check_steps) < ddd.max_depth
+
+
+def test_settings_tuned_on_another_device_say_so(named):
+    """A settings file for this backend tuned on another kind of device (meta.device) is still used, and the source
+    says where it was tuned and that `ddd-jax tune` re-tunes; on the device it names, nothing is added."""
+    target, draft = named
+    here = jax.devices()[0].device_kind
+    for device, said in (("NVIDIA H200", True), (here, False)):
+        save_settings({**TUNED, "meta": {"target": target.name, "draft": draft.name, "device": device}},
+                      backend=jax.default_backend())
+        r = generate(target, draft, prompts(1, seed=6)[0], max_new_tokens=4, method="ddd")
+        source = r.stats["settings"]["source"]
+        assert source.startswith(f"tuned for {target.name} + tiny-head")
+        assert (f"tuned on NVIDIA H200, this is {here}: `ddd-jax tune` re-tunes for it" in source) == said, source
+        assert (r.stats["settings"]["tree"]["total_tokens"], r.stats["settings"]["ddd"]["threshold"]) == (5, -2.0)

@@ -11,7 +11,8 @@ File layout (one JSON object)::
 `load_settings()` returns that dict (None when no file exists for the backend); `to_configs()` turns it into
 (`TreeConfig`, `DDDConfig`); `resolve()` is what `generate` does when it is not given a tree or DDD settings:
 the tuned settings of this backend when they were tuned for this target and head (or name no pair), else the
-paper's defaults -- and a sentence saying which and why. `$DDD_JAX_SETTINGS_DIR` overrides the directory.
+paper's defaults -- and a sentence saying which and why (and, for settings tuned on another kind of device of
+the same backend, which: `other_device`). `$DDD_JAX_SETTINGS_DIR` overrides the directory.
 
 Settings are also keyed by how the target stores its weights, since that moves the cost of verifying several tokens
 (`weight_storage`): a target kept as GGUF blocks (`load_target(..., gguf_blocks=True)`) reads
@@ -136,7 +137,21 @@ def tuned_for(target_name: str | None, draft_name: str | None, backend: str | No
         if want is not None and want != got:
             return None, f"{where} was tuned for {what} {want!r}, not {got!r}"
     pair = " + ".join(str(x) for x in (meta.get("target"), meta.get("draft")) if x) or "any target"
-    return s, f"tuned for {pair} (settings file {where}{note}){slower_than_vanilla(meta)}"
+    return s, f"tuned for {pair} (settings file {where}{note}){other_device(meta, backend)}{slower_than_vanilla(meta)}"
+
+
+def other_device(meta: dict, backend: str | None = None) -> str:
+    """A note for `source` when settings for the running backend were tuned on another kind of device (e.g. a GPU
+    file tuned on an H200, read on an A100: settings are keyed by backend, and the best tree follows the device's
+    costs), else ""."""
+    import jax
+    tuned = meta.get("device")
+    if not tuned or (backend is not None and backend != jax.default_backend()):
+        return ""
+    here = getattr(jax.devices()[0], "device_kind", None)
+    if here is None or here == tuned:
+        return ""
+    return f"; tuned on {tuned}, this is {here}: `ddd-jax tune` re-tunes for it"
 
 
 def slower_than_vanilla(meta: dict) -> str:
