@@ -12,7 +12,7 @@ File layout (one JSON object)::
 (`TreeConfig`, `DDDConfig`); `resolve()` is what `generate` does when it is not given a tree or DDD settings:
 the tuned settings of this backend when they were tuned for this target and head (or name no pair), else the
 paper's defaults -- and a sentence saying which and why (and, for settings tuned on another kind of device of
-the same backend, which: `other_device`). `$DDD_JAX_SETTINGS_DIR` overrides the directory.
+the same backend, on which: `other_device`). `$DDD_JAX_SETTINGS_DIR` overrides the directory.
 
 Settings are also keyed by how the target stores its weights, since that moves the cost of verifying several tokens
 (`weight_storage`): a target kept as GGUF blocks (`load_target(..., gguf_blocks=True)`) reads
