@@ -46,6 +46,7 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -1846,10 +1847,32 @@ DDD_AVX2 inline void attended_slots(const bool* mask, int64_t S, std::vector<int
 
 constexpr int64_t kSlotBlock = 64;  // slots whose keys (then values) stay in L1 while every row of a chunk uses them
 
+// std::allocator with every block 64-byte aligned: the attention buffers that vectors of 16 floats load from and
+// store to (scores, transposed keys) then never split a cache line. (Their alignment was malloc's 16 bytes: one
+// unrelated member added to RowSlots moved the buffers and cost 7 rows' attention ~8%, harness runs/s28.)
+template <class T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <class U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(std::size_t n) {
+    void* p = ::operator new(((n * sizeof(T) + 63) & ~std::size_t(63)), std::align_val_t(64));
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <class U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const Aligned64<U>&) const { return false; }
+};
+using AlignedFloats = std::vector<float, Aligned64<float>>;
+
 // Per-row state of attend_rows.
 struct RowSlots {
   std::vector<int32_t> idx;  // attended slots, ascending
-  std::vector<float> e;      // [G, padded]: scores, then probabilities
+  AlignedFloats e;           // [G, padded]: scores, then their exps (unnormalised probabilities)
+  std::vector<float> sum;    // [G]: per query head, the sum of its e (p @ V is divided by it)
   bool none = false;         // the row attends nothing
   int64_t padded = 0;
   int64_t cur = 0;           // cursor into idx while sweeping slot blocks (for_slot_blocks)
@@ -2066,7 +2089,7 @@ DDD_AVX512 inline void score16_lanes(const float* q, int64_t H, const float* kt,
 DDD_AVX512 void score_rows_lanes(const float* q, int64_t ldq, const float* k, int64_t ldk, int64_t S, int64_t G,
                                  int64_t H, std::vector<RowSlots>& rows, int64_t R) {
   constexpr int64_t kGroups = kSlotBlock / 16;
-  thread_local std::vector<float> kt_buf;
+  thread_local AlignedFloats kt_buf;
   thread_local std::vector<uint16_t> masks;  // [R, kGroups]: the slots each row attends in each group
   thread_local std::vector<int64_t> pos;     // [R]: scores written so far
   kt_buf.resize(kSlotBlock * H);
@@ -2125,10 +2148,11 @@ DDD_AVX512 void score_rows_lanes(const float* q, int64_t ldq, const float* k, in
   }
 }
 
-// Softmax of one row's scaled scores e[0:n_att] in place (e: `padded` floats, a multiple of 8; the padding comes
-// back zero): max (exact in any order); p_j = exp8(e_j - max); sum: lane l adds j = l mod 8 in order, the lanes then
-// summed by hsum8_pairs; p_j / sum.
-DDD_AVX2 inline void softmax8(float* e, int64_t n_att, int64_t padded, float scale) {
+// The unnormalised softmax of one row's scaled scores e[0:n_att] in place (e: `padded` floats, a multiple of 8; the
+// padding comes back zero): max (exact in any order); e_j = exp8(e_j - max); returns their sum: lane l adds
+// j = l mod 8 in order, the lanes then summed by hsum8_pairs. (attend_rows divides p @ V by it: one division per
+// output element instead of one per slot.)
+DDD_AVX2 inline float softmax8(float* e, int64_t n_att, int64_t padded, float scale) {
   const __m256 sc = _mm256_set1_ps(scale);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const int64_t n8 = n_att & ~int64_t(7);
@@ -2150,14 +2174,13 @@ DDD_AVX2 inline void softmax8(float* e, int64_t n_att, int64_t padded, float sca
     _mm256_storeu_ps(e + j, x);
     sum = _mm256_add_ps(sum, x);
   }
-  const __m256 sv = _mm256_set1_ps(hsum8_pairs(sum));
-  for (int64_t j = 0; j < padded; j += 8) _mm256_storeu_ps(e + j, _mm256_div_ps(_mm256_loadu_ps(e + j), sv));
+  return hsum8_pairs(sum);
 }
 
-// softmax8's numbers on AVX-512: the same operations per element (scale, max, exp16 = exp8, divide), the sum still
-// eight lanes wide with lane l adding j = l mod 8 in order (each 16-wide exp adds its low half, then its high half),
-// two passes fewer (scale with max, exp with sum).
-DDD_AVX512 inline void softmax16(float* e, int64_t n_att, int64_t padded, float scale) {
+// softmax8's numbers on AVX-512: the same operations per element (scale, max, exp16 = exp8), the sum still eight
+// lanes wide with lane l adding j = l mod 8 in order (each 16-wide exp adds its low half, then its high half), one
+// pass fewer (scale with max).
+DDD_AVX512 inline float softmax16(float* e, int64_t n_att, int64_t padded, float scale) {
   const __m512 sc = _mm512_set1_ps(scale);
   __m512 mxv = _mm512_set1_ps(-INFINITY);
   for (int64_t j = 0; j < padded; j += 16) {
@@ -2177,20 +2200,20 @@ DDD_AVX512 inline void softmax16(float* e, int64_t n_att, int64_t padded, float 
     sum = _mm256_add_ps(sum, _mm512_castps512_ps256(x));
     if (m == 16) sum = _mm256_add_ps(sum, _mm512_extractf32x8_ps(x, 1));
   }
-  const __m512 sv = _mm512_set1_ps(hsum8_pairs(sum));
-  for (int64_t j = 0; j < padded; j += 16) {
-    const __mmask16 km = static_cast<__mmask16>((1u << std::min<int64_t>(16, padded - j)) - 1);
-    _mm512_mask_storeu_ps(e + j, km, _mm512_div_ps(_mm512_maskz_loadu_ps(km, e + j), sv));
-  }
+  return hsum8_pairs(sum);
 }
 
 // The G query heads of KV head kh for R rows of one batch element (q, out: row stride ldq floats; the row's G heads
 // start at q / out), against keys / values k, v (slot stride ldk). Per row and query head, over the slots the row
 // attends in ascending order:
 //   score_j = score1(q, k_j) * scale (16-lane chains over the head dims: see score1);
-//   p_j = exp(score_j - max) / sum  (sum: lane l adds the slots j = l mod 8 in
-//   order, the lanes then summed by hsum8_pairs -- an order fixed by the number of attended slots alone);
-//   out = sum_j p_j v_j (one fma chain in slot order).
+//   e_j = exp(score_j - max), sum = sum_j e_j (lane l adds the slots j = l mod 8 in order, the lanes then summed
+//   by hsum8_pairs -- an order fixed by the number of attended slots alone);
+//   out = (sum_j e_j v_j) / sum (one fma chain in slot order, then one division per element).
+// (Dividing p @ V once instead of every p_j, with the 64-byte aligned buffers: 7 rows of SmolLM2's 30 layers at 256
+// cached tokens, C++ harness runs/s28/harness*.cc, alternating builds, median us a layer: one thread, one layer's
+// K/V in L2 61.3-63.2 -> 59.0-60.1; two threads, 30 layers streamed between 3.5 MB of other reads 62.8-64.6 ->
+// 54.2-58.2. The target forward did not resolve it: t(7) 18.73 / 18.71 ms, bench/kernel_ab.py, 6 rounds.)
 // Every number depends on the row's own slots only -- not on the other rows, nor on how slots fall into blocks --
 // so a tree node gets exactly what a sequential decode of its path gets (the same slots in the same order: its
 // ancestors sit at increasing slots, as the committed path will). The slot blocks only make the rows share each
@@ -2206,6 +2229,7 @@ DDD_AVX2 void attend_rows(const float* q, const float* k, const float* v, const 
                                                                         [](bool x) { return x; });
     rs.padded = (static_cast<int64_t>(rs.idx.size()) + 7) & ~int64_t(7);
     rs.e.assign(G * rs.padded, 0.0f);
+    rs.sum.resize(G);
   }
   // scores, slot block by slot block
   if (g_avx512 && H % 16 == 0 && R >= kLaneRows)
@@ -2221,8 +2245,7 @@ DDD_AVX2 void attend_rows(const float* q, const float* k, const float* v, const 
     const int64_t n_att = static_cast<int64_t>(rs.idx.size());
     for (int64_t g = 0; g < G; ++g) {
       float* eg = rs.e.data() + g * rs.padded;
-      if (g_avx512) softmax16(eg, n_att, rs.padded, scale);
-      else softmax8(eg, n_att, rs.padded, scale);
+      rs.sum[g] = g_avx512 ? softmax16(eg, n_att, rs.padded, scale) : softmax8(eg, n_att, rs.padded, scale);
     }
     for (int64_t g = 0; g < G; ++g) std::fill(out + r * ldq + g * H, out + r * ldq + (g + 1) * H, 0.0f);
   }
@@ -2230,6 +2253,12 @@ DDD_AVX2 void attend_rows(const float* q, const float* k, const float* v, const 
   for_slot_blocks(rows, R, S, [&](int64_t r, RowSlots& rs, int64_t lo, int64_t hi) DDD_AVX2 {
     if (hi > lo) pv_rows(rs.e.data() + lo, rs.padded, rs.idx.data() + lo, hi - lo, v, ldk, out + r * ldq, G, H);
   });
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      float* o = out + r * ldq + g * H;
+      const float sum = rows[r].sum[g];
+      for (int64_t h = 0; h < H; ++h) o[h] = o[h] / sum;
+    }
 }
 
 // q [B, T, N, H]; k, v [L, B, Kh, S, H] when head_major (a KV head's slots are one run of memory, which a chunk
