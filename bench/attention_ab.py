@@ -28,9 +28,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from ddd_jax.bench.kernel_ab import FLAGS, ROOT, source
+
 HARNESS = Path(__file__).resolve().parent / "attention_harness.cc"
-FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-Wno-attributes", "-Wno-return-type"]  # setup.py's
 
 
 def build(rev: str, out_dir: str) -> str:
@@ -40,13 +40,7 @@ def build(rev: str, out_dir: str) -> str:
             raise SystemExit(f"attention_ab: no kernel source {rev}")
         src = os.path.abspath(rev)
     else:
-        r = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:ddd_jax/csrc/cpu_kernels.cc"],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            raise SystemExit(f"attention_ab: git revision {rev!r} has no ddd_jax/csrc/cpu_kernels.cc "
-                             f"({r.stderr.strip()})")
-        src = str(Path(out_dir) / f"{rev.replace('/', '_')}.cc")
-        Path(src).write_text(r.stdout)
+        src = str(source(rev, out_dir, tool="attention_ab"))
     import jax.ffi  # the FFI headers, as setup.py finds them
     exe = str(Path(out_dir) / (Path(src).stem + f"_{abs(hash(rev)) % 10**8}"))
     r = subprocess.run(["g++", *FLAGS, f"-I{jax.ffi.include_dir()}", f'-DKERNEL_CC="{src}"', str(HARNESS), "-o",

@@ -6,6 +6,8 @@
 // products stream their weights), so keys and values come from memory, as in the target forward; "l2": one
 // layer's keys and values, hot. Prints the median and the minimum over REPS passes of the 30 layers.
 // Built with the kernels' own source (-DKERNEL_CC="path/to/cpu_kernels.cc"), so it reaches their internals.
+// The chunking over threads is `Attention`'s, restated below: it sits inside the FFI handler, and the harness
+// must build against older revisions of the kernels too (attend_rows, RowSlots and parallel_chunks are in all of them).
 #include KERNEL_CC
 #include <chrono>
 #include <cstdio>

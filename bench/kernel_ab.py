@@ -27,20 +27,26 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-Wno-attributes", "-Wno-return-type"]  # setup.py's
 
 
+def source(rev: str, out_dir: str, tool: str = "kernel_ab") -> Path:
+    """The kernels' source at git revision `rev`, written into out_dir."""
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:ddd_jax/csrc/cpu_kernels.cc"],
+                         capture_output=True, text=True)
+    if src.returncode != 0:
+        raise SystemExit(f"{tool}: git revision {rev!r} has no ddd_jax/csrc/cpu_kernels.cc ({src.stderr.strip()})")
+    cc = Path(out_dir) / f"{rev.replace('/', '_')}.cc"
+    cc.write_text(src.stdout)
+    return cc
+
+
 def build(rev: str, out_dir: str) -> str:
     """A library path: `rev` itself when it is a .so, else the kernels of git revision `rev` compiled."""
     if rev.endswith(".so"):
         if not os.path.exists(rev):
             raise SystemExit(f"kernel_ab: no library {rev}")
         return rev
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:ddd_jax/csrc/cpu_kernels.cc"],
-                         capture_output=True, text=True)
-    if src.returncode != 0:
-        raise SystemExit(f"kernel_ab: git revision {rev!r} has no ddd_jax/csrc/cpu_kernels.cc ({src.stderr.strip()})")
     import jax.ffi  # the FFI headers, as setup.py finds them
-    cc = Path(out_dir) / f"{rev.replace('/', '_')}.cc"
+    cc = source(rev, out_dir)
     so = cc.with_suffix(".so")
-    cc.write_text(src.stdout)
     r = subprocess.run(["g++", *FLAGS, "-fPIC", "-shared", f"-I{jax.ffi.include_dir()}", str(cc), "-o", str(so),
                         "-lpthread"], capture_output=True, text=True)
     if r.returncode != 0:
