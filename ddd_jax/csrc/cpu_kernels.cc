@@ -2210,10 +2210,11 @@ DDD_AVX512 inline float softmax16(float* e, int64_t n_att, int64_t padded, float
 //   e_j = exp(score_j - max), sum = sum_j e_j (lane l adds the slots j = l mod 8 in order, the lanes then summed
 //   by hsum8_pairs -- an order fixed by the number of attended slots alone);
 //   out = (sum_j e_j v_j) / sum (one fma chain in slot order, then one division per element).
-// (Dividing p @ V once instead of every p_j, with the 64-byte aligned buffers: 7 rows of SmolLM2's 30 layers at 256
-// cached tokens, C++ harness runs/s28/harness*.cc, alternating builds, median us a layer: one thread, one layer's
-// K/V in L2 61.3-63.2 -> 59.0-60.1; two threads, 30 layers streamed between 3.5 MB of other reads 62.8-64.6 ->
-// 54.2-58.2. The target forward did not resolve it: t(7) 18.73 / 18.71 ms, bench/kernel_ab.py, 6 rounds.)
+// (Dividing p @ V once instead of every p_j, with the 64-byte aligned buffers, SmolLM2's 30 layers at 256 cached
+// tokens, `bench/attention_ab.py 6f6b06a~1 6f6b06a`, medians of us a layer: two threads, keys and values streamed
+// from memory (6 rounds) 7 rows 64.4 -> 62.0, 16 rows 105.3 -> 104.3, one row 27.0 -> 26.6; one thread, one layer
+// in L2 (4 rounds) 7 rows 62.1 -> 60.2, 16 rows 145.8 -> 131.8. The target forward did not resolve it: t(7) 18.73 /
+// 18.71 ms, bench/kernel_ab.py, 6 rounds.)
 // Every number depends on the row's own slots only -- not on the other rows, nor on how slots fall into blocks --
 // so a tree node gets exactly what a sequential decode of its path gets (the same slots in the same order: its
 // ancestors sit at increasing slots, as the committed path will). The slot blocks only make the rows share each
