@@ -14,8 +14,9 @@ median of --reps passes); then per build the median over rounds [min-max]. The c
 too: a change meant to keep the bits must keep them.
 
 The target forward (bench/kernel_ab.py) moves by +-10% between minutes on a noisy VM, more than a kernel change of
-a few percent of it; this harness resolves such changes (2026-11-26: 7 rows, two threads, streamed, 62.8-64.6 ->
-54.2-58.2 us a layer for a change the forward could not tell from noise).
+a few percent of it; the kernel alone resolves more (2026-11-26, commit 6f6b06a against its parent: 16 rows on one
+thread in L2 145.8 -> 131.8 us a layer over 4 rounds, ranges apart, where the forward read t(16) 29.48 / 29.01 ms).
+Streamed runs drift too: read many rounds.
 """
 from __future__ import annotations
 
