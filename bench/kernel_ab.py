@@ -1,6 +1,7 @@
 """Two builds of the CPU kernel library head to head on the target forward, in alternating processes.
 
     python bench/kernel_ab.py BUILD BUILD [BUILD ...] [--sizes 1,7,16] [--rounds 6] [--context 256] [--reps 15]
+                              [--gguf-blocks]
     e.g. python bench/kernel_ab.py 23b57b9 HEAD --sizes 1,8,16,32
 
 Each argument is a built library (a path ending in .so) or a git revision whose `ddd_jax/csrc/cpu_kernels.cc` is
@@ -11,6 +12,8 @@ that loads the SmolLM2 target with that library (`DDD_JAX_KERNELS_LIB`) and time
 `context`.. after its decoded context, in a 512-slot cache, causal among themselves), median of `reps` calls, three passes over the sizes. Prints every
 round's numbers, then per build the median over rounds [min-max] in ms. The VM's memory speed drifts between
 minutes (README, "memory phases"): read the rounds side by side, not one build's number alone.
+`--gguf-blocks` loads the target as the GGUF file's blocks (`load_target(..., gguf_blocks=True)`: quantized panels on
+the CPU) instead of float32 panels.
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ def build(rev: str, out_dir: str) -> str:
     return str(so)
 
 
-def child(sizes: list, context: int, reps: int) -> None:
+def child(sizes: list, context: int, reps: int, gguf_blocks: bool = False) -> None:
     """One build's timings (the library comes from DDD_JAX_KERNELS_LIB): one JSON line {size: ms}, the median of
     three `cost_curve` passes (each a median of `reps` forwards)."""
     import ddd_jax as dj
@@ -63,7 +66,7 @@ def child(sizes: list, context: int, reps: int) -> None:
 
     if not kernels.available():
         raise SystemExit("kernel_ab: the kernel library did not load")
-    target = dj.load_target("smollm2-135m-instruct")
+    target = dj.load_target("smollm2-135m-instruct", gguf_blocks=gguf_blocks)
     passes = [cost_curve(target, None, sizes, context=context, capacity=512, repeat=reps)["rows"] for _ in range(3)]
     print(json.dumps({n: statistics.median(p[i]["target_ms"] for p in passes) for i, n in enumerate(sizes)}))
 
@@ -75,6 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--context", type=int, default=256, help="tokens already in the cache (< 448)")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--gguf-blocks", action="store_true", help="the target as GGUF blocks (quantized panels)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     try:
@@ -84,7 +88,7 @@ def main(argv=None) -> int:
     if any(s < 1 for s in sizes) or a.context < 0 or a.context + max(sizes) > 512:
         raise SystemExit("kernel_ab: sizes must be >= 1 and context + the largest size at most 512 (the cache)")
     if a.child:
-        child(sizes, a.context, a.reps)
+        child(sizes, a.context, a.reps, a.gguf_blocks)
         return 0
     if len(a.builds) < 2:
         raise SystemExit("kernel_ab: name at least two builds (git revisions or .so paths)")
@@ -97,7 +101,7 @@ def main(argv=None) -> int:
             order = list(zip(a.builds, libs))
             for b, lib in (order if rnd % 2 == 0 else order[::-1]):
                 r = subprocess.run([sys.executable, __file__, "--child", "--sizes", a.sizes, "--context",
-                                    str(a.context), "--reps", str(a.reps)],
+                                    str(a.context), "--reps", str(a.reps)] + (["--gguf-blocks"] if a.gguf_blocks else []),
                                    env={**os.environ, "DDD_JAX_KERNELS_LIB": lib}, capture_output=True, text=True)
                 if r.returncode != 0:
                     raise SystemExit(f"kernel_ab: the run of {b} failed:\n{r.stderr[-2000:]}")

@@ -1157,13 +1157,28 @@ ffi::Error LinearPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 constexpr int64_t qp_bytes(int64_t kind) { return kPanel512 * kind_bytes(kind); }  // a panel's K block
 constexpr int64_t qp_qs(int64_t kind) { return kind == kQ4_1 ? 4 * kPanel512 : 2 * kPanel512; }  // qs offset
 
+// Row tiles up to this many rows dequantize a 4-bit K block's two halves from one widening of its bytes (see
+// qp_tile512). One widening for two K rows instead of two saves instructions where the dequantization bounds the
+// tile; at more rows the FMAs bound it and the stash in L1 costs. SmolLM2's 576 x 1536 Q4_1 panels streamed from
+// memory, one thread (runs/s29/qb.cc, 2026-11-26): one row 17.0 -> 19.3 G multiply-adds a second (two processes at
+// once: 16.8-16.9 -> 18.7-19.0 each), two rows 26.3 -> 29.3, four 36-37 -> 37-38, seven 40-43 either way. Vanilla
+// decoding over SmolLM2's quantized panels (`ddd-jax bench --op-profile --gguf-blocks`, two runs each): the layer
+// products 4.13-4.25 -> 3.89-3.90 ms a token. The target forward (`bench/kernel_ab.py --gguf-blocks`, 12
+// alternating rounds, a slow-memory stretch): t(1) 6.76 -> 6.68 ms, faster in 9 of 12 rounds, within the rounds'
+// +-0.6 ms spread. (Shared at seven rows too, t(7) read 14.28 -> 14.65 ms over 6 rounds.)
+constexpr int kQpSharedRows = 4;
+
 template <int MT, int64_t KIND>
 DDD_AVX512 inline void qp_tile512(const float* x, int64_t ldx, const uint8_t* wp, int64_t nb, float* out,
                                   int64_t ldo) {
   __m512 acc[MT][3];
   DDD_UNROLL for (int r = 0; r < MT; ++r)
     DDD_UNROLL for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_setzero_ps();
-  const __m512i nib = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
+  // A 4-bit nibble's float: q (q4_1) or q - 8 (q4_0), looked up by the low 4 bits of each lane (vpermps reads no
+  // others, so the low nibble needs no mask).
+  const __m512 tbl = KIND == kQ4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                   : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  alignas(64) float hi[16][kPanel512];  // 4-bit kinds: K rows 16..31 of the block, dequantized with rows 0..15
   for (int64_t b = 0; b < nb; ++b, wp += qp_bytes(KIND)) {
     __m512 d[3], m[3];
     DDD_UNROLL for (int v = 0; v < 3; ++v) {
@@ -1173,23 +1188,56 @@ DDD_AVX512 inline void qp_tile512(const float* x, int64_t ldx, const uint8_t* wp
     }
     const uint8_t* qs = wp + qp_qs(KIND);
     const float* xb = x + b * kQK;
-    constexpr int kHalves = KIND == kQ8_0 ? 1 : 2, kRows = KIND == kQ8_0 ? 32 : 16;
-    DDD_UNROLL for (int h = 0; h < kHalves; ++h) {
-      for (int j = 0; j < kRows; ++j) {
-        __m512 wv[3];
-        DDD_UNROLL for (int v = 0; v < 3; ++v) {
-          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + j * kPanel512 + 16 * v));
-          if (KIND == kQ8_0) {
-            wv[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), d[v]);
-          } else {
-            __m512i q = _mm512_cvtepu8_epi32(raw);
-            q = h ? _mm512_srli_epi32(q, 4) : _mm512_and_si512(q, nib);
-            wv[v] = KIND == kQ4_1 ? _mm512_fmadd_ps(d[v], _mm512_cvtepi32_ps(q), m[v])
-                                  : _mm512_mul_ps(d[v], _mm512_cvtepi32_ps(_mm512_sub_epi32(q, eight)));
+    if (KIND == kQ8_0 || MT > kQpSharedRows) {
+      constexpr int kHalves = KIND == kQ8_0 ? 1 : 2, kRows = KIND == kQ8_0 ? 32 : 16;
+      const __m512i nib = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
+      DDD_UNROLL for (int h = 0; h < kHalves; ++h) {
+        for (int j = 0; j < kRows; ++j) {
+          __m512 wv[3];
+          DDD_UNROLL for (int v = 0; v < 3; ++v) {
+            const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + j * kPanel512 + 16 * v));
+            if (KIND == kQ8_0) {
+              wv[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), d[v]);
+            } else {
+              __m512i q = _mm512_cvtepu8_epi32(raw);
+              q = h ? _mm512_srli_epi32(q, 4) : _mm512_and_si512(q, nib);
+              wv[v] = KIND == kQ4_1 ? _mm512_fmadd_ps(d[v], _mm512_cvtepi32_ps(q), m[v])
+                                    : _mm512_mul_ps(d[v], _mm512_cvtepi32_ps(_mm512_sub_epi32(q, eight)));
+            }
           }
+          tile_row512<MT>(acc, xb, ldx, h * 16 + j, wv);
         }
-        tile_row512<MT>(acc, xb, ldx, h * 16 + j, wv);
       }
+      continue;
+    }
+    // 4-bit kinds, up to kQpSharedRows rows: byte j of a column holds K rows j (low nibble) and 16 + j (high).
+    // Each byte is loaded and widened once: the low row goes into the tile at once, the high row is dequantized
+    // beside it into `hi`, which the tile reads after row 15 -- the same K order, the same floats (a nibble's float
+    // is exact whether it comes from the table or from a conversion). Above, each half is loaded and widened on
+    // its own (the branch before this one).
+    for (int j = 0; j < 16; ++j) {
+      __m512 wv[3];
+      DDD_UNROLL for (int v = 0; v < 3; ++v) {
+        const __m512i q =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + j * kPanel512 + 16 * v)));
+        const __m512 lo = _mm512_permutexvar_ps(q, tbl);
+        __m512i qh = _mm512_srli_epi32(q, 4);
+        if (KIND == kQ4_0) qh = _mm512_sub_epi32(qh, _mm512_set1_epi32(8));
+        const __m512 hf = _mm512_cvtepi32_ps(qh);
+        if (KIND == kQ4_1) {
+          wv[v] = _mm512_fmadd_ps(d[v], lo, m[v]);
+          _mm512_store_ps(hi[j] + 16 * v, _mm512_fmadd_ps(d[v], hf, m[v]));
+        } else {
+          wv[v] = _mm512_mul_ps(d[v], lo);
+          _mm512_store_ps(hi[j] + 16 * v, _mm512_mul_ps(d[v], hf));
+        }
+      }
+      tile_row512<MT>(acc, xb, ldx, j, wv);
+    }
+    for (int j = 0; j < 16; ++j) {
+      __m512 wv[3];
+      DDD_UNROLL for (int v = 0; v < 3; ++v) wv[v] = _mm512_load_ps(hi[j] + 16 * v);
+      tile_row512<MT>(acc, xb, ldx, 16 + j, wv);
     }
   }
   tile_store512<MT>(acc, out, ldo);
