@@ -97,11 +97,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="ddd_jax_kernel_ab_") as tmp:
         libs = [build(b, tmp) for b in a.builds]
         res = {b: {n: [] for n in sizes} for b in a.builds}
+        child_args = ["--child", "--sizes", a.sizes, "--context", str(a.context), "--reps", str(a.reps)]
+        child_args += ["--gguf-blocks"] if a.gguf_blocks else []
         for rnd in range(a.rounds):
             order = list(zip(a.builds, libs))
             for b, lib in (order if rnd % 2 == 0 else order[::-1]):
-                r = subprocess.run([sys.executable, __file__, "--child", "--sizes", a.sizes, "--context",
-                                    str(a.context), "--reps", str(a.reps)] + (["--gguf-blocks"] if a.gguf_blocks else []),
+                r = subprocess.run([sys.executable, __file__, *child_args],
                                    env={**os.environ, "DDD_JAX_KERNELS_LIB": lib}, capture_output=True, text=True)
                 if r.returncode != 0:
                     raise SystemExit(f"kernel_ab: the run of {b} failed:\n{r.stderr[-2000:]}")

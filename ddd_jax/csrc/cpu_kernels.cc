@@ -1213,8 +1213,8 @@ DDD_AVX512 inline void qp_tile512(const float* x, int64_t ldx, const uint8_t* wp
     // 4-bit kinds, up to kQpSharedRows rows: byte j of a column holds K rows j (low nibble) and 16 + j (high).
     // Each byte is loaded and widened once: the low row goes into the tile at once, the high row is dequantized
     // beside it into `hi`, which the tile reads after row 15 -- the same K order, the same floats (a nibble's float
-    // is exact whether it comes from the table or from a conversion). Above, each half is loaded and widened on
-    // its own (the branch before this one).
+    // is exact whether it comes from the table or from a conversion). Larger tiles, and q8_0, take the branch
+    // above: each K row's bytes loaded and widened on their own.
     for (int j = 0; j < 16; ++j) {
       __m512 wv[3];
       DDD_UNROLL for (int v = 0; v < 3; ++v) {
