@@ -1168,17 +1168,18 @@ constexpr int64_t qp_qs(int64_t kind) { return kind == kQ4_1 ? 4 * kPanel512 : 2
 // +-0.6 ms spread. (Shared at seven rows too, t(7) read 14.28 -> 14.65 ms over 6 rounds.)
 constexpr int kQpSharedRows = 4;
 
+// A 4-bit weight from its nibble's float qf (q for q4_1, q - 8 for q4_0): fma(d, q, m) or d * (q - 8), exactly.
+template <int64_t KIND>
+DDD_AVX512 inline __m512 q4_weight(__m512 d, __m512 m, __m512 qf) {
+  return KIND == kQ4_1 ? _mm512_fmadd_ps(d, qf, m) : _mm512_mul_ps(d, qf);
+}
+
 template <int MT, int64_t KIND>
 DDD_AVX512 inline void qp_tile512(const float* x, int64_t ldx, const uint8_t* wp, int64_t nb, float* out,
                                   int64_t ldo) {
   __m512 acc[MT][3];
   DDD_UNROLL for (int r = 0; r < MT; ++r)
     DDD_UNROLL for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_setzero_ps();
-  // A 4-bit nibble's float: q (q4_1) or q - 8 (q4_0), looked up by the low 4 bits of each lane (vpermps reads no
-  // others, so the low nibble needs no mask).
-  const __m512 tbl = KIND == kQ4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
-                                   : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  alignas(64) float hi[16][kPanel512];  // 4-bit kinds: K rows 16..31 of the block, dequantized with rows 0..15
   for (int64_t b = 0; b < nb; ++b, wp += qp_bytes(KIND)) {
     __m512 d[3], m[3];
     DDD_UNROLL for (int v = 0; v < 3; ++v) {
@@ -1201,8 +1202,7 @@ DDD_AVX512 inline void qp_tile512(const float* x, int64_t ldx, const uint8_t* wp
             } else {
               __m512i q = _mm512_cvtepu8_epi32(raw);
               q = h ? _mm512_srli_epi32(q, 4) : _mm512_and_si512(q, nib);
-              wv[v] = KIND == kQ4_1 ? _mm512_fmadd_ps(d[v], _mm512_cvtepi32_ps(q), m[v])
-                                    : _mm512_mul_ps(d[v], _mm512_cvtepi32_ps(_mm512_sub_epi32(q, eight)));
+              wv[v] = q4_weight<KIND>(d[v], m[v], _mm512_cvtepi32_ps(KIND == kQ4_0 ? _mm512_sub_epi32(q, eight) : q));
             }
           }
           tile_row512<MT>(acc, xb, ldx, h * 16 + j, wv);
@@ -1214,23 +1214,20 @@ DDD_AVX512 inline void qp_tile512(const float* x, int64_t ldx, const uint8_t* wp
     // Each byte is loaded and widened once: the low row goes into the tile at once, the high row is dequantized
     // beside it into `hi`, which the tile reads after row 15 -- the same K order, the same floats (a nibble's float
     // is exact whether it comes from the table or from a conversion). Larger tiles, and q8_0, take the branch
-    // above: each K row's bytes loaded and widened on their own.
+    // above: each K row's bytes loaded and widened on their own. The low nibble's float is looked up by the low 4
+    // bits of each lane (vpermps reads no others, so it needs no mask).
+    const __m512 tbl = KIND == kQ4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                     : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    alignas(64) float hi[16][kPanel512];  // K rows 16..31 of the block, dequantized with rows 0..15
     for (int j = 0; j < 16; ++j) {
       __m512 wv[3];
       DDD_UNROLL for (int v = 0; v < 3; ++v) {
         const __m512i q =
             _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + j * kPanel512 + 16 * v)));
-        const __m512 lo = _mm512_permutexvar_ps(q, tbl);
         __m512i qh = _mm512_srli_epi32(q, 4);
         if (KIND == kQ4_0) qh = _mm512_sub_epi32(qh, _mm512_set1_epi32(8));
-        const __m512 hf = _mm512_cvtepi32_ps(qh);
-        if (KIND == kQ4_1) {
-          wv[v] = _mm512_fmadd_ps(d[v], lo, m[v]);
-          _mm512_store_ps(hi[j] + 16 * v, _mm512_fmadd_ps(d[v], hf, m[v]));
-        } else {
-          wv[v] = _mm512_mul_ps(d[v], lo);
-          _mm512_store_ps(hi[j] + 16 * v, _mm512_mul_ps(d[v], hf));
-        }
+        wv[v] = q4_weight<KIND>(d[v], m[v], _mm512_permutexvar_ps(q, tbl));
+        _mm512_store_ps(hi[j] + 16 * v, q4_weight<KIND>(d[v], m[v], _mm512_cvtepi32_ps(qh)));
       }
       tile_row512<MT>(acc, xb, ldx, j, wv);
     }
