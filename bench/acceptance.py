@@ -7,6 +7,8 @@ token for token against batched vanilla decoding.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from tqdm import tqdm
 
@@ -17,34 +19,58 @@ from ddd_jax.generate import cache_capacity, make_plan
 def measure_acceptance(target, draft, prompt_ids: list, methods=("eagle2", "ddd"), *, tree: TreeConfig,
                        ddd: DDDConfig, max_new_tokens: int = 128, batch_size: int = 8, progress: bool = True) -> dict:
     """{method: {"tau", "mean_depth", "depth_hist", "target_calls", "new_tokens", "identical", "per_prompt"}}."""
-    # one cache size for every batch: one compile per method
+    runs = {m: {"draft": draft, "method": m, "tree": tree, "ddd": ddd} for m in methods}
+    return measure_runs(target, prompt_ids, runs, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                        progress=progress)
+
+
+def measure_runs(target, prompt_ids: list, runs: dict, *, max_new_tokens: int = 128, batch_size: int = 8,
+                 progress: bool = True, on_result=None, deadline: float | None = None) -> dict:
+    """Acceptance of several (head, method, tree, DDD rule) runs over the same prompts, each checked against one
+    batched vanilla decode. runs: {label: {"draft", "method", "tree", "ddd"}}, measured in their order, one label
+    over all the prompts before the next (so a run cut short leaves whole results); `on_result(label, result)` is
+    called as each finishes; runs that would start after `deadline` (a time.time() value) are left out. Returns {label: {"tau", "mean_depth", "depth_hist", "target_calls", "new_tokens",
+    "identical", "prompts", "per_prompt"}}."""
+    # one cache size for every batch and run: one compile per run
     longest = max(len(p) for p in prompt_ids)
-    capacity = max(cache_capacity(longest, make_plan(target, draft if m != "vanilla" else None, method=m,
-                                                     sync="device", tree=tree, ddd=ddd, temperature=0.0, top_p=1.0,
-                                                     max_new_tokens=max_new_tokens))
-                   for m in ("vanilla", *methods))
+    plans = [make_plan(target, None, method="vanilla", sync="device", tree=TreeConfig(), ddd=DDDConfig(),
+                       temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens)]
+    plans += [make_plan(target, r["draft"], method=r["method"], sync="device", tree=r["tree"], ddd=r["ddd"],
+                        temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens) for r in runs.values()]
+    capacity = max(cache_capacity(longest, p) for p in plans)
     batches = [prompt_ids[i:i + batch_size] for i in range(0, len(prompt_ids), batch_size)]
-    out = {m: {"per_prompt": []} for m in methods}
-    bar = tqdm(total=len(batches) * (len(methods) + 1), desc="acceptance", disable=not progress)
+    pad = lambda b: b + [b[-1]] * (batch_size - len(b))  # noqa: E731  fixed batch shape: no recompiles
+    bar = tqdm(total=len(batches) * (len(runs) + 1), desc="acceptance", disable=not progress)
+    refs = []
     for batch in batches:
-        pad = batch + [batch[-1]] * (batch_size - len(batch))  # fixed batch shape: no recompiles
-        ref = generate(target, None, pad, max_new_tokens=max_new_tokens, capacity=capacity)
+        refs.append(generate(target, None, pad(batch), max_new_tokens=max_new_tokens, capacity=capacity).tokens)
         bar.update()
-        for m in methods:
-            r = generate(target, draft, pad, max_new_tokens=max_new_tokens, method=m, sync="device", tree=tree,
-                         ddd=ddd, capacity=capacity)
+    out = {}
+    for label, r in runs.items():
+        if deadline is not None and time.time() > deadline:
+            break
+        per = []
+        for batch, ref in zip(batches, refs):
+            g = generate(target, r["draft"], pad(batch), max_new_tokens=max_new_tokens, method=r["method"],
+                         sync="device", tree=r["tree"], ddd=r["ddd"], capacity=capacity)
             for i in range(len(batch)):
-                st = r.stats["per_sequence"][i]
-                out[m]["per_prompt"].append({"accepted_per_call": st["accepted_per_call"],
-                                             "depth_per_call": st["depth_per_call"],
-                                             "identical": r.tokens[i] == ref.tokens[i]})
+                st = g.stats["per_sequence"][i]
+                per.append({"accepted_per_call": st["accepted_per_call"], "depth_per_call": st["depth_per_call"],
+                            "identical": g.tokens[i] == ref[i]})
             bar.update()
+        out[label] = summarize_acceptance(per)
+        if on_result is not None:
+            on_result(label, out[label])
     bar.close()
-    for m, res in out.items():
-        acc = [a for p in res["per_prompt"] for a in p["accepted_per_call"]]
-        dep = [d for p in res["per_prompt"] for d in p["depth_per_call"]]
-        res.update(tau=float(np.mean(acc)) if acc else 0.0, mean_depth=float(np.mean(dep)) if dep else 0.0,
-                   depth_hist={int(k): int(v) for k, v in zip(*np.unique(dep, return_counts=True))} if dep else {},
-                   target_calls=len(acc), new_tokens=int(sum(acc)),
-                   identical=int(sum(p["identical"] for p in res["per_prompt"])), prompts=len(res["per_prompt"]))
     return out
+
+
+def summarize_acceptance(per_prompt: list) -> dict:
+    """τ (mean tokens a target call), draft depth and identity over per-prompt records."""
+    acc = [a for p in per_prompt for a in p["accepted_per_call"]]
+    dep = [d for p in per_prompt for d in p["depth_per_call"]]
+    return {"tau": float(np.mean(acc)) if acc else 0.0, "mean_depth": float(np.mean(dep)) if dep else 0.0,
+            "depth_hist": {int(k): int(v) for k, v in zip(*np.unique(dep, return_counts=True))} if dep else {},
+            "target_calls": len(acc), "new_tokens": int(sum(acc)),
+            "identical": int(sum(p["identical"] for p in per_prompt)), "prompts": len(per_prompt),
+            "per_prompt": per_prompt}

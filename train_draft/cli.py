@@ -1,4 +1,4 @@
-"""`ddd-jax train-draft {extract,fit,export,plot}`: command-line front over the train_draft library."""
+"""`ddd-jax train-draft {regenerate,extract,fit,export,plot,draft-vocab,recipe,recipe-inputs}`: command-line front over the train_draft library."""
 from __future__ import annotations
 
 import argparse
@@ -177,6 +177,49 @@ def cmd_vocab(args) -> int:
     return 0
 
 
+def _recipe_target(args, inputs):
+    """The target named by --target; a file target takes the inputs' name once the inputs check out for it."""
+    import dataclasses
+    from .recipe import check_inputs_for
+    target = _load_target(args.target)
+    if inputs is not None:
+        check_inputs_for(target, inputs, f"recipe inputs {args.inputs}")
+        if target.name != inputs["meta"]["target"]:
+            print(f"recipe: target {args.target} named {inputs['meta']['target']!r} (its tokenizer and sizes match "
+                  "the inputs')", flush=True)
+            target = dataclasses.replace(target, name=inputs["meta"]["target"])
+    return target
+
+
+def cmd_recipe_inputs(args) -> int:
+    from .recipe import prepare_inputs, save_inputs
+    target = _load_target(args.target)
+    inputs = prepare_inputs(target, max_prompt_len=args.max_prompt_len, holdout_percent=args.holdout_percent,
+                            max_train=args.max_train, seed=args.seed)
+    path = save_inputs(inputs, args.out)
+    print(json.dumps({"out": str(path), "bytes": path.stat().st_size, **inputs["meta"]["counts"]}), flush=True)
+    return 0
+
+
+def cmd_recipe(args) -> int:
+    import dataclasses
+    from .recipe import SMOKE, RecipeConfig, load_inputs, prepare_inputs, run_recipe
+    cfg = SMOKE if args.smoke else RecipeConfig()
+    if args.budget_s is not None:
+        cfg = dataclasses.replace(cfg, budget_s=args.budget_s)
+    inputs = load_inputs(args.inputs) if args.inputs else None
+    target = _recipe_target(args, inputs)
+    if inputs is None:
+        inputs = prepare_inputs(target, max_train=cfg.train_prompts * 4 if args.smoke else 0)
+    if args.smoke:  # toy scale: a few prompts of each part
+        inputs = {**inputs, "holdout": inputs["holdout"][:cfg.holdout_prompts],
+                  "mtbench": inputs["mtbench"][:cfg.tau_prompts]}
+    r = run_recipe(target, inputs, args.out, cfg, smoke=args.smoke)
+    print(json.dumps({"out": args.out, "total_s": r.get("total_s"),
+                      "stages": {k: v.get("status") for k, v in r["stages"].items()}}), flush=True)
+    return 0 if all(v.get("status") in ("done", "skipped") for v in r["stages"].values()) else 1
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("train-draft", help="train an EAGLE draft head for a target model")
     sub = p.add_subparsers(dest="train_command", required=True)
@@ -280,6 +323,31 @@ def add_parser(subparsers) -> None:
     pl.add_argument("--metrics", default=None)
     pl.add_argument("--out", default=None)
     pl.set_defaults(func=cmd_plot)
+
+    r = sub.add_parser("recipe", help="self-distil, train an EAGLE-3 and an EAGLE-1/2 head, export, measure: "
+                                      "one run sized to a wall-time budget (9 minutes of one GPU by default)")
+    r.add_argument("--out", required=True, help="run directory: recipe.json, heads/, regen/, fit runs "
+                                                 "(a rerun skips the stages recorded as done)")
+    r.add_argument("--smoke", action="store_true",
+                   help="every stage through the same code at toy scale (a few prompts and steps; CPU, minutes)")
+    r.add_argument("--inputs", default=None,
+                   help="prompts as token ids from `train-draft recipe-inputs` (default: tokenize the installed "
+                        "ShareGPT and MT-bench here)")
+    r.add_argument("--target", default="smollm2-135m-instruct",
+                   help="target name or path, e.g. the GGUF file on a machine without the asset packages")
+    r.add_argument("--budget-s", type=float, default=None,
+                   help="wall-time budget in seconds (default 540; --smoke 300)")
+    r.set_defaults(func=cmd_recipe)
+
+    ri = sub.add_parser("recipe-inputs", help="tokenize the recipe's prompts into one .npz (uint16 ids) to carry "
+                                              "to a machine without the asset packages")
+    ri.add_argument("--out", required=True, help="output .npz")
+    ri.add_argument("--target", default="smollm2-135m-instruct")
+    ri.add_argument("--max-prompt-len", type=int, default=192, help="skip longer rendered first turns (tokens)")
+    ri.add_argument("--holdout-percent", type=float, default=2.0)
+    ri.add_argument("--max-train", type=int, default=0, help="keep the first N shuffled training conversations")
+    ri.add_argument("--seed", type=int, default=0)
+    ri.set_defaults(func=cmd_recipe_inputs)
 
     v = sub.add_parser("draft-vocab", help="give a head a reduced draft vocabulary (most frequent training tokens)")
     v.add_argument("--target", required=True)

@@ -19,6 +19,11 @@ Differences from the official recipe, on purpose: step k's pairs sit at rope pos
 them; the official trainer keeps position c), packed rows (block-diagonal masks; each sequence loses its last
 token), gradient-norm clipping and a cosine schedule as `train.py`.
 
+Arithmetic: `dtype="bfloat16"` runs the frozen target and the head in bfloat16 (float32 master weights and
+optimizer state, float32 softmax and loss); the default float32 is the CPU's. The learning rate enters the
+jitted step as an argument (`schedule(cfg)` on the host), so the compiled step does not depend on `steps`:
+`time_budget_s` times the first steps and then fixes `steps` to what fits, without a second compile.
+
 Storage: only the token ids and loss masks of the feature shards are read (`train_draft.extract` output; their
 final-normed features are ignored), so EAGLE-3 needs no 3x feature storage; the price is one frozen target
 forward per step. Measured here (SmolLM2-135M, 2 shared CPU cores, one 256-token row, K=7, V'=8192): the frozen
@@ -47,7 +52,7 @@ from ddd_jax.checkpoints.ours import save_draft
 from ddd_jax.config import DraftConfig
 
 from .extract import FeatureSet
-from .train import make_optimizer, pack_rows  # the one optimizer recipe (reads lr, warmup, steps, clip_norm, b1/b2, ...)
+from .train import pack_rows
 from .vocab import frequent_tokens
 
 
@@ -68,10 +73,30 @@ class Fit3Config:
     b2: float = 0.95
     weight_decay: float = 0.0
     clip_norm: float = 0.5
+    dtype: str = "float32"  # compute dtype of the target forward and the head ("bfloat16" on accelerators)
     seed: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"Fit3Config.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        for name in ("steps", "batch_size", "seq_len", "ttt_steps", "draft_vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Fit3Config.{name} must be >= 1, got {getattr(self, name)}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def schedule(cfg: Fit3Config):
+    """Learning rate of step s (host side): linear warmup, cosine decay to lr * end_lr_frac at cfg.steps."""
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1),
+                                              end_value=cfg.lr * cfg.end_lr_frac)
+
+
+def make_optimizer(cfg: Fit3Config):
+    """AdamW without its learning rate (clip -> Adam -> decoupled weight decay); the step scales by -lr."""
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2),
+                       optax.add_decayed_weights(cfg.weight_decay))
 
 
 def draft_vocab(fs: FeatureSet, size: int, vocab_size: int, always=()) -> np.ndarray:
@@ -134,12 +159,16 @@ def ttt_loss(params, d2t, dcfg: DraftConfig, fcfg: Fit3Config, tparams, tcfg, id
     """(loss, metrics) of one packed batch [B, L]: the frozen target forward, then K unrolled head steps."""
     B, L = ids.shape
     K = fcfg.ttt_steps
+    dt = jnp.dtype(fcfg.dtype)
+    if dt != jnp.float32:  # compute copies; the float32 masters get the gradients
+        params = jax.tree.map(lambda w: w.astype(dt), params)
+        tparams = jax.tree.map(lambda w: w.astype(dt) if jnp.issubdtype(w.dtype, jnp.floating) else w, tparams)
     causal_same = jnp.tril(jnp.ones((L, L), bool))[None] & (seg[:, :, None] == seg[:, None, :]) & (seg > 0)[:, :, None]
     o = llama.forward(tparams, tcfg, ids, pos, attn_mask=causal_same, return_logits=False,
                       aux_layers=eagle3.feature_layers(tcfg))
     aux = jax.lax.stop_gradient(o.aux)
     lm_rows = llama.output_embedding(tparams, tcfg)  # [V, D]
-    full = layers.linear(o.hidden, lm_rows, transposed=True)  # [B, L, V] float32 (any stored layout)
+    full = layers.linear(o.hidden, lm_rows, transposed=True).astype(jnp.float32)  # [B, L, V] (any stored layout)
     in_vocab = jnp.zeros((tcfg.vocab_size,), bool).at[d2t].set(True)
     top_ok = in_vocab[jnp.argmax(full, -1)]  # official position_mask: the target's argmax is drafted
     p_all = jax.lax.stop_gradient(jax.nn.softmax(full[..., d2t], axis=-1))  # [B, L, V'] target_p
@@ -159,7 +188,7 @@ def ttt_loss(params, d2t, dcfg: DraftConfig, fcfg: Fit3Config, tparams, tcfg, id
         kv = jnp.concatenate(blocks, axis=-1)  # [B, L, K*L]: step 0 causal, steps 1..k diagonal
         h, cache = eagle3.head_forward(dp, dcfg, embed, _shift(ids, 1 + k), h, pos + k,
                                        KVCache(cache.k, cache.v, jnp.full((B,), k * L, jnp.int32)), kv)
-        logq = jax.nn.log_softmax(eagle3.logits(dp, dcfg, h), axis=-1)
+        logq = jax.nn.log_softmax(eagle3.logits(dp, dcfg, h).astype(jnp.float32), axis=-1)
         p = _shift(p_all, 1 + k)
         ce = -jnp.sum(p * logq, axis=-1)
         denom = jnp.maximum(jnp.sum(m), 1.0) if denom is None else denom
@@ -171,14 +200,43 @@ def ttt_loss(params, d2t, dcfg: DraftConfig, fcfg: Fit3Config, tparams, tcfg, id
 
 
 def make_step(dcfg: DraftConfig, fcfg: Fit3Config, tcfg, tx):
-    def step(state, d2t, tparams, ids, msk, pos, seg):
+    """Jitted (state, lr, d2t, tparams, ids, msk, pos, seg) -> (state, metrics); the state is donated."""
+    def step(state, lr, d2t, tparams, ids, msk, pos, seg):
         (_, m), g = jax.value_and_grad(ttt_loss, has_aux=True)(state["params"], d2t, dcfg, fcfg, tparams, tcfg,
                                                                 ids, msk, pos, seg)
         updates, opt = tx.update(g, state["opt_state"], state["params"])
+        updates = jax.tree.map(lambda u: -lr * u, updates)
         return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt,
                 "step": state["step"] + 1}, m
 
     return jax.jit(step, donate_argnums=(0,))
+
+
+def evaluate(target, params: dict, eval_set: FeatureSet, cfg: Fit3Config, max_batches: int = 8) -> dict:
+    """Held-out TTT metrics of a trained head (`params` with d2t): top-1 agreement with the target (acc{k}) and
+    soft CE (ploss{k}) at each unrolled step k, averaged over up to `max_batches` packed batches of `eval_set`
+    (sequences in order, no shuffle), weighted by each batch's step-0 loss tokens."""
+    d2t = jnp.asarray(params["d2t"], jnp.int32)
+    dcfg = eagle3_config(target, len(params["d2t"]))
+    tparams = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target.params)
+    loss = jax.jit(lambda p, d2t, tparams, *a: ttt_loss(p, d2t, dcfg, cfg, tparams, target.config, *a)[1])
+    lengths = np.diff(eval_set.offsets)
+    rows = pack_rows(lengths, np.arange(len(lengths)), cfg.seq_len)
+    B = cfg.batch_size
+    sums, weight = {}, 0.0
+    for i in range(0, min(len(rows), B * max_batches), B):
+        chunk = rows[i:i + B] + [[]] * max(0, B - len(rows[i:i + B]))
+        ids, msk, pos, seg = make_batch(eval_set, chunk, cfg.seq_len)
+        m = jax.device_get(loss(_trainable(params), d2t, tparams, ids, msk, pos, seg))
+        w = float(msk.sum())
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + w * float(v)
+        weight += w
+    if weight == 0:
+        raise ValueError("evaluate: the held-out set has no loss tokens")
+    out = {k: v / weight for k, v in sums.items()}
+    out["tokens"] = int(weight)
+    return out
 
 
 def eagle3_config(target, draft_vocab_size: int) -> DraftConfig:
@@ -199,10 +257,16 @@ def _manager(ckpt_dir: Path, keep: int):
 
 def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: bool = False, ckpt_every: int = 200,
                keep: int = 3, log_every: int = 10, export_dir=None, stop_after: int | None = None,
-               progress: bool = False) -> dict:
+               time_budget_s: float | None = None, probe_steps: int = 3, progress: bool = False) -> dict:
     """Train an EAGLE-3 head on the token ids of `train`; checkpoints, metrics.jsonl and fit.json go to out_dir.
-    Returns {"params" (with d2t), "step", "last_metrics", "draft_config"}."""
+
+    time_budget_s (a fresh run): after the first step (the compile) and `probe_steps` timed steps, `cfg.steps`
+    becomes the number of steps that fit the budget (never more than given); fit.json and the schedule follow it.
+    The probe runs inside the warmup (warmup > probe_steps + 1 keeps its learning rates independent of the final
+    count). The budget is also a hard stop: a step that starts past it is not taken.
+    Returns {"params" (with d2t), "step", "last_metrics", "draft_config", "fit_config"}."""
     import orbax.checkpoint as ocp
+    t0 = time.time()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ids_vocab = draft_vocab(train, cfg.draft_vocab_size, target.config.vocab_size, always=target.eos_token_ids)
@@ -221,7 +285,7 @@ def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: b
     dio.atomic_write_text(fit_json, json.dumps(meta, indent=1))
 
     plan = RowPlan(train, cfg)
-    tx, sched = make_optimizer(cfg)
+    tx, sched = make_optimizer(cfg), schedule(cfg)
     tparams = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target.params)
     d2t = jnp.asarray(ids_vocab, jnp.int32)
     step_fn = make_step(dcfg, cfg, target.config, tx)
@@ -241,17 +305,35 @@ def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: b
             metrics_path.unlink()
     start = int(state["step"])
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    pending, last, t0 = [], None, time.time()
+    sized = time_budget_s is None or resume
+    deadline = None if time_budget_s is None else t0 + time_budget_s
+    pending, last, t_probe = [], None, None
 
     def save(step):
         mgr.save(step, args=ocp.args.StandardSave(state), force=True)
         mgr.wait_until_finished()
 
-    for step in range(start, end):
+    step = start
+    while step < end:
+        if deadline is not None and time.time() > deadline and step > start:
+            break
         ids, msk, pos, seg = plan.batch(step)
-        state, m = step_fn(state, d2t, tparams, ids, msk, pos, seg)
+        state, m = step_fn(state, jnp.float32(sched(step)), d2t, tparams, ids, msk, pos, seg)
         pending.append(m)
-        done = step + 1
+        step = done = step + 1
+        if not sized and done in (start + 1, start + 1 + probe_steps):
+            jax.block_until_ready(state["step"])
+            if done == start + 1:
+                t_probe = time.time()
+            else:  # size the run to the budget (upper bound: cfg.steps)
+                per_step = (time.time() - t_probe) / probe_steps
+                fits = done + int(max(0.0, deadline - time.time()) * 0.95 / per_step)
+                cfg = dataclasses.replace(cfg, steps=max(done, min(cfg.steps, fits)))
+                sched, sized = schedule(cfg), True
+                end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+                meta["fit_config"] = cfg.to_dict()
+                meta["sized_to_budget"] = {"budget_s": time_budget_s, "probe_s_per_step": per_step}
+                dio.atomic_write_text(fit_json, json.dumps(meta, indent=1))
         if done % log_every == 0 or done == end:
             ms = jax.device_get(pending)
             last = {"step": done, "lr": float(sched(done - 1)),
@@ -259,7 +341,7 @@ def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: b
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(last) + "\n")
             if progress:
-                print(f"fit-eagle3 step {done}: loss {last['loss']:.4f} acc0 {last['acc0']:.3f}", flush=True)
+                print(f"fit-eagle3 step {done}/{end}: loss {last['loss']:.4f} acc0 {last['acc0']:.3f}", flush=True)
             pending = []
         if done % ckpt_every == 0 or done == end:
             save(done)
@@ -270,5 +352,6 @@ def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: b
     if export_dir is not None:
         save_draft(eagle.Draft(dcfg, full, target), export_dir, dtype=np.float16,
                    extra={"trained_for": target.name, "step": int(state["step"]), "fit_config": cfg.to_dict(),
-                          "train_metrics": last})
-    return {"params": full, "step": int(state["step"]), "last_metrics": last, "draft_config": dcfg}
+                          "train_tokens": train.n_tokens, "train_metrics": last})
+    return {"params": full, "step": int(state["step"]), "last_metrics": last, "draft_config": dcfg,
+            "fit_config": cfg}

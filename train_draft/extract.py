@@ -52,6 +52,36 @@ def target_features(target, ids: np.ndarray, buckets) -> np.ndarray:
     return np.asarray(out.hidden[0, :n].astype(jnp.float16))
 
 
+def features_in_batches(target, seqs: list, buckets, batch_size: int = 32, progress: bool = False) -> np.ndarray:
+    """Final-normed target features of many sequences, [sum(len), D] float16 in the order given: sequences grouped
+    by length into batches of `batch_size` padded to a bucket (one compile per bucket; a short last batch is padded
+    with empty rows), the same features as `target_features` one sequence at a time."""
+    import jax.numpy as jnp
+    order = sorted(range(len(seqs)), key=lambda k: len(seqs[k]))
+    out: list = [None] * len(seqs)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=sum(len(s) for s in seqs), unit="tok", unit_scale=True, desc="features", mininterval=5.0)
+    for i in range(0, len(order), batch_size):
+        group = order[i:i + batch_size]
+        L = bucket_for(max(len(seqs[k]) for k in group), buckets)
+        tok = np.zeros((batch_size, L), np.int32)
+        for r, k in enumerate(group):
+            tok[r, :len(seqs[k])] = seqs[k]
+        pos = np.broadcast_to(np.arange(L, dtype=np.int32), tok.shape)
+        hid = np.asarray(target.forward(jnp.asarray(tok), jnp.asarray(pos), return_logits=False).hidden
+                         .astype(jnp.float16))
+        for r, k in enumerate(group):
+            out[k] = hid[r, :len(seqs[k])]
+        if bar is not None:
+            bar.update(sum(len(seqs[k]) for k in group))
+    if bar is not None:
+        bar.close()
+    D = target.config.hidden_size
+    return np.concatenate(out) if out else np.zeros((0, D), np.float16)
+
+
 def _write_npz_atomic(path: Path, **arrays) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:

@@ -246,8 +246,8 @@ def loss_sums(params, dcfg: DraftConfig, embed, lm_w, mb: Batch, key, noise: flo
 
 
 def make_optimizer(cfg):
-    """AdamW with warmup + cosine decay and global-norm clipping, from the optimizer fields that FitConfig and
-    eagle3_fit.Fit3Config share (lr, warmup, steps, end_lr_frac, b1, b2, weight_decay, clip_norm)."""
+    """AdamW with warmup + cosine decay and global-norm clipping, from FitConfig's optimizer fields (lr, warmup,
+    steps, end_lr_frac, b1, b2, weight_decay, clip_norm)."""
     sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1),
                                                end_value=cfg.lr * cfg.end_lr_frac)
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
@@ -470,10 +470,11 @@ def fit(target, train: FeatureSet, out_dir, cfg: FitConfig, *, eval_set: Feature
         resume: bool = False, ckpt_every: int = 200, keep: int = 3, log_every: int = 10, eval_every: int = 200,
         eval_batches: int = 8, tau_every: int = 0, tau_prompts: list | None = None, tau_max_new: int = 64,
         export_every: int = 0, export_dir=None, stop_after: int | None = None, progress: bool = True,
-        extra_meta: dict | None = None, mesh=None) -> dict:
+        extra_meta: dict | None = None, mesh=None, time_limit_s: float | None = None) -> dict:
     """Train a head on `train` features; checkpoints, metrics.jsonl and fit.json go to out_dir.
 
     stop_after: end this call after that global step (as an interruption would), leaving a checkpoint.
+    time_limit_s: likewise stop at the first step that would start after this many seconds of this call.
     mesh: a ("data", "model") `jax.sharding.Mesh`: data-parallel training, each micro-batch's rows over "data"
     (batch_size must divide it), head and optimizer state replicated; the same loss as one device.
     Returns {"params" (plain dict), "module" (EagleHeadModule over the same arrays), "step", "last_metrics",
@@ -552,6 +553,8 @@ def fit(target, train: FeatureSet, out_dir, cfg: FitConfig, *, eval_set: Feature
     last_metrics, last_eval = None, None
     t_start = time.time()
     for step in range(start, end):
+        if time_limit_s is not None and step > start and time.time() - t_start > time_limit_s:
+            break
         batch = plan.batch(step)
         n_tok = int((batch.segments > 0).sum())
         leaves, m = train_step(leaves, embed, lm_w, shard_batch(batch), base_key)

@@ -1,0 +1,120 @@
+"""The head-training recipe (`train_draft.recipe`, `ddd-jax train-draft recipe`): every stage on a tiny target, the
+inputs file (round trip, truncation, another target's), and the CLI's --smoke run on the real SmolLM2."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from ddd_jax import generate, llama, load_draft
+from ddd_jax.config import ModelConfig
+from ddd_jax.target import Target
+from ddd_jax.train_draft.recipe import (SMOKE, check_inputs_for, load_inputs, run_recipe, save_inputs)
+
+V = 96
+
+
+def tiny_target(vocab=V, hidden=32, name="tiny4"):
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                      eos_token_id=(1,))
+    params = llama.init_params(cfg, jax.random.PRNGKey(0), std=0.2)
+    params["embed"] = params["embed"] * 4.0
+    return Target(name, cfg, params)
+
+
+def fake_inputs(target, n_train=10, n_hold=3, n_mt=2, seed=0):
+    rng = np.random.default_rng(seed)
+    part = lambda n, tag: [(f"{tag}{i}", [int(x) for x in rng.integers(2, target.config.vocab_size,  # noqa: E731
+                                                                        rng.integers(3, 9))]) for i in range(n)]
+    meta = {"format": "ddd-jax-recipe-inputs", "version": 1, "target": target.name,
+            "vocab_size": target.config.vocab_size, "hidden_size": target.config.hidden_size, "probe_ids": [],
+            "counts": {"train": n_train, "holdout": n_hold, "mtbench": n_mt}}
+    return {"meta": meta, "train": part(n_train, "t"), "holdout": part(n_hold, "h"), "mtbench": part(n_mt, "m")}
+
+
+TINY = dataclasses.replace(SMOKE, train_prompts=0, holdout_prompts=3, regen_batch=4, regen_max_new=12,
+                           e3_seq_len=48, e1_seq_len=48, draft_vocab_size=32, e3_max_steps=6, e1_max_steps=5,
+                           tau_max_new=8)
+
+
+def test_inputs_round_trip_and_errors(tmp_path):
+    t = tiny_target()
+    inputs = fake_inputs(t)
+    path = save_inputs(inputs, tmp_path / "in.npz")
+    back = load_inputs(path)
+    assert back["meta"] == inputs["meta"]
+    for part in ("train", "holdout", "mtbench"):
+        assert back[part] == inputs[part]
+    with np.load(path) as z:
+        assert z["train_ids"].dtype == np.uint16
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+    with pytest.raises(ValueError, match="cut.npz.*not a readable .npz"):
+        load_inputs(cut)
+    with pytest.raises(FileNotFoundError, match="missing.npz"):
+        load_inputs(tmp_path / "missing.npz")
+    with pytest.raises(ValueError, match="made for 'tiny4'.*vocab_size=96"):
+        check_inputs_for(tiny_target(vocab=128, name="other"), inputs)
+    big = {**inputs, "meta": {**inputs["meta"], "vocab_size": 70000}}
+    with pytest.raises(ValueError, match="uint16"):
+        save_inputs(big, tmp_path / "big.npz")
+
+
+@pytest.mark.slow  # ~1 minute of compiles; `make test` runs it
+def test_every_stage_runs_and_records_itself(tmp_path):
+    t = tiny_target()
+    r = run_recipe(t, fake_inputs(t), tmp_path / "run", TINY, smoke=True, progress=False)
+    assert json.loads((tmp_path / "run" / "recipe.json").read_text()) == json.loads(json.dumps(r))
+    st = r["stages"]
+    assert {k: v["status"] for k, v in st.items()} == {k: "done" for k in
+                                                       ("regenerate", "eagle3", "eagle1", "export", "heldout",
+                                                        "acceptance")}
+    assert st["regenerate"]["train"]["records"] == 10 and st["regenerate"]["holdout"]["records"] == 3
+    assert st["eagle3"]["steps"] == 6 and st["eagle3"]["fit_config"]["ttt_steps"] == TINY.e3_ttt_steps
+    assert set(st["heldout"]["heads"]["tiny4-eagle3"]) >= {"acc0", "acc1", "tokens"}
+    assert 0 <= st["heldout"]["heads"]["tiny4-eagle"]["acc0"] <= 1
+    res = st["acceptance"]["results"]
+    assert "tiny4-eagle3/eagle2-default" in res and "tiny4-eagle/ddd-paper" in res
+    assert all(v["identical"] == v["prompts"] == 2 for v in res.values())  # lossless, every run
+    assert "past_first_check" in res["tiny4-eagle3/ddd-paper"]
+    # the exported heads load, carry a draft vocabulary, and decode vanilla's tokens
+    for name, kind in (("tiny4-eagle3", "eagle3"), ("tiny4-eagle", "eagle1")):
+        d = load_draft(tmp_path / "run" / "heads" / name, t)
+        assert d.config.head_type == kind and d.config.draft_vocab_size == 32
+        ps = [[5, 6, 7], [9, 10, 11, 12]]
+        assert generate(t, d, ps, max_new_tokens=10, method="eagle2").tokens == \
+            generate(t, None, ps, max_new_tokens=10).tokens
+    # a rerun skips what is done (regenerated replies are not decoded again)
+    mtime = (tmp_path / "run" / "regen" / "train.jsonl").stat().st_mtime_ns
+    r2 = run_recipe(t, fake_inputs(t), tmp_path / "run", TINY, smoke=True, progress=False)
+    assert (tmp_path / "run" / "regen" / "train.jsonl").stat().st_mtime_ns == mtime
+    assert r2["stages"]["eagle3"]["started_utc"] == st["eagle3"]["started_utc"]
+
+
+def test_eagle3_fit_sizes_itself_to_a_budget(tmp_path):
+    from ddd_jax.train_draft.eagle3_fit import Fit3Config, fit_eagle3
+    from ddd_jax.train_draft.recipe import _token_set
+    t = tiny_target()
+    recs = [{"id": f"s{i}", "prompt_len": 3, "ids": list(range(2 + i, 40 + i))} for i in range(12)]
+    fs = _token_set(recs, 64)
+    cfg = Fit3Config(steps=10 ** 6, batch_size=1, seq_len=48, ttt_steps=2, draft_vocab_size=32, warmup=10)
+    r = fit_eagle3(t, fs, tmp_path / "f", cfg, time_budget_s=8.0, probe_steps=2, log_every=1, ckpt_every=10 ** 9)
+    meta = json.loads((tmp_path / "f" / "fit.json").read_text())
+    assert 3 <= r["step"] < 10 ** 6 and meta["fit_config"]["steps"] == r["fit_config"].steps
+    assert meta["sized_to_budget"]["probe_s_per_step"] > 0
+
+
+@pytest.mark.slow  # the real SmolLM2 (a minute or two); `make test` runs it
+def test_cli_smoke_on_smollm2(smollm2_by_name, tmp_path, capsys):
+    from ddd_jax.cli import main
+    assert main(["train-draft", "recipe", "--smoke", "--out", str(tmp_path / "r")]) == 0
+    r = json.loads((tmp_path / "r" / "recipe.json").read_text())
+    assert r["smoke"] and r["device"]["backend"] == "cpu"
+    assert all(v["status"] == "done" for v in r["stages"].values())
+    assert (tmp_path / "r" / "heads" / "smollm2-135m-instruct-eagle3" / "model.safetensors").is_file()
+    assert (tmp_path / "r" / "heads" / "smollm2-135m-instruct-eagle" / "model.safetensors").is_file()
+    assert r["stages"]["acceptance"]["results"]["smollm2-135m-instruct-eagle3/eagle2-default"]["identical"] == 2
