@@ -40,10 +40,10 @@ test-fast: install
 bench: install
 	$(BIN)/ddd-jax bench --out runs/bench
 
-# The README's GPU figures on a machine with one NVIDIA GPU and JAX for CUDA (e.g. pip install -e ".[torch,cuda]"
+# The GPU figures (docs/gpu.md) on a machine with one NVIDIA GPU and JAX for CUDA (e.g. pip install -e ".[torch,cuda]"
 # plus the asset wheels): cost curve, the 80 MT-bench first turns, op profile, JAX vs PyTorch; runs the `ddd-jax` and
 # `python3` on PATH (DDD_JAX=, GPU_PY= to name others). The commands share one persistent compilation cache: on an
-# H200 a first generate compiled for 10-33 s and each cost-curve size for 5-11 s (README, "On a GPU").
+# H200 a first generate compiled for 10-33 s and each cost-curve size for 5-11 s (docs/gpu.md).
 GPU_OUT ?= runs/gpu
 DDD_JAX ?= ddd-jax
 GPU_PY ?= python3
@@ -55,7 +55,7 @@ bench-gpu:
 	$(GPU_ENV) $(DDD_JAX) bench --op-profile --limit 3 --methods vanilla,ddd-device --out $(GPU_OUT)/opprof
 	$(GPU_ENV) $(DDD_JAX) lazy-eval --limit 4 --device gpu --sync-rounds 20 --out $(GPU_OUT)/lazy
 
-# The head-training recipe on one GPU (README "Training"; scripts/gpu_recipe.sh carries its inputs to a lent
+# The head-training recipe on one GPU (docs/training.md; scripts/gpu_recipe.sh carries its inputs to a lent
 # machine): self-distilled replies, an EAGLE-3 and an EAGLE-1/2 head, export, held-out top-1 and tau, in 9 minutes.
 RECIPE_OUT ?= runs/recipe
 RECIPE_ARGS ?=

@@ -1,4 +1,4 @@
-"""Builds the optional CPU kernel library `ddd_jax/_cpu_kernels*.so` (see ddd_jax/kernels.py).
+"""Builds the optional CPU kernel library `ddd_jax/backends/cpu/_cpu_kernels*.so` (see ddd_jax/backends/cpu/kernels.py).
 
 It is a plain shared library that `jax.ffi` loads (no Python module init), compiled with the system's C++
 compiler against jaxlib's XLA FFI headers (jaxlib is a build requirement in pyproject.toml). When either is
@@ -45,11 +45,11 @@ class OptionalBuildExt(build_ext):
 
 
 kernels = Extension(
-    "ddd_jax._cpu_kernels",
-    sources=["ddd_jax/csrc/cpu_kernels.cc"],
+    "ddd_jax.backends.cpu._cpu_kernels",
+    sources=["ddd_jax/backends/cpu/csrc/cpu_kernels.cc"],
     language="c++",
     # no -march flags: the kernels carry target("avx2,fma") themselves and the library checks the CPU at load;
-    # bench/kernel_ab.py compiles other revisions with these same flags (FLAGS there)
+    # experiments/kernel_ab.py compiles other revisions with these same flags (FLAGS there)
     extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", "-Wno-attributes", "-Wno-return-type"],
     optional=True,
 )

@@ -43,7 +43,7 @@ def _common(p: argparse.ArgumentParser, limit_default, max_new_default) -> None:
                    help="(GGUF targets) keep the Q4_1 / Q8_0 / Q4_0 matrices as blocks: the same float32 values and "
                         "arithmetic, ~1/6 of the bytes per forward (vanilla and speculative alike)")
     p.add_argument("--no-panels", action="store_true",
-                   help="keep the float32 layer matrices row-major (default on CPU: panel-major, `ddd_jax.panels`; "
+                   help="keep the float32 layer matrices row-major (default on CPU: panel-major, `ddd_jax.backends.cpu.panels`; "
                         "bitwise the same products, faster streams)")
     p.add_argument("--panel-width", type=int, choices=(16, 48), default=None,
                    help="columns of a float32 panel (default 48): 16 runs 9+ rows as 16-row tiles on AVX-512 "

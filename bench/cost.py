@@ -171,7 +171,7 @@ def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capa
                                     if one else None)
         # tokens a tree of this size must yield per call just to break even with vanilla (ignoring drafting)
         r["break_even_tau"] = r["target_rel_1"]
-    from ddd_jax.quant import describe
+    from ddd_jax.backends.cpu.quant import describe
     return {"format": "ddd-jax-cost-curve", "target": target.name, "context": context, "capacity": capacity,
             "repeat": repeat, "interleaved": True, "dtype": str(dtype), "weights": describe(target.params),
             "forward": "logits" if logits else "greedy tokens", "inputs": inputs,

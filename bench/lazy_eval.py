@@ -64,9 +64,9 @@ def check_request(frameworks, device: str) -> tuple:
 
 
 def torch_module():
-    """`ddd_jax.torch_decoding`, or a ValueError naming the extra when torch / transformers are missing."""
+    """`ddd_jax.bench.torch_decoding`, or a ValueError naming the extra when torch / transformers are missing."""
     try:
-        from ddd_jax import torch_decoding
+        from ddd_jax.bench import torch_decoding
     except ModuleNotFoundError as e:
         raise ValueError(f"the torch rows need PyTorch and transformers ({e.name!r} is not installed): "
                          f"{TORCH_EXTRA}, or pass --frameworks jax") from None
@@ -89,7 +89,7 @@ def sync_work(target, draft) -> tuple:
     """The step both sync measurements run: (A [D, D], W [V', D]) -- a square weight and the rows the draft
     projects onto (the head's draft vocabulary, else the target's output embedding)."""
     from ddd_jax.llama import output_embedding
-    from ddd_jax.quant import as_float
+    from ddd_jax.backends.cpu.quant import as_float
     D = target.config.hidden_size
     W = draft.lm_sub if draft is not None and draft.lm_sub is not None else as_float(
         output_embedding(target.params, target.config))
@@ -259,7 +259,7 @@ def run_lazy_eval(target, draft, prompts, *, tree=None, ddd=None, max_new_tokens
     import jax
 
     from ddd_jax.config import DDDConfig, TreeConfig
-    from ddd_jax.generate import bucket_length
+    from ddd_jax.decode import bucket_length
 
     from .run import _append_partial, _open_partial, _partial_header, build_prompt, normalize_prompts, \
         required_capacity

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import jax
 
+import ddd_jax
+
 LOOPS = {"vanilla": "_vanilla_loop"}  # every other method runs _spec_loop
 WRAPPERS = ("ThunkExecutor", "while", "conditional", "call", "ThreadpoolListener")
 # Control flow whose event spans the ops it runs, which have events of their own: summing both counted a branch
@@ -111,7 +113,7 @@ def op_profile(target, draft, prompt_ids: list, method: str, sync: str = "device
     gen_kw go to `generate`; pass one `capacity` that fits every prompt (`bench.run.required_capacity`, as
     `ddd-jax bench --op-profile` does): with each prompt's own, a prompt whose cache needs more slots than the
     warm-up's compiles the loop again, and the compile lands in the traced wall time (not in the ops)."""
-    gen = importlib.import_module("ddd_jax.generate")  # the module (the package re-exports the function)
+    gen = importlib.import_module("ddd_jax.decode.cycle")  # the loops the drivers call
     loop = LOOPS.get(method, "_spec_loop")
     captured = {}
     orig = getattr(gen, loop)
@@ -128,13 +130,13 @@ def op_profile(target, draft, prompt_ids: list, method: str, sync: str = "device
     setattr(gen, loop, spy)
     try:
         for p in prompt_ids[:warmup]:
-            gen.generate(target, draft, p, **kw)
+            ddd_jax.generate(target, draft, p, **kw)
         tdir = trace_dir or tempfile.mkdtemp(prefix="ddd_jax_op_profile_")
         calls, decode_s = 0, 0.0
         jax.profiler.start_trace(tdir)
         try:
             for p in prompt_ids:
-                r = gen.generate(target, draft, p, **kw)
+                r = ddd_jax.generate(target, draft, p, **kw)
                 calls += r.stats["target_calls"]
                 decode_s += r.stats["decode_s"]
         finally:

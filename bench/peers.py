@@ -68,7 +68,7 @@ def torch_runner(target, prompt_lookup: int = 0):
     import torch
     import transformers
 
-    from ddd_jax.torch_decoding import torch_target
+    from ddd_jax.bench.torch_decoding import torch_target
 
     torch.set_num_threads(_threads())
     model = torch_target(target)
@@ -150,7 +150,7 @@ def llama_cpp_runner(gguf_path, capacity: int, eos=(), flash_attn: bool = False,
 def required_capacity(target, draft, prompt_lengths, max_new_tokens: int, tree=None, ddd=None) -> int:
     """The smallest cache / context every ddd-jax peer fits in (generate's own formula; the others need less)."""
     from ddd_jax import settings
-    from ddd_jax.generate import cache_capacity, make_plan
+    from ddd_jax.decode import cache_capacity, make_plan
     from ddd_jax.config import DDDConfig, TreeConfig
 
     P = max(prompt_lengths)

@@ -33,10 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import ddd_jax
-from ddd_jax import kernels
-from ddd_jax.quant import describe as describe_weights
+from ddd_jax.backends.cpu import kernels
+from ddd_jax.backends.cpu.quant import describe as describe_weights
 from ddd_jax.config import DDDConfig, TreeConfig, check_tree_for_ddd
-from ddd_jax.generate import bucket_length, cache_capacity, make_plan
+from ddd_jax.decode import bucket_length, cache_capacity, make_plan
 
 # name -> (method, sync, loop). loop None = generate's default for that sync.
 BASE_METHODS = {
@@ -257,12 +257,12 @@ def environment() -> dict:
         "platform": platform.platform(), "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv), "git_commit": commit,
-        # ddd_jax.kernels in use (CPU backend), or XLA only (DDD_JAX_NO_KERNELS=1, not built, other backends)
+        # ddd_jax.backends.cpu.kernels in use (CPU backend), or XLA only (DDD_JAX_NO_KERNELS=1, not built, other backends)
         "cpu_kernels": jax.default_backend() == "cpu" and kernels.available(),
         "cpu_kernels_avx512": jax.default_backend() == "cpu" and kernels.avx512(),
         "cpu_kernels_l2_prefetch_rows": kernels.l2_prefetch_rows() if jax.default_backend() == "cpu" else None,
         "cpu_model": kernels.cpu_model(),
-        # float32 products: HIGHEST (ddd_jax.kernels.precision) unless a default matmul precision is set
+        # float32 products: HIGHEST (ddd_jax.backends.cpu.kernels.precision) unless a default matmul precision is set
         "matmul_precision": jax.config.jax_default_matmul_precision or "float32 products at HIGHEST",
         # JAX's persistent compilation cache (the command line's default): compile times then include cache loads
         "compile_cache": jax.config.jax_compilation_cache_dir,

@@ -7,7 +7,7 @@ from .checkpoints.loading import load_draft, load_target
 from .checkpoints.ours import save_draft
 from .config import DDDConfig, DraftConfig, ModelConfig, TreeConfig
 from .eagle import Draft, init_draft
-from .generate import GenerateResult, generate
+from .decode import GenerateResult, generate, stream
 from .target import Target
 
 def __getattr__(name):
@@ -19,5 +19,5 @@ def __getattr__(name):
 
 
 __all__ = ["DDDConfig", "DraftConfig", "ModelConfig", "TreeConfig", "Draft", "init_draft", "save_draft",
-           "GenerateResult", "generate", "Target", "load_target", "load_draft",
+           "GenerateResult", "generate", "stream", "Target", "load_target", "load_draft",
            "LlamaModule", "EagleHeadModule"]

@@ -28,8 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def compile_cache_dir(env=None, configured: str | None = None) -> Path | None:
     """Where the command line keeps JAX's persistent compilation cache, so that a second run loads its programs
-    instead of compiling them (`ddd-jax generate --compare` on this project's CPU VM: ~15 s the first time or with
-    the cache off, 8-9 s the next). None when the user already chose one (`configured`: `jax.config.jax_compilation_cache_dir`, which
+    instead of compiling them. None when the user already chose one (`configured`: `jax.config.jax_compilation_cache_dir`, which
     JAX_COMPILATION_CACHE_DIR sets) or turned it off with DDD_JAX_COMPILE_CACHE=0; DDD_JAX_COMPILE_CACHE=DIR names
     the folder; by default $DDD_JAX_CACHE/xla (~/.cache/ddd_jax/xla). Library calls never turn it on."""
     env = os.environ if env is None else env

@@ -28,7 +28,7 @@ import numpy as np
 from . import io as dio
 from .cache import KVCache, init_cache
 from .checkpoints.keytable import check_shapes
-from . import eagle3, panels, quant
+from . import eagle3, ops
 from .config import DraftConfig, ModelConfig
 from .layers import causal_mask, linear
 from .layers import embed as embed_rows
@@ -98,11 +98,8 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions,
 
 
 def _weight(w, dtype):
-    """A head weight for activations of `dtype`: float16 weights and GGUF blocks stay as stored under float32
-    activations (the CPU kernels widen them as they read them; `layers.linear` otherwise promotes), else cast."""
-    if quant.is_block(w) or panels.is_panels(w):  # panels: float32 / float16, read by the kernel as stored
-        return w
-    return w if (w.dtype == jnp.float16 and dtype == jnp.float32) else w.astype(dtype)
+    """A head weight for activations of `dtype` (`ops.as_stored`: packed and float16 weights stay as stored)."""
+    return ops.as_stored(w, dtype)
 
 
 def project_features(dparams, dcfg: DraftConfig, feats):
@@ -158,15 +155,15 @@ class Draft:
     name: str | None = None  # what it was loaded as (a packaged name or a path): selects tuned settings
     # [V', D] the target's output-embedding rows of the draft vocabulary (derived from d2t once; never saved)
     lm_sub: jax.Array | None = field(init=False, default=None, repr=False)  # in the head's `weight_dtype`
-    # decode_params with the head's matrices and lm_sub panel-major (float panels, or quant.BlockPanels for a GGUF-block
-    # head), where the target's are (CPU kernels; never saved)
+    # decode_params with the head's matrices and lm_sub laid out as the target's weights are (`ops.pack_head`) for a
+    # backend that packs them (never saved)
     packed: dict | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self):
         self.config.check_target(self.target.config)
         check_shapes(self.params, param_shapes(self.config), "draft head")
         mesh = self.mesh
-        if mesh is not None and quant.has_blocks(self.params):
+        if mesh is not None and ops.has_blocks(self.params):
             raise ValueError("a draft head stored as GGUF blocks cannot be sharded over a mesh yet")
         if mesh is not None:  # on the target's mesh, by the same rules as the target's weights
             from . import sharding
@@ -177,45 +174,26 @@ class Draft:
             rows = embed_rows(output_embedding(self.target.params, self.target.config), self.params["d2t"])
             # in the head's own weight format (a float16 head reads float16 vocabulary rows, a q8_0 head q8_0 ones)
             wd = self.weight_dtype
-            self.lm_sub = quant.quantize(rows, wd) if wd in quant.KINDS else rows.astype(wd)
+            self.lm_sub = ops.quantize(rows, wd) if wd in ops.BLOCK_KINDS else rows.astype(wd)
             if mesh is not None:
                 self.lm_sub = sharding.put(self.lm_sub, sharding.named(mesh, DRAFT_AXES["lm_sub"]))
-        target_panels = panels.has_panels(self.target.params) or quant.has_block_panels(self.target.params)
-        if self.config.head_type == "eagle1" and mesh is None and not quant.has_blocks(self.params) and target_panels:
-            width = panels.width_of(self.target.params)  # the target's panel width (None: quantized panels)
-            self.packed = panels.pack_head(self.params, width)
-            if self.lm_sub is not None:  # rows: the panels of its transpose, as the target's tied embedding
-                packable = jnp.dtype(self.lm_sub.dtype) in panels.DTYPES  # (not bfloat16)
-                self.packed["lm_sub"] = panels.pack(self.lm_sub, rows=True, width=width) if packable else self.lm_sub
-        elif self.config.head_type == "eagle1" and mesh is None and target_panels:
-            # a GGUF-block head (`astype("q8_0")`): its matrices and vocabulary rows as quantized panels, which the
-            # panel kernel dequantizes in registers (bitwise the float32 panels of the same values), not through
-            # the slower row-block kernel (README, "Heads as blocks too")
-            pack = lambda v: quant.pack_blocks(v) if quant.is_block(v) else v  # noqa: E731
-            self.packed = {**self.params, "fc_w": pack(self.params["fc_w"]),
-                           "layers": {k: pack(v) for k, v in self.params["layers"].items()}}
-            if self.lm_sub is not None:
-                self.packed["lm_sub"] = quant.pack_blocks(self.lm_sub)
+        if self.config.head_type == "eagle1" and mesh is None:  # laid out as the target's weights are
+            self.packed = ops.pack_head(self.params, self.lm_sub, self.target.params)
 
     @property
     def mesh(self):
         """The target's device mesh (None: one device)."""
         return getattr(self.target, "mesh", None)
 
-    def module(self):
-        """This head as a flax nnx module (`modules.EagleHeadModule`) over the same arrays."""
-        from .modules import EagleHeadModule
-        return EagleHeadModule.from_draft(self)
-
     def astype(self, dtype) -> "Draft":
         """The same head with its floating-point weights stored in `dtype` (e.g. float16: on CPU the kernels read
         them at half the bytes and compute in float32; drafting stays lossless -- the target decides every token).
-        dtype may also be a GGUF block kind of `quant.KINDS` ("q8_0", "q4_0", "q4_1"): the matrices (fc, the
+        dtype may also be a GGUF block kind of `ops.BLOCK_KINDS` ("q8_0", "q4_0", "q4_1"): the matrices (fc, the
         layer's products, the draft-vocabulary rows) quantized by gguf's reference quantizer, the rest as stored --
         fewer bytes a draft step, drafts a little different, outputs still exactly the target's."""
-        if isinstance(dtype, str) and dtype in quant.KINDS:
+        if isinstance(dtype, str) and dtype in ops.BLOCK_KINDS:
             return self._quantized(dtype)
-        if quant.has_blocks(self.params):
+        if ops.has_blocks(self.params):
             raise ValueError(f"this head is stored as {self.weight_dtype} blocks; astype({dtype!r}) needs the float "
                              "head (load it again)")
         cast = lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
@@ -224,11 +202,11 @@ class Draft:
     def _quantized(self, kind: str) -> "Draft":
         if self.config.head_type == "eagle3":
             raise ValueError("astype: EAGLE-3 heads cannot be stored as GGUF blocks yet")
-        if quant.has_blocks(self.params):
+        if ops.has_blocks(self.params):
             raise ValueError(f"this head is already stored as {self.weight_dtype} blocks")
         params = dict(self.params)
-        params["fc_w"] = quant.quantize(params["fc_w"], kind, transposed=True)  # x @ fc_w
-        params["layers"] = {k: quant.quantize(v, kind, transposed=True) if v.ndim == 3 else v
+        params["fc_w"] = ops.quantize(params["fc_w"], kind, transposed=True)  # x @ fc_w
+        params["layers"] = {k: ops.quantize(v, kind, transposed=True) if v.ndim == 3 else v
                             for k, v in params["layers"].items()}  # [1, K, N] products; norms as stored
         return dataclasses.replace(self, params=params)
 
@@ -236,8 +214,8 @@ class Draft:
     def weight_dtype(self) -> str:
         """The dtype its floating-point weights are stored in ("float32", "float16", ...), or the GGUF block kind of
         its matrices ("q8_0", ...; see `astype`)."""
-        leaves = jax.tree.leaves(self.params, is_leaf=quant.is_block)
-        blocks = [a.kind for a in leaves if quant.is_block(a)]
+        leaves = jax.tree.leaves(self.params, is_leaf=ops.is_block)
+        blocks = [a.kind for a in leaves if ops.is_block(a)]
         if blocks:
             return blocks[0]
         return next(str(a.dtype) for a in leaves if jnp.issubdtype(a.dtype, jnp.floating))

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import DraftConfig, ModelConfig
-from .kernels import precision
+from .ops import precision
 from .layers import causal_mask, rms_norm
 from .layers import embed as embed_rows
 from .llama import decoder_stack, layer_shapes

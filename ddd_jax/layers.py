@@ -11,69 +11,35 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import kernels
+from . import ops
 from .cache import LAYOUTS
 from .config import ModelConfig
-from .panels import PanelWeight
-from .quant import BlockPanels, BlockWeight, take_rows
 
 NEG_INF = -1e30  # large finite negative: fully-masked rows stay NaN-free
-
-
-def _check_layout(w, rows: bool, transposed: bool) -> None:
-    """A stored weight whose logical layout is output rows (`rows`) serves x @ w.T (transposed) only, and a
-    [K, N] one x @ w only."""
-    if transposed != rows:
-        raise ValueError(f"a {'rows-layout' if rows else '[K, N]'} {type(w).__name__} used as "
-                         f"{'rows' if transposed else 'x @ w'}: its layout does not match the product")
 
 
 def linear(x, w, layer=None, *, transposed: bool = False, f32: bool = False):
     """The one matrix product of the model: x [..., K] @ w [K, N] -> [..., N], or with transposed=True
     x @ w.T for w [N, K] (output-embedding rows: lm_head, the draft vocabulary; float32 result). f32: a float32
     result (accumulated in float32) for the non-transposed product too (an untied lm_head stored [D, V]).
-
-    w may also be a `quant.BlockWeight` (GGUF Q4_1 / Q8_0 / Q4_0 blocks, weight-only): on CPU the block kernel, which
-    dequantizes exactly and is bitwise the transposed float32 kernel's product of the dequantized weight; or a
-    `panels.PanelWeight` (float32, panel-major: the same product, bitwise, read as contiguous streams); or a
-    `quant.BlockPanels` (GGUF blocks panel-major: bitwise the PanelWeight product of the dequantized weight).
-
-    layer: w is stacked [L, K, N] / [L, N, K] and `layer` (an int, may be traced) picks one; the CPU kernel reads
-    it in place, so a layer scan never copies a weight. On CPU, float32 products of at most `kernels.MAX_ROWS`
-    rows (decoding, verification) run the small-M kernel of `ddd_jax.kernels`, whose rows are bit-identical
-    whatever M; anything else is XLA's dot.
-    """
-    if isinstance(w, PanelWeight):  # panel-major float32: x @ w, or x @ rows.T for a rows-layout one
-        _check_layout(w, w.rows, transposed)
-        return kernels.product_panels(x, w.data, w.n, layer)
-    if isinstance(w, BlockPanels):  # GGUF blocks panel-major: the same two layouts
-        _check_layout(w, w.rows, transposed)
-        return kernels.product_qpanels(x, w.data, w.kind, w.n, layer)
-    if isinstance(w, BlockWeight):  # GGUF blocks: rows are outputs, so the product is always x @ rows.T
-        _check_layout(w, not w.transposed, transposed)
-        return kernels.product_blocks(x, w.blocks, w.kind, layer)
-    if kernels.usable(x, w):
-        return kernels.product(x, w, layer, trans=transposed)
-    if layer is not None:
-        w = jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
-    prec = kernels.precision(x, w)
-    if transposed:
-        return jnp.einsum("...d,vd->...v", x, w, precision=prec, preferred_element_type=jnp.float32)
-    if f32:
-        return jnp.einsum("...d,dv->...v", x, w, precision=prec, preferred_element_type=jnp.float32)
-    return jnp.matmul(x, w, precision=prec)
+    w may be an array or a packed weight (`ops.Packed`); layer: w is stacked [L, K, N] / [L, N, K] and `layer`
+    (an int, may be traced) picks one, read in place. See `ops.matmul`."""
+    return ops.matmul(x, w, layer, transposed=transposed, f32=f32)
 
 
 def embed(w, ids):
-    """Rows `ids` [...] of an embedding w [V, D] (an array, a row-layout `quant.BlockWeight`, dequantized
-    row by row, or a rows-layout `panels.PanelWeight`, gathered out of its panels): [..., D]."""
-    if isinstance(w, BlockWeight):
-        return take_rows(w, ids)
-    if isinstance(w, BlockPanels):
-        return w.take(ids)
-    if isinstance(w, PanelWeight):
-        return w.take(ids)
-    return jnp.take(w, ids, axis=0)
+    """Rows `ids` [...] of an embedding w [V, D] (an array or a packed rows-layout weight): [..., D]."""
+    return ops.take_rows(w, ids)
+
+
+def greedy_token(logits):
+    """The index of the first maximum over the last axis: `jnp.argmax`'s answer (ties to the lowest index; a NaN
+    row, which has no answer, gives V - 1 here), computed as a max and a min over the row, which XLA:CPU runs
+    faster than `argmax`'s variadic (value, index) reduce. logits: [..., V] -> [...] int32."""
+    V = logits.shape[-1]
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    idx = jnp.where(logits == top, jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1), V)
+    return jnp.minimum(jnp.min(idx, axis=-1), V - 1)
 
 
 def rms_norm(x, w, eps: float):
@@ -153,18 +119,14 @@ def attention(q, k, v, mask, layer=None, layout: str = "slot"):
     q: [B, T, N, H]; k, v: [B, S, K, H], or stacked caches [L, B, S, K, H] with `layer` (an int, may be traced:
     read in place on the kernel path); with layout="head" the caches' head-major [B, K, S, H] / [L, B, K, S, H]
     (`ddd_jax.cache`); mask: [B, T, S] bool (True = may attend). Returns [B, T, N*H].
-    Softmax in float32. On CPU, float32 with at most `kernels.MAX_ROWS` query rows runs `ddd_jax.kernels`'
-    attention: only the slots a row may attend, summed in slot order, so a row's output does not depend on the
-    other rows (a tree node gets exactly what decoding its path one token at a time gives).
+    Softmax in float32. Where the backend has an attention kernel (`ops.attention`), a row attends only the slots
+    it may, summed in slot order, so a row's output does not depend on the other rows (a tree node gets exactly
+    what decoding its path one token at a time gives).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"attention layout must be one of {LAYOUTS}, not {layout!r}")
     reference = _attention_xla_head if layout == "head" else _attention_xla
-    if kernels.attention_usable(q, k):
-        return kernels.attention(q, k, v, mask, layer, reference, head_major=layout == "head")
-    if layer is not None:
-        k, v = k[layer], v[layer]
-    return reference(q, k, v, mask)
+    return ops.attention(q, k, v, mask, layer, reference, head_major=layout == "head")
 
 
 def _attention_xla_head(q, k, v, mask):  # k, v [B, K, S, H]
@@ -176,12 +138,12 @@ def _attention_xla(q, k, v, mask):  # k, v [B, S, K, H]
     K = k.shape[2]
     G = N // K
     qg = q.reshape(B, T, K, G, H)
-    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, precision=kernels.precision(qg, k),
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, precision=ops.precision(qg, k),
                         preferred_element_type=jnp.float32)
     logits = logits * (1.0 / math.sqrt(H))
     logits = jnp.where(mask[:, None, None, :, :], logits, NEG_INF)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v, precision=kernels.precision(probs, v))
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v, precision=ops.precision(probs, v))
     return out.reshape(B, T, N * H)
 
 

@@ -12,9 +12,9 @@ Parameters are a plain nested dict of arrays (layers stacked on a leading L axis
     final_norm   [D]
     lm_head      [D, V]          (absent when tie_word_embeddings: logits use embed.T)
 
-A matrix may instead be a `quant.BlockWeight` (a GGUF's Q4_1 / Q8_0 / Q4_0 blocks,
-`load_target(..., gguf_blocks=True)`): its `.shape` is the logical shape above, and `layers.linear` /
-`layers.embed` take it wherever they take an array.
+A matrix may instead be a packed weight (`ops.Packed`: panel-major floats or GGUF blocks, laid out at load for
+a backend): its `.shape` is the logical shape above, and `layers.linear` / `layers.embed` take it wherever they
+take an array.
 
 `hidden` in the output is the last decoder layer's output *after* the final norm, i.e. what HF's
 `LlamaModel` returns as `last_hidden_state` and what EAGLE-1/2 heads consume as the target feature
@@ -28,13 +28,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import kernels
 from . import layers as L
+from . import ops
 from .cache import KVCache, check_cache, init_cache
 from .config import ModelConfig
-from .panels import PanelWeight
-from .quant import BlockPanels, BlockWeight
-from .verify import greedy_token
+from .layers import greedy_token
 
 
 class Output(NamedTuple):
@@ -206,10 +204,7 @@ def output_embedding(params, cfg: ModelConfig):
     """The output projection as [V, D] rows (the embedding when tied): the one place that knows about tying."""
     if cfg.tie_word_embeddings:
         return params["embed"]
-    w = params["lm_head"]
-    if isinstance(w, BlockWeight):
-        return BlockWeight(w.blocks, w.kind, transposed=False)
-    return w.T  # an array, or BlockPanels / PanelWeight (the same panels as rows)
+    return ops.output_rows(params["lm_head"])
 
 
 def lm_head(params, cfg: ModelConfig, hidden):
@@ -220,25 +215,22 @@ def lm_head(params, cfg: ModelConfig, hidden):
 
 
 def lm_head_greedy(params, cfg: ModelConfig, hidden):
-    """(logits [..., V] float32, greedy tokens [...] int32): `lm_head` and `verify.greedy_token` of its logits. With a
-    panel-major output projection on CPU one kernel call computes both (the same logits, bitwise; the tokens found
-    while each column chunk is in cache), sparing greedy decoding XLA's passes over [..., V] logits."""
+    """(logits [..., V] float32, greedy tokens [...] int32): `lm_head` and `layers.greedy_token` of its logits, in one
+    pass where the output projection's storage allows (`ops.greedy_head`: the same logits, bitwise)."""
     w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    if isinstance(w, PanelWeight):  # tied: panels of embed.T (rows layout); untied: panels of lm_head [D, V]
-        return kernels.greedy_panels(hidden, w.data, w.n, greedy_token)
+    both = ops.greedy_head(hidden, w, greedy_token)
+    if both is not None:
+        return both
     logits = lm_head(params, cfg, hidden)
     return logits, greedy_token(logits)
 
 
 def greedy_tokens(params, cfg: ModelConfig, hidden):
-    """Greedy tokens [...] int32 of hidden [..., D]: `verify.greedy_token(lm_head(...))`, without the logits. An
-    output projection with an int8 screen (`panels.screen_of`) runs the screened kernel on CPU: bfloat16
-    products over the int8 copy, the columns that could still be the maximum recomputed exactly -- the same
-    tokens, from a quarter of the bytes (`kernels.greedy_screened`)."""
+    """Greedy tokens [...] int32 of hidden [..., D]: `layers.greedy_token(lm_head(...))`, without the logits where
+    the output projection's storage has a cheaper way to the same tokens (`ops.greedy_tokens`)."""
     w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    if isinstance(w, PanelWeight) and w.screen is not None:
-        return kernels.greedy_screened(hidden, w.data, w.n, w.screen, w.screen_bound, greedy_token)
-    return lm_head_greedy(params, cfg, hidden)[1]
+    toks = ops.greedy_tokens(hidden, w, greedy_token)
+    return toks if toks is not None else lm_head_greedy(params, cfg, hidden)[1]
 
 
 def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None = None, attn_mask=None,

@@ -72,8 +72,8 @@ class LlamaModule(_ParamsModule):
     def from_target(cls, target) -> "LlamaModule":
         """A view of a `ddd_jax.Target`'s weights (shares its arrays; panel-major layer matrices, the CPU default,
         are unpacked into row-major copies: `load_target(..., panels=False)` shares them all)."""
-        from .panels import unpack_params
-        from .quant import has_blocks
+        from .backends.cpu.panels import unpack_params
+        from .backends.cpu.quant import has_blocks
         if has_blocks(target.params):
             raise ValueError(f"target {target.name!r} keeps GGUF blocks (gguf_blocks=True): nnx modules hold float "
                              "arrays; load it without gguf_blocks to train or compose it as a module")
@@ -96,7 +96,7 @@ class EagleHeadModule(_ParamsModule):
     @classmethod
     def from_draft(cls, draft) -> "EagleHeadModule":
         """A view of a `ddd_jax.Draft`'s head weights (shares its arrays; the target stays with the draft)."""
-        from .quant import has_blocks
+        from .backends.cpu.quant import has_blocks
         if has_blocks(draft.params):
             raise ValueError("this head is stored as GGUF blocks (Draft.astype('q8_0'...)): nnx modules hold float "
                              "arrays; use the float head to train or compose it as a module")

@@ -33,8 +33,8 @@ class Target:
         check_shapes(self.params, llama.param_shapes(self.config), f"target {self.name!r}")
         if self.mesh is not None:  # no-op for params a loader already placed tensor by tensor
             from . import sharding
-            from .panels import has_panels
-            from .quant import has_blocks
+            from .backends.cpu.panels import has_panels
+            from .backends.cpu.quant import has_blocks
             if has_blocks(self.params):
                 raise ValueError(f"target {self.name!r}: GGUF blocks (gguf_blocks=True) are not sharded over a mesh "
                                  "yet; load float weights to shard")

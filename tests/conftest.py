@@ -81,7 +81,7 @@ def assert_same_target(t, t2):
     import numpy as np
     from ddd_jax import io as dio
     assert t2.config == t.config
-    from ddd_jax.panels import unpack_params
+    from ddd_jax.backends.cpu.panels import unpack_params
     f1, f2 = dio.flatten(unpack_params(t.params)), dio.flatten(unpack_params(t2.params))  # panels: as row-major
     assert sorted(f1) == sorted(f2)
     for k in f1:

@@ -1,4 +1,4 @@
-"""Tiny targets kept as GGUF blocks, quantized by gguf's own reference quantizer (tests of `ddd_jax.quant`)."""
+"""Tiny targets kept as GGUF blocks, quantized by gguf's own reference quantizer (tests of `ddd_jax.backends.cpu.quant`)."""
 from __future__ import annotations
 
 import gguf
@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 from gguf.quants import quantize
 
-from ddd_jax import ModelConfig, Target, quant
+from ddd_jax import ModelConfig, Target
+from ddd_jax.backends.cpu import quant
 
 QTYPE = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0,
          "q4_0": gguf.GGMLQuantizationType.Q4_0}

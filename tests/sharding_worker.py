@@ -100,7 +100,9 @@ def main(spec):
 
 def checks(t1, dparams, prompts):
     """Placement (weights, head, caches), loading onto a mesh, same-seed init, and bad inputs."""
-    from ddd_jax.generate import _prefill, make_plan, _prepare_prompts
+    from ddd_jax.decode import make_plan
+    from ddd_jax.decode.api import _prepare_prompts
+    from ddd_jax.decode.cycle import _prefill
     res = {}
     mesh = sharding.make_mesh(2, 2)
     t = target(mesh)
@@ -136,7 +138,7 @@ def checks(t1, dparams, prompts):
     try:
         from conftest import write_tiny_hf_llama
 
-        from ddd_jax.panels import unpack_params
+        from ddd_jax.backends.cpu.panels import unpack_params
         with tempfile.TemporaryDirectory() as tmp:
             write_tiny_hf_llama(f"{tmp}/hf")
             one, sh = load_target(f"{tmp}/hf"), load_target(f"{tmp}/hf", mesh=mesh)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import ddd_jax
-from ddd_jax import llama, quant
+from ddd_jax import llama
+from ddd_jax.backends.cpu import quant
 from ddd_jax.config import DDDConfig, ModelConfig, TreeConfig
 from ddd_jax.settings import load_settings, save_settings, to_configs
 
@@ -465,7 +466,7 @@ def test_cli_op_profile_gives_every_prompt_and_method_one_capacity(tiny, tmp_pat
     import ddd_jax.bench.op_profile as bop
     from ddd_jax.bench.run import parse_method
     from ddd_jax.cli import main as cli_main
-    from ddd_jax.generate import cache_capacity, make_plan
+    from ddd_jax.decode import cache_capacity, make_plan
     target, draft = tiny
     prompts = [[5, 6, 7], list(range(1, 250))]  # per-prompt capacities 256 and 512 under either method
     seen = []
@@ -483,20 +484,6 @@ def test_cli_op_profile_gives_every_prompt_and_method_one_capacity(tiny, tmp_pat
              for s in (parse_method(m, TreeConfig(), DDDConfig()) for m in ("vanilla", "ddd-device"))]
     need = max(cache_capacity(249, p) for p in plans)
     assert caps == {need} and need > max(cache_capacity(3, p) for p in plans)
-
-
-def test_kernel_ab_rejects_bad_input(tmp_path):
-    from ddd_jax.bench import kernel_ab
-    with pytest.raises(SystemExit, match="at least two builds"):
-        kernel_ab.main(["HEAD"])
-    with pytest.raises(SystemExit, match="must be integers"):
-        kernel_ab.main(["HEAD", "HEAD", "--sizes", "1,x"])
-    with pytest.raises(SystemExit, match="at most 512"):
-        kernel_ab.main(["HEAD", "HEAD", "--sizes", "300", "--context", "256"])
-    with pytest.raises(SystemExit, match="no library"):
-        kernel_ab.build(str(tmp_path / "missing.so"), str(tmp_path))
-    with pytest.raises(SystemExit, match="has no ddd_jax/csrc/cpu_kernels.cc"):
-        kernel_ab.build("no-such-revision-xyz", str(tmp_path))
 
 
 def test_bench_resumes_after_the_prompts_a_killed_run_finished(tiny, tmp_path, monkeypatch):
@@ -572,36 +559,3 @@ def test_tuner_replays_the_stages_a_killed_tune_journaled(tiny, tmp_path, monkey
     assert space.contains(res["settings"])
     with pytest.raises(ValueError, match=r"different run \(differs in: space\)"):
         tune(target, draft, PROMPTS, SearchSpace(**{**space.to_dict(), "threshold": (-0.5, -1.0)}), **kw)
-
-
-def test_attention_ab_rejects_bad_input(tmp_path):
-    from ddd_jax.bench import attention_ab
-    with pytest.raises(SystemExit, match="at least two builds"):
-        attention_ab.main(["HEAD"])
-    with pytest.raises(SystemExit, match="must be integers"):
-        attention_ab.main(["HEAD", "HEAD", "--sizes", "1,x"])
-    with pytest.raises(SystemExit, match=r"in \[1, 256\]"):
-        attention_ab.main(["HEAD", "HEAD", "--sizes", "0"])
-    with pytest.raises(SystemExit, match="at least 1"):
-        attention_ab.main(["HEAD", "HEAD", "--rounds", "0"])
-    with pytest.raises(SystemExit, match="no kernel source"):
-        attention_ab.build(str(tmp_path / "missing.cc"), str(tmp_path))
-    with pytest.raises(SystemExit, match="has no ddd_jax/csrc/cpu_kernels.cc"):
-        attention_ab.build("no-such-revision-xyz", str(tmp_path))
-
-
-@pytest.mark.slow
-def test_attention_harness_runs_the_kernel_and_its_bits_follow_the_rows(tmp_path):
-    """The harness built from this checkout's kernels: both modes run, and the output's checksum is the same
-    whatever the thread count (the chunking splits rows between threads; every row's bits are its own); "l2"
-    attends one layer's keys and values, "stream" all 30 (the output is the last layer's)."""
-    from ddd_jax import kernels
-    from ddd_jax.bench import attention_ab
-    if not kernels.available():
-        pytest.skip("CPU kernel library not built / not supported")
-    exe = attention_ab.build(str(attention_ab.ROOT / "ddd_jax" / "csrc" / "cpu_kernels.cc"), str(tmp_path))
-    for mode in ("l2", "stream"):
-        one, two = (attention_ab.run(exe, 7, mode, 2, threads) for threads in (1, 2))
-        assert one["us"] > 0 and two["us"] > 0
-        assert one["checksum"] == two["checksum"]
-    assert attention_ab.run(exe, 7, "l2", 1, 1)["checksum"] != two["checksum"]  # other layers' keys and values

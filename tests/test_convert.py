@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ddd_jax import io as dio
-from ddd_jax import quant
+from ddd_jax.backends.cpu import quant
 from ddd_jax.cli import main
 from ddd_jax.checkpoints.loading import load_draft, load_target
 

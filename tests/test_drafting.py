@@ -90,8 +90,8 @@ def test_host_phases_take_the_caches_donated_and_read_computed_confidence(monkey
     import importlib
 
     import jax
-    from ddd_jax import drafting
-    G = importlib.import_module("ddd_jax.generate")  # the module (the package exports the function)
+    from ddd_jax.decode import drafting
+    G = importlib.import_module("ddd_jax.decode.cycle")
     target, draft = tiny_target(), fitted_draft()
     p = prompts(1, seed=3, lo=6, hi=7)[0]
     donated, reads = [], []
@@ -174,9 +174,10 @@ def test_step0_on_fewer_rows_drafts_what_all_rows_draft():
     import jax
     import jax.numpy as jnp
 
-    from ddd_jax import drafting, kernels
+    from ddd_jax.decode import drafting
+    from ddd_jax.backends.cpu import kernels
     from ddd_jax.eagle import new_cache
-    from ddd_jax.generate import make_plan
+    from ddd_jax.decode import make_plan
     target, draft = tiny_target(), fitted_draft()
     plan = make_plan(target, draft, method="ddd", sync="device", tree=TREE, ddd=DDD, temperature=0.0, top_p=1.0,
                      max_new_tokens=16)
@@ -223,9 +224,9 @@ def test_draft_program_branches_and_loops(method, sync):
     one `while` that lets it stop early; the callback mode branches at checks, to call the host only there."""
     import jax.numpy as jnp
 
-    from ddd_jax import drafting
+    from ddd_jax.decode import drafting
     from ddd_jax.eagle import new_cache
-    from ddd_jax.generate import make_plan
+    from ddd_jax.decode import make_plan
     target, draft = tiny_target(), fitted_draft()
     plan = make_plan(target, draft, method=method, sync=sync, tree=TREE, ddd=DDD, temperature=0.0, top_p=1.0,
                      max_new_tokens=16)

@@ -10,7 +10,8 @@ import numpy as np
 
 from ddd_jax import DDDConfig, Target, TreeConfig, llama
 from ddd_jax.cache import KVCache, commit
-from ddd_jax.generate import _emit, make_plan
+from ddd_jax.decode import make_plan
+from ddd_jax.decode.cycle import _emit
 from ddd_jax.tree import Beam, build_tree, expand, first_beam
 from spec_helpers import TINY
 

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import smollm2_gguf_path
 from ddd_jax import io as dio
-from ddd_jax import quant
+from ddd_jax.backends.cpu import quant
 from ddd_jax.chat import render_chat
 from ddd_jax.checkpoints.gguf import load_gguf_target
 from ddd_jax.checkpoints.loading import load_target

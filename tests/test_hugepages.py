@@ -1,9 +1,9 @@
-"""Huge pages for weight buffers (ddd_jax.hugepages): the aligned ranges, the opt-out, and the pages themselves."""
+"""Huge pages for weight buffers (ddd_jax.backends.cpu.hugepages): the aligned ranges, the opt-out, and the pages themselves."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddd_jax import hugepages as hp
+from ddd_jax.backends.cpu import hugepages as hp
 
 MiB = 1 << 20
 

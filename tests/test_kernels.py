@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddd_jax import kernels, layers, llama
+from ddd_jax import layers, llama
+from ddd_jax.backends.cpu import kernels
 from ddd_jax.config import ModelConfig
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="CPU kernel library not built / not supported")
@@ -251,7 +252,8 @@ def _run_python(code: str, **env):
 
 FALLBACK = """
 import jax, numpy as np
-from ddd_jax import kernels, llama
+from ddd_jax import llama
+from ddd_jax.backends.cpu import kernels
 from ddd_jax.config import ModelConfig
 cfg = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
@@ -276,7 +278,7 @@ def test_missing_library_warns_once_and_uses_xla(tmp_path):
 
 PATHS = """
 import sys, jax, jax.numpy as jnp, numpy as np
-from ddd_jax import kernels
+from ddd_jax.backends.cpu import kernels
 rng = np.random.default_rng(11)
 out = {"avx512": np.array(kernels.avx512())}
 for trans in (False, True):
@@ -287,8 +289,8 @@ for trans in (False, True):
             f = jax.jit(lambda x, w: kernels.product(x, w, 1, trans))
             out[f"{trans}-{K}-{N}-{M}"] = np.asarray(f(x, w))
             out[f"{trans}-{K}-{N}-{M}-f16"] = np.asarray(f(x, w.astype(jnp.float16)))
-from ddd_jax import quant
-from ddd_jax.quant import quantize
+from ddd_jax.backends.cpu import quant
+from ddd_jax.backends.cpu.quant import quantize
 for kind in ("q4_1", "q8_0", "q4_0"):  # GGUF blocks: dequantized 16 wide, multiplied two weight rows a vector
     bw = quantize(jnp.asarray(rng.standard_normal((2, 576, 200)), jnp.float32), kind, transposed=True)
     for M in (1, 3, 5, 8, 13):
@@ -307,7 +309,7 @@ for H, N, Kh in ((64, 9, 3), (24, 8, 2), (13, 4, 1), (64, 20, 4)):  # p @ V: 64 
         mask = jnp.asarray(rng.random((2, T, S)) < 0.7)
         out[f"att-{H}-{N}-{T}-{S}"] = np.asarray(jax.jit(lambda q, k, v, m: layers.attention(q, k, v, m, 1))(
             q, k, v, mask))
-from ddd_jax import panels  # panel-major weights, 48 columns (8 x 48 tiles on AVX-512, two 24-column halves on
+from ddd_jax.backends.cpu import panels  # panel-major weights, 48 columns (8 x 48 tiles on AVX-512, two 24-column halves on
 # AVX2) and 16 (three-panel tiles below 9 rows, 16-row tiles from 9 on; AVX2: 16-column halves of its tiles)
 for width in (48, 16):
     for K, N in ((576, 1536), (1536, 576), (576, 192), (33, 200), (100, 37)):

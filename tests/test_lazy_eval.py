@@ -1,4 +1,4 @@
-"""The PyTorch counterpart of the decode loop (ddd_jax.torch_decoding) and `ddd-jax lazy-eval`, on a tiny random
+"""The PyTorch counterpart of the decode loop (ddd_jax.bench.torch_decoding) and `ddd-jax lazy-eval`, on a tiny random
 target: torch vanilla = transformers' generate, every torch mode = torch vanilla, torch depths = JAX depths, the
 JSON contract of the CLI, and its refusals."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 import ddd_jax  # noqa: E402
 from ddd_jax import DDDConfig, Target, TreeConfig  # noqa: E402
-from ddd_jax import torch_decoding as td  # noqa: E402
+from ddd_jax.bench import torch_decoding as td  # noqa: E402
 from ddd_jax.bench.lazy_eval import ROW_FIELDS, ROWS, row_label, run_lazy_eval  # noqa: E402
 from ddd_jax.cli import main  # noqa: E402
 from ddd_jax.eagle import with_draft_vocab  # noqa: E402
@@ -211,8 +211,8 @@ def test_cli_lazy_eval_refusals_write_nothing(tmp_path, capsys, monkeypatch):
     assert "no questions" in capsys.readouterr().err
     # torch missing: the error names the extra to install
     monkeypatch.setitem(sys.modules, "torch", None)
-    monkeypatch.delitem(sys.modules, "ddd_jax.torch_decoding")
-    monkeypatch.delattr(ddd_jax, "torch_decoding", raising=False)
+    monkeypatch.delitem(sys.modules, "ddd_jax.bench.torch_decoding")
+    monkeypatch.delattr(ddd_jax.bench, "torch_decoding", raising=False)
     assert main(base) == 2
     assert "pip install 'ddd-jax[torch]'" in capsys.readouterr().err
     assert not out.exists()

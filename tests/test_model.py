@@ -147,7 +147,7 @@ def test_commit_loop_of_static_length_moves_what_the_loop_of_n_moves(layout):
 def test_head_and_slot_major_caches_decode_alike(params, use_kernels):
     """The two cache layouts hold the same numbers: prefill, a tree-masked forward, its commit and a decode step
     give the same logits bit for bit (kernel and XLA paths), and the caches are each other's transpose."""
-    from ddd_jax import kernels
+    from ddd_jax.backends.cpu import kernels
     n = len(TREE_TOKENS)
     anc = np.eye(n, dtype=bool)
     for i in range(1, n):

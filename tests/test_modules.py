@@ -130,6 +130,6 @@ def test_optimizer_step_updates_only_params_and_reduces_loss():
 def test_target_and_draft_module_views():
     from spec_helpers import fitted_draft, tiny_target
     target, draft = tiny_target(), fitted_draft()
-    tm, dm = target.module(), draft.module()
+    tm, dm = target.module(), EagleHeadModule.from_draft(draft)
     chex.assert_trees_all_equal(tm.to_params(), target.params)
     chex.assert_trees_all_equal(dm.to_params(), draft.params)

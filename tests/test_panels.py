@@ -1,4 +1,4 @@
-"""Panel-major float32 weights (`ddd_jax.panels`): the layout round-trips, the kernel's product is bitwise the
+"""Panel-major float32 weights (`ddd_jax.backends.cpu.panels`): the layout round-trips, the kernel's product is bitwise the
 row-major kernel's (every row count, padded last panels; AVX-512 against AVX2 in
 `test_kernels.test_avx512_and_avx2_products_are_bitwise_equal`), rows stay independent of the rows beside them,
 gradients and the XLA fallback match, and `load_target` packs by default on CPU and unpacks wherever a float array
@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddd_jax import kernels, layers, panels, quant
+from ddd_jax import layers
+from ddd_jax.backends.cpu import kernels, panels, quant
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="CPU kernel library not built / not supported")
 

@@ -59,7 +59,8 @@ def test_missing_or_unknown_peers(monkeypatch):
 def test_blocks_peers_decode_the_blocks_target():
     pytest.importorskip("gguf")
     from quant_helpers import SMALL, blocks_target
-    from ddd_jax import Target, llama, quant
+    from ddd_jax import Target, llama
+    from ddd_jax.backends.cpu import quant
     import jax
     tb = blocks_target(Target("small", SMALL, llama.init_params(SMALL, jax.random.PRNGKey(0), std=0.25)))
     tf = Target("small-float", SMALL, quant.dequantize_tree(tb.params))

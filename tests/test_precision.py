@@ -13,7 +13,7 @@ import pytest
 
 from ddd_jax import init_draft, llama
 from ddd_jax.eagle import Draft
-from ddd_jax.kernels import precision
+from ddd_jax.backends.cpu.kernels import precision
 
 from spec_helpers import jaxpr_eqns, tiny_target  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""GGUF blocks kept as weights (`ddd_jax.quant`): exact dequantization, the block kernel against the float32 kernel
+"""GGUF blocks kept as weights (`ddd_jax.backends.cpu.quant`): exact dequantization, the block kernel against the float32 kernel
 (bitwise, every M), a tiny blocks target against its float twin, speculative decoding over blocks token-identical
 to vanilla, gradients, and the errors for what blocks do not support."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import smollm2_gguf_path
-from ddd_jax import Target, generate, kernels, llama, quant
+from ddd_jax import Target, generate, llama
+from ddd_jax.backends.cpu import kernels, quant
 from ddd_jax import layers as L
 from ddd_jax.config import TreeConfig
 from ddd_jax.eagle import Draft
@@ -62,7 +63,7 @@ def test_block_kernel_is_the_float_kernel_of_the_dequantized_weight(kind):
 @pytest.mark.parametrize("kind", ["q4_1", pytest.param("q8_0", marks=pytest.mark.slow),
                                   pytest.param("q4_0", marks=pytest.mark.slow)])
 def test_block_panels_are_the_float_panels_of_the_dequantized_weight(kind):
-    from ddd_jax import panels
+    from ddd_jax.backends.cpu import panels
     L_, N, K = 2, 100, 96  # N: a last panel of 4 columns; K: three blocks
     bw = quant.BlockWeight(jnp.asarray(blocks_of(random_rows((L_, N, K), seed=6), kind)), kind, transposed=True)
     bp = quant.pack_blocks(bw)
@@ -157,7 +158,7 @@ def test_blocks_target_matches_its_float_twin(small):
 def test_block_panels_target_is_bitwise_its_float_panels_twin(small):
     """Panel-major blocks (what load_target makes of gguf_blocks=True on CPU) reduce in the float32 panels' order:
     the same logits, bit for bit, as the float twin stored panel-major, and the same greedy tokens."""
-    from ddd_jax import panels
+    from ddd_jax.backends.cpu import panels
     from spec_helpers import prompts
     tf, tb, draft = small
     tq = dataclasses.replace(tb, params=quant.pack_block_params(tb.params, tied=True))

@@ -37,8 +37,8 @@ def fake_inputs(target, n_train=10, n_hold=3, n_mt=2, seed=0):
 
 
 TINY = dataclasses.replace(SMOKE, train_prompts=0, holdout_prompts=3, regen_batch=4, regen_max_new=12,
-                           e3_seq_len=48, e1_seq_len=48, draft_vocab_size=32, e3_max_steps=6, e1_max_steps=5,
-                           tau_max_new=8)
+                           eagle3=dataclasses.replace(SMOKE.eagle3, seq_len=48, draft_vocab_size=32, steps=6),
+                           eagle1=dataclasses.replace(SMOKE.eagle1, seq_len=48, steps=5), tau_max_new=8)
 
 
 def test_inputs_round_trip_and_errors(tmp_path):
@@ -74,7 +74,7 @@ def test_every_stage_runs_and_records_itself(tmp_path):
                                                        ("regenerate", "eagle3", "eagle1", "export", "heldout",
                                                         "acceptance")}
     assert st["regenerate"]["train"]["records"] == 10 and st["regenerate"]["holdout"]["records"] == 3
-    assert st["eagle3"]["steps"] == 6 and st["eagle3"]["fit_config"]["ttt_steps"] == TINY.e3_ttt_steps
+    assert st["eagle3"]["steps"] == 6 and st["eagle3"]["fit_config"]["ttt_steps"] == TINY.eagle3.ttt_steps
     assert set(st["heldout"]["heads"]["tiny4-eagle3"]) >= {"acc0", "acc1", "tokens"}
     assert 0 <= st["heldout"]["heads"]["tiny4-eagle"]["acc0"] <= 1
     res = st["acceptance"]["results"]

@@ -11,7 +11,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ddd_jax import kernels, llama, panels
+from ddd_jax import llama
+from ddd_jax.backends.cpu import kernels, panels
 from ddd_jax.config import ModelConfig
 from ddd_jax.verify import greedy_token
 

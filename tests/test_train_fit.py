@@ -139,7 +139,7 @@ def test_resume_is_bit_exact(target, feats, tmp_path):
 def test_fit_takes_a_panel_major_target(target, feats, tmp_path):
     """`load_target` packs a float32 target's matrices as panels on CPU: fitting (and a target-last-layer init)
     over it is the same as over its row-major arrays."""
-    from ddd_jax import panels
+    from ddd_jax.backends.cpu import panels
     packed = dataclasses.replace(target, params=panels.pack_params(target.params))
     assert panels.has_panels(packed.params)
     cfg = FitConfig(steps=2, batch_size=2, seq_len=80, lr=1e-3, warmup=1, seed=2, init="target-last-layer")

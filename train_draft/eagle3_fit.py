@@ -26,10 +26,8 @@ jitted step as an argument (`schedule(cfg)` on the host), so the compiled step d
 
 Storage: only the token ids and loss masks of the feature shards are read (`train_draft.extract` output; their
 final-normed features are ignored), so EAGLE-3 needs no 3x feature storage; the price is one frozen target
-forward per step. Measured here (SmolLM2-135M, 2 shared CPU cores, one 256-token row, K=7, V'=8192): the frozen
-target part (forward with the aux layers + full-vocab logits) took 7.0 s of a 26.1 s step (27%), while storing the
-three layers plus the final hidden state (for the soft labels) in float16 would take 4.6 KB per token (4.6 GB per
-1M tokens) -- so features are computed on the fly. Determinism and resume are as in `train.py`: the batch of step s is a pure function of
+forward per step. Storing the three layers plus the final hidden state (for the soft labels) in float16 would
+take 4.6 KB per token (4.6 GB per 1M tokens) -- so features are computed on the fly. Determinism and resume are as in `train.py`: the batch of step s is a pure function of
 (seed, s), and `resume=True` continues bit-for-bit from the orbax checkpoint.
 """
 from __future__ import annotations
@@ -52,39 +50,24 @@ from ddd_jax.checkpoints.ours import save_draft
 from ddd_jax.config import DraftConfig
 
 from .extract import FeatureSet
-from .train import pack_rows
+from .train import TrainConfig, pack_rows
 from .vocab import frequent_tokens
 
 
 @dataclass(frozen=True)
-class Fit3Config:
-    """Everything that determines the trained EAGLE-3 weights (stored in fit.json; resume must match)."""
+class Fit3Config(TrainConfig):
+    """Everything that determines the trained EAGLE-3 weights (stored in fit.json; resume must match):
+    `train.TrainConfig` plus training-time test's fields."""
 
-    steps: int = 1000
-    batch_size: int = 2  # packed rows per step
-    seq_len: int = 1024  # tokens per packed row
     ttt_steps: int = 7  # K: unrolled draft steps (official: 7)
     step_decay: float = 0.8  # weight of step k: step_decay**k
     draft_vocab_size: int = 8192
-    lr: float = 3e-4
-    warmup: int = 50
-    end_lr_frac: float = 0.05
-    b1: float = 0.9
-    b2: float = 0.95
-    weight_decay: float = 0.0
-    clip_norm: float = 0.5
-    dtype: str = "float32"  # compute dtype of the target forward and the head ("bfloat16" on accelerators)
-    seed: int = 0
 
     def __post_init__(self):
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"Fit3Config.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        for name in ("steps", "batch_size", "seq_len", "ttt_steps", "draft_vocab_size"):
+        super().__post_init__()
+        for name in ("ttt_steps", "draft_vocab_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Fit3Config.{name} must be >= 1, got {getattr(self, name)}")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def schedule(cfg: Fit3Config):

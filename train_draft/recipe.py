@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import platform
 import shutil
 import time
@@ -38,6 +37,9 @@ import numpy as np
 
 from ddd_jax import io as dio
 
+from .eagle3_fit import Fit3Config
+from .train import FitConfig
+
 INPUTS_FORMAT = "ddd-jax-recipe-inputs"
 RECIPE_FORMAT = "ddd-jax-recipe"
 PROBE_TEXT = "Hello! Compose a haiku about speculative decoding, then explain it in two sentences."
@@ -46,7 +48,8 @@ PARTS = ("train", "holdout", "mtbench")
 
 @dataclass(frozen=True)
 class RecipeConfig:
-    """Sizes of one recipe run. The defaults fit one H100/H200 in 9 minutes; `SMOKE` is the CPU check."""
+    """Sizes of one recipe run. The defaults fit one H100/H200 in 9 minutes; `SMOKE` is the CPU check. The two
+    fits' own configs are `eagle3` and `eagle1`; their `steps` are upper bounds (the budget decides)."""
 
     budget_s: float = 540.0  # wall time of the whole run, from the start of stage (a)
     regen_until: float = 0.28  # stage ends, as fractions of the budget
@@ -56,44 +59,36 @@ class RecipeConfig:
     holdout_prompts: int = 256
     regen_batch: int = 256
     regen_max_new: int = 256
-    dtype: str = "bfloat16"  # training arithmetic (float32 master weights)
-    e3_batch: int = 8
-    e3_seq_len: int = 1024
-    e3_ttt_steps: int = 7
-    e3_max_steps: int = 100_000  # an upper bound; the budget decides
-    e3_lr: float = 5e-4
-    e3_warmup: int = 40
-    draft_vocab_size: int = 8192
-    e1_batch: int = 16
-    e1_seq_len: int = 1024
-    e1_max_steps: int = 100_000
+    eagle3: Fit3Config = Fit3Config(steps=100_000, batch_size=8, seq_len=1024, ttt_steps=7, draft_vocab_size=8192,
+                                    lr=5e-4, warmup=40, dtype="bfloat16")
+    eagle1: FitConfig = FitConfig(steps=100_000, batch_size=16, seq_len=1024, lr=5e-4, dtype="bfloat16")
     e1_max_tokens: int = 8_000_000  # replies' tokens featurised for EAGLE-1 (host memory: 1.2 KB a token)
-    e1_lr: float = 5e-4
     feature_batch: int = 64
     eval_batches: int = 8
     tau_prompts: int = 80
     tau_max_new: int = 128
     tau_batch: int = 80
     probe_steps: int = 3
-    seed: int = 0
 
     def __post_init__(self):
         if not 0 < self.regen_until < self.eagle3_until <= self.eagle1_until <= 1:
             raise ValueError("RecipeConfig: need 0 < regen_until < eagle3_until <= eagle1_until <= 1, got "
                              f"{self.regen_until}, {self.eagle3_until}, {self.eagle1_until}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"RecipeConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.budget_s <= 0:
             raise ValueError(f"RecipeConfig.budget_s must be > 0, got {self.budget_s}")
+        if self.eagle3.warmup <= self.probe_steps + 1:
+            raise ValueError(f"RecipeConfig: eagle3.warmup ({self.eagle3.warmup}) must exceed probe_steps + 1 "
+                             f"({self.probe_steps + 1}): the probe's learning rates must not depend on the step count")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 SMOKE = RecipeConfig(budget_s=300.0, train_prompts=12, holdout_prompts=4, regen_batch=4, regen_max_new=24,
-                     dtype="float32", e3_batch=1, e3_seq_len=128, e3_ttt_steps=2, e3_max_steps=4, e3_warmup=8,
-                     draft_vocab_size=512, e1_batch=1, e1_seq_len=128, e1_max_steps=4, e1_max_tokens=4096,
-                     feature_batch=4, eval_batches=2, tau_prompts=2, tau_max_new=16, tau_batch=2, probe_steps=2)
+                     eagle3=Fit3Config(steps=4, batch_size=1, seq_len=128, ttt_steps=2, draft_vocab_size=512,
+                                       warmup=8),
+                     eagle1=FitConfig(steps=4, batch_size=1, seq_len=128), e1_max_tokens=4096, feature_batch=4,
+                     eval_batches=2, tau_prompts=2, tau_max_new=16, tau_batch=2, probe_steps=2)
 
 
 # ----------------------------------------------------------------------------------------------- inputs
@@ -343,9 +338,7 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
             holdout_tokens=held.n_tokens)
 
     # (b) + (d) EAGLE-3 with training-time test
-    f3 = eagle3_fit.Fit3Config(steps=cfg.e3_max_steps, batch_size=cfg.e3_batch, seq_len=cfg.e3_seq_len,
-                               ttt_steps=cfg.e3_ttt_steps, draft_vocab_size=cfg.draft_vocab_size, lr=cfg.e3_lr,
-                               warmup=cfg.e3_warmup, dtype=cfg.dtype, seed=cfg.seed)
+    f3 = cfg.eagle3
 
     def fit3():
         r = eagle3_fit.fit_eagle3(target, train, _fresh(out / "eagle3"), f3, time_budget_s=left(at(cfg.eagle3_until)),
@@ -428,12 +421,11 @@ def _fit_eagle1(target, train, out: Path, head_dir: Path, cfg: RecipeConfig, bud
     from ddd_jax import eagle
     from ddd_jax.checkpoints.ours import save_draft
 
-    from .train import FitConfig, fit
+    from .train import fit
     from .vocab import coverage, frequent_tokens
     t = time.time()
     fs = _with_features(target, train, cfg, cfg.e1_max_tokens, progress)
-    base = FitConfig(steps=cfg.probe_steps + 1, batch_size=cfg.e1_batch, seq_len=cfg.e1_seq_len, lr=cfg.e1_lr,
-                     warmup=1, dtype=cfg.dtype, seed=cfg.seed, ce_positions=0)
+    base = dataclasses.replace(cfg.eagle1, steps=cfg.probe_steps + 1, warmup=1)
     probe = fit(target, fs, _fresh(out / "eagle1-probe"), base, ckpt_every=10 ** 9, log_every=1, eval_every=0,
                 progress=False)
     ms = [json.loads(x) for x in (out / "eagle1-probe" / "metrics.jsonl").read_text().splitlines()]
@@ -441,12 +433,12 @@ def _fit_eagle1(target, train, out: Path, head_dir: Path, cfg: RecipeConfig, bud
     shutil.rmtree(out / "eagle1-probe")
     del probe
     remaining = budget - (time.time() - t)
-    steps = int(max(1, min(cfg.e1_max_steps, remaining * 0.85 / max(per_step, 1e-6))))
+    steps = int(max(1, min(cfg.eagle1.steps, remaining * 0.85 / max(per_step, 1e-6))))
     fcfg = dataclasses.replace(base, steps=steps, warmup=max(1, min(100, steps // 20)))
     r = fit(target, fs, _fresh(out / "eagle1"), fcfg, ckpt_every=10 ** 9, log_every=10, eval_every=0,
             progress=progress, time_limit_s=max(1.0, budget - (time.time() - t)))
     counts = np.bincount(fs.ids[fs.mask.astype(bool)], minlength=target.config.vocab_size)[:target.config.vocab_size]
-    vocab = frequent_tokens(counts, min(cfg.draft_vocab_size, target.config.vocab_size),
+    vocab = frequent_tokens(counts, min(cfg.eagle3.draft_vocab_size, target.config.vocab_size),
                             always=target.eos_token_ids)
     draft = eagle.with_draft_vocab(eagle.Draft(r["draft_config"], r["params"], target), vocab)
     extra = {"trained_for": target.name, "step": r["step"], "fit_config": fcfg.to_dict(),
@@ -463,9 +455,9 @@ def _eval_eagle1(target, draft, held, cfg: RecipeConfig) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from .train import FitConfig, _finish, eval_rows, frozen_target_arrays, make_eval_step
+    from .train import _finish, eval_rows, frozen_target_arrays, make_eval_step
     fs = _with_features(target, held, cfg, None, False)
-    fcfg = FitConfig(batch_size=cfg.e1_batch, seq_len=cfg.e1_seq_len, dtype="float32")
+    fcfg = dataclasses.replace(cfg.eagle1, dtype="float32")
     embed, lm_w = frozen_target_arrays(target)
     params = {k: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), v) for k, v in draft.params.items()
               if k != "d2t"}

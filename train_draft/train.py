@@ -46,7 +46,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from ddd_jax import eagle, quant
+from ddd_jax import eagle
+from ddd_jax.backends.cpu import quant
 from ddd_jax import io as dio
 from ddd_jax.checkpoints.ours import load_draft_dir, save_draft
 from ddd_jax.config import DraftConfig
@@ -56,29 +57,44 @@ from .extract import FeatureSet
 
 
 @dataclass(frozen=True)
-class FitConfig:
-    """Everything that determines the trained weights (stored next to the checkpoints; resume must match)."""
+class TrainConfig:
+    """The fields every head fit shares: the packed batch, the optimizer recipe (AdamW, warmup then cosine decay to
+    lr * end_lr_frac, global-norm clipping), the compute dtype (float32 master weights either way) and the seed."""
 
     steps: int = 1000
     batch_size: int = 2  # packed rows per micro-batch
-    seq_len: int = 1024  # pairs per packed row
-    accum: int = 1  # micro-batches per optimizer step
+    seq_len: int = 1024  # pairs (tokens) per packed row
     lr: float = 3e-4
     warmup: int = 50
-    end_lr_frac: float = 0.05  # cosine decays to lr * end_lr_frac
+    end_lr_frac: float = 0.05
     b1: float = 0.9
     b2: float = 0.95
     weight_decay: float = 0.0
     clip_norm: float = 0.5
-    w_cls: float = 0.1
-    noise: float = 0.2
-    dtype: str = "float32"  # compute dtype of the head forward ("bfloat16" option); master weights stay float32
+    dtype: str = "float32"  # compute dtype ("bfloat16" on accelerators); master weights stay float32
     seed: int = 0
-    init: str = "random"  # or "target-last-layer" or "head:<dir>" (warm start)
-    ce_positions: int = 0  # >0: vocab terms (CE, top-1) from this many random loss positions per row (unbiased)
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"{type(self).__name__}.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        for name in ("steps", "batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{type(self).__name__}.{name} must be >= 1, got {getattr(self, name)}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class FitConfig(TrainConfig):
+    """Everything that determines an EAGLE-1/2 head's trained weights (stored next to the checkpoints; resume must
+    match): `TrainConfig` plus the EAGLE objective's fields."""
+
+    accum: int = 1  # micro-batches per optimizer step
+    w_cls: float = 0.1
+    noise: float = 0.2
+    init: str = "random"  # or "target-last-layer" or "head:<dir>" (warm start)
+    ce_positions: int = 0  # >0: vocab terms (CE, top-1) from this many random loss positions per row (unbiased)
 
 
 class Batch(NamedTuple):
@@ -267,12 +283,8 @@ def make_train_step(graphdef: nnx.GraphDef, treedef, dcfg: DraftConfig, cfg: Fit
     `leaves` are `jax.tree.leaves` of the {"model", "optimizer"} nnx.State (donated); inside the trace they are
     rebuilt with `treedef`, merged with `graphdef` into the module and the optimizer, and flattened on the way out,
     so a call is a plain `jax.jit` dispatch over a list of arrays. Carrying the leaves rather than the nnx.State
-    matters for small heads: flattening and rebuilding a State (each Variable is a pytree node) costs ~200 us of
-    Python per call, 5-8% of a test-size CPU step. Measured against the former dict-state step (same init and
-    batches give bit-identical weights; compiled HLO has the same flops, bytes and temp memory), CPU, 2 busy
-    cores, median step: test-size head (D 32, 2x2x80 tokens) 4.06 -> 3.82 ms and 4.31 -> 4.06 ms over two runs;
-    SmolLM2-135M-size head (D 576, V 49152, 2x1024 tokens, ce_positions 256) 5.51 -> 5.61 s (min 5.42 -> 5.40 s):
-    no cost above the noise.
+    matters for small heads: flattening and rebuilding a State (each Variable is a pytree node) costs Python time
+    on every call. The weights are bit-identical to a dict-state step's.
     """
     dtype = jnp.dtype(cfg.dtype)
 
@@ -438,7 +450,7 @@ def load_fit_dir(run_dir):
 
 def measure_tau(target, dcfg: DraftConfig, params, prompts: list, max_new_tokens: int = 64) -> dict:
     """Mean accepted tokens per target call with `ddd_jax.generate(method="eagle2")` on a few prompts."""
-    from ddd_jax.generate import generate
+    from ddd_jax.decode import generate
     draft = eagle.Draft(dcfg, jax.tree.map(lambda x: jnp.asarray(x, target.params["embed"].dtype), params), target)
     calls = new = 0
     per = []

@@ -24,7 +24,7 @@ import numpy as np
 from .. import eagle
 from .. import io as dio
 from ..config import DraftConfig
-from .eagle_official import compare_embedding, draft_config_from_official
+from .official import compare_embedding, draft_config_from_official
 from .hf import checkpoint_sources
 from .keytable import Rule, convert, flat_shapes, plan, resolve_dtype, source_dtype
 

@@ -167,7 +167,7 @@ def gguf_params(reader, cfg, dtype=None, path="GGUF", as_jax: bool = True, mesh=
 
 def _block_weights(reader, slots, expected: dict, transforms: dict, as_jax: bool) -> dict:
     """{our key: BlockWeight} for every key whose tensors are all of one kept block type (`quant.GGUF_KINDS`)."""
-    from ..quant import GGUF_KINDS, BlockWeight
+    from ..backends.cpu.quant import GGUF_KINDS, BlockWeight
     tensors = {t.name: t for t in reader.tensors}
     by_key: dict[str, list] = {}
     for slot in slots:

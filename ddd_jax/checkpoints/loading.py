@@ -13,10 +13,10 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from .. import hugepages
+from ..backends.cpu import hugepages
 from .. import io as dio
-from .. import panels as P
-from .. import quant
+from ..backends.cpu import panels as P
+from ..backends.cpu import quant
 from ..eagle import Draft
 from ..target import Target
 from . import registry
@@ -63,16 +63,16 @@ def load_target(path_or_name, dtype=None, mesh=None, gguf_blocks: bool = False,
     dtype); None keeps the stored dtype (float32 for GGUF). mesh: a `jax.sharding.Mesh` with axes ("data", "model")
     (`ddd_jax.sharding.make_mesh`): weights are sharded by `ddd_jax.sharding.RULES` (heads, MLP hidden and
     vocabulary over "model", the rest replicated) tensor by tensor while loading; `target.mesh` keeps it.
-    gguf_blocks: (GGUF sources) keep the matrices stored as Q4_1 / Q8_0 / Q4_0 as those blocks (`ddd_jax.quant`):
+    gguf_blocks: (GGUF sources) keep the matrices stored as Q4_1 / Q8_0 / Q4_0 as those blocks (`ddd_jax.backends.cpu.quant`):
     the same float32 values and arithmetic, ~1/6 of the bytes a forward reads; the CPU kernel dequantizes them
     exactly. Matrices of other types (K-quants, float16) are dequantized to float32, with a warning naming them.
-    panels: store the float32 layer matrices panel-major (`ddd_jax.panels`: bitwise the same products, read as
+    panels: store the float32 layer matrices panel-major (`ddd_jax.backends.cpu.panels`: bitwise the same products, read as
     contiguous streams by the CPU kernel), and GGUF blocks too (`quant.BlockPanels`: bitwise the float32 panels'
     products of their dequantized values, so a GGUF target decodes the same tokens with or without gguf_blocks).
     None (default): when the CPU kernel runs here (CPU backend) and there is no mesh; True insists (an error where
     it cannot apply); False keeps row-major arrays; 16 or 48 insist with float panels of that many columns (default
-    `panels.default_width()`, 48: see `ddd_jax.panels` for when 16 pays).
-    On Linux, the weights' large CPU buffers are then moved onto 2 MiB pages (`ddd_jax.hugepages`; same values,
+    `panels.default_width()`, 48: see `ddd_jax.backends.cpu.panels` for when 16 pays).
+    On Linux, the weights' large CPU buffers are then moved onto 2 MiB pages (`ddd_jax.backends.cpu.hugepages`; same values,
     fewer TLB misses per weight stream; `DDD_JAX_NO_HUGE_PAGES=1` skips it).
     """
     if not (panels is None or isinstance(panels, bool) or (isinstance(panels, int) and panels in P.WIDTHS)):

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import io as dio
-from .. import llama, quant
+from .. import llama
+from ..backends.cpu import quant
 from ..config import DraftConfig, ModelConfig
 from ..eagle import Draft
 from ..target import Target

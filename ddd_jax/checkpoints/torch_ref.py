@@ -17,7 +17,7 @@ from torch import nn
 
 from .hf import checkpoint_sources
 from ..llama import output_embedding
-from ..quant import as_float, dequantize_tree
+from ..backends.cpu.quant import as_float, dequantize_tree
 
 
 class _RMSNorm(nn.Module):

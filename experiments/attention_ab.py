@@ -1,8 +1,8 @@
 """Two or more builds of the CPU attention kernel head to head, alone, in alternating processes.
 
-    python bench/attention_ab.py BUILD BUILD [BUILD ...] [--sizes 1,7,16] [--mode stream] [--threads 2]
+    python experiments/attention_ab.py BUILD BUILD [BUILD ...] [--sizes 1,7,16] [--mode stream] [--threads 2]
                                  [--rounds 4] [--reps 30]
-    e.g. python bench/attention_ab.py HEAD~1 HEAD --sizes 7,16
+    e.g. python experiments/attention_ab.py HEAD~1 HEAD --sizes 7,16
 
 Each BUILD is a git revision or a path to a cpu_kernels.cc; its source is compiled into `attention_harness.cc`
 (beside this file), which times `Attention`'s body -- the chunking over threads and `attend_rows` -- for SmolLM2's
@@ -13,7 +13,7 @@ every build once per size (builds in alternating order, round by round) and prin
 median of --reps passes); then per build the median over rounds [min-max]. The checksums of the outputs are printed
 too: a change meant to keep the bits must keep them.
 
-The target forward (bench/kernel_ab.py) moves by +-10% between minutes on a noisy VM, more than a kernel change of
+The target forward (experiments/kernel_ab.py) moves by +-10% between minutes on a noisy VM, more than a kernel change of
 a few percent of it; the kernel alone resolves more (2026-11-26, commit 6f6b06a against its parent: 16 rows on one
 thread in L2 145.8 -> 131.8 us a layer over 4 rounds, ranges apart, where the forward read t(16) 29.48 / 29.01 ms).
 Streamed runs drift too: read many rounds.
@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ddd_jax.bench.kernel_ab import FLAGS, ROOT, source
+from kernel_ab import FLAGS, ROOT, source  # run from experiments/ (python experiments/attention_ab.py)
 
 HARNESS = Path(__file__).resolve().parent / "attention_harness.cc"
 

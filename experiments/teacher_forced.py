@@ -2,7 +2,7 @@
 top-1 / top-4) is the target's greedy token, given the target's true features -- the first draft step of every
 speculative cycle. No timing, no tree: it separates a head's quality from the decoding settings.
 
-    python bench/teacher_forced.py [--tokens 64] [--holdout FILE.jsonl] [--cache DIR] HEAD [HEAD ...]
+    python experiments/teacher_forced.py [--tokens 64] [--holdout FILE.jsonl] [--cache DIR] HEAD [HEAD ...]
 
 Two sets of replies, the first --tokens tokens of each: the target's greedy replies to the 80 MT-bench first turns
 (chat template; evaluation only, never trained on) and the replies in --holdout (a `train-draft regenerate` file of

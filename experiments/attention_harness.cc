@@ -1,4 +1,4 @@
-// The CPU attention kernel alone, for bench/attention_ab.py: per-layer microseconds of `Attention`'s body (its
+// The CPU attention kernel alone, for experiments/attention_ab.py: per-layer microseconds of `Attention`'s body (its
 // chunking and attend_rows) over SmolLM2's shapes -- 30 layers, 3 KV heads and 9 query heads of 64 dims,
 // head-major caches of 512 slots with the first 256 attended plus T new rows causal among themselves.
 //   attention_harness T MODE REPS THREADS

@@ -4,14 +4,10 @@ A decoder matrix [..., K, N] (x @ w: wq, wk, wv, wo, w_gate, w_up, w_down) is st
 P = ceil(N / W): panel p holds columns [W p, W p + W) row by row, zeros past N. The width W is 48 by default and 16
 on request (`load_target(..., panels=16)`, `pack(..., width=16)`, or `DDD_JAX_PANEL_WIDTH=16` for every default):
 on AVX-512 hosts 16-column panels let the kernel run 9 or more rows as 16-row tiles that read each weight from
-memory once (9-18% off a 12- or 16-token forward on the Zen 4 VM), but its 3- to 8-row tiles then read three
-panels as three streams where the 48-column tile reads one, which cost DDD with the tuned CPU tree (8 tokens or
-fewer a verification) 5% there (README, "16-column panels"). The kernel reads either width, with the same bits.
-A product then reads
-each panel's K rows as one contiguous run of memory -- a few sequential streams the hardware prefetchers follow --
-where the row-major [K, N] layout is read as KB rows N floats apart. On the 2-core Xeon VM the products of 30
-SmolLM2-sized layers streamed from memory take 19.5-19.8 -> 13.8-13.9 ms at one row and 26.7-27.0 -> 19.6-20.0 ms at
-16 (the bench numbers are in README).
+memory once, but its 3- to 8-row tiles then read three panels as three streams where the 48-column tile reads one
+(docs/cpu.md weighs the two). The kernel reads either width, with the same bits. A product reads each panel's K rows
+as one contiguous run of memory -- a few sequential streams the hardware prefetchers follow -- where the row-major
+[K, N] layout is read as K rows N floats apart.
 
 The kernel (`kernels.product_panels`) reduces every output element in the same order as the row-major kernel, so
 a product is bitwise the unpacked weight's product, for every number of rows: decoding and tree verification stay
@@ -35,16 +31,14 @@ Wherever a float array is wanted (saving, the PyTorch counterpart, nnx modules) 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-PANEL = 48  # columns of a panel by default: three 16-float vectors (six 8-float AVX2 ones)
-PANEL16 = 16  # on request: one AVX-512 vector
-WIDTHS = (PANEL16, PANEL)
-DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16))  # float16: a draft head's weight-only storage
+from .. import Packed, check_layout
+from .layout import DTYPES, PANEL, PANEL16, WIDTHS, pack_array, unpack_array  # noqa: F401 (re-exported)
+
 
 
 def default_width() -> int:
@@ -70,7 +64,7 @@ def width_of(tree) -> int | None:
 
 @jax.tree_util.register_pytree_node_class
 @dataclass(frozen=True, eq=False)  # identity: its array has no truth value
-class PanelWeight:
+class PanelWeight(Packed):
     """A float32 (or float16) matrix stored panel-major.
 
     data: [..., P, K, W] float32 or float16 -- P = ceil(N / W) panels of W (`width`: 16 or 48) columns (a leading
@@ -81,8 +75,7 @@ class PanelWeight:
         its rows back out of the panels).
     table: None, or (rows layout, unstacked) the same matrix row-major [N, K], kept for lookups: a row out of the
         panels touches one cache line per float (K lines, W floats apart), out of the table one per 16 floats.
-        A tied embedding keeps one (`pack_params`): its 7 lookups of a tree verification took 0.05 ms from the
-        panels on the 2-core Xeon VM, for 4 bytes more per weight.
+        A tied embedding keeps one (`pack_params`), for 4 bytes more per weight.
     screen: None, or (unstacked output projection) its int8 copy [ceil(N / 48), ceil(K / 2), 96] for greedy
         decoding's screened lm_head (`screen_of`; 1 byte more per weight).
     screen_bound: None, or [3, N] float32: the screen's per-column error bounds and scales (`screen_of`).
@@ -148,20 +141,24 @@ class PanelWeight:
         W = self.width
         return self.data[ids // W, :, ids % W]
 
+    def product(self, x, layer=None, *, transposed: bool = False):
+        """x @ w (or x @ rows.T for a rows-layout one): the panel kernel, bitwise the row-major product."""
+        from . import kernels
+        check_layout(self, self.rows, transposed)
+        return kernels.product_panels(x, self.data, self.n, layer)
 
-@partial(jax.jit, static_argnames=("n",))
-def unpack_array(data, n: int):
-    """[..., P, K, W] -> [..., K, n]."""
-    w = jnp.moveaxis(data, -3, -2)  # [..., K, P, W]
-    return w.reshape(*w.shape[:-2], -1)[..., :n]
+    def greedy(self, hidden, pick):
+        """(logits, tokens) in one kernel call: the tokens found while each column chunk is in cache."""
+        from . import kernels
+        return kernels.greedy_panels(hidden, self.data, self.n, pick)
 
-
-@partial(jax.jit, static_argnames=("width",))
-def _pack_array(w, width: int):
-    K, N = w.shape[-2:]
-    P = -(-N // width)
-    w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, P * width - N)])
-    return jnp.moveaxis(w.reshape(*w.shape[:-1], P, width), -2, -3)  # [..., P, K, width]
+    def greedy_tokens(self, hidden, pick):
+        """With an int8 screen: bfloat16 products over the int8 copy, the columns that could still be the maximum
+        recomputed exactly -- the same tokens from a quarter of the bytes."""
+        if self.screen is None:
+            return None
+        from . import kernels
+        return kernels.greedy_screened(hidden, self.data, self.n, self.screen, self.screen_bound, pick)
 
 
 SCREEN = 48  # columns of a screen panel (the kernel's; whatever the float32 panels' width)
@@ -257,9 +254,9 @@ def pack(w, rows: bool = False, table: bool = False, width: int | None = None) -
                          f"{tuple(w.shape)}")
     if rows:
         w = jnp.asarray(w)
-        return PanelWeight(_pack_array(jnp.swapaxes(w, -1, -2), width), int(w.shape[-2]), True,
+        return PanelWeight(pack_array(jnp.swapaxes(w, -1, -2), width), int(w.shape[-2]), True,
                            table=w if table else None)
-    return PanelWeight(_pack_array(w, width), int(w.shape[-1]))
+    return PanelWeight(pack_array(w, width), int(w.shape[-1]))
 
 
 def unpack(w):

@@ -1,4 +1,4 @@
-// CPU kernels for XLA:CPU behind jax.ffi (see ddd_jax/kernels.py): small-M float32 matrix products and masked
+// CPU kernels for XLA:CPU behind jax.ffi (see ddd_jax/backends/cpu/kernels.py): small-M float32 matrix products and masked
 // GQA attention over a stacked KV cache.
 //
 // ddd_linear: out[M, N] = x[M, K] @ W, where W is layer `layer` of a stacked weight:
@@ -296,7 +296,7 @@ DDD_AVX2 void nn_chunk(const float* x, const W* w, float* out, int64_t M, int64_
 
 // ------------------------------------------------------------------- x @ W, W panel-major [P, K, 48] (panels)
 // Panel p holds columns [48p, 48p + 48) of the logical [K, N] weight row by row (zeros past N in the last panel;
-// `ddd_jax.panels`), so a panel's K block is one contiguous run of memory and a product reads the weight as a few
+// `ddd_jax.backends.cpu.panels`), so a panel's K block is one contiguous run of memory and a product reads the weight as a few
 // sequential streams -- what the hardware prefetchers follow -- instead of KB rows N floats apart. Each output
 // element is the same fma chain over k = 0, 1, ... as nn_chunk's, so the product is bitwise the unpacked
 // weight's, for every M. The seven products of 30 SmolLM2-sized layers streamed from memory on the 2-core Xeon VM
@@ -444,7 +444,7 @@ DDD_AVX2 void np_chunk_rows(const float* x, const W* w, float* out, int64_t M, i
 }
 
 // ------------------------------------------------------------- x @ W, W panel-major [P, K, 16] (AVX-512 hosts)
-// The same product over 16-column panels (`ddd_jax.panels`, on request: panels=16): one panel is one vector
+// The same product over 16-column panels (`ddd_jax.backends.cpu.panels`, on request: panels=16): one panel is one vector
 // wide, so a tile can hold 16 rows of it -- 16 FMAs for every weight vector loaded, each weight read from memory
 // once for all 16 rows -- where the 48-column tile holds 8 rows and a 16-row product streams each panel from memory
 // for its first 8 rows (bound by memory there: 4 FMAs a weight byte) and reads it back from L2 for the next 8.
@@ -731,7 +731,7 @@ DDD_AVX512 void nt_rows512(const float* x, int64_t K, const float* w, float* out
 // transposed kernel (nt_rows, or nt_rows512 with the same bits), so the product is bitwise that kernel's product
 // of the dequantized [N, K] weight -- for every M.
 constexpr int64_t kQK = 32;
-constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ4_0 = 2;  // the `kind` attribute (ddd_jax.quant.KINDS)
+constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ4_0 = 2;  // the `kind` attribute (ddd_jax.backends.cpu.quant.KINDS)
 constexpr int64_t kind_bytes(int64_t kind) { return kind == kQ4_1 ? 20 : kind == kQ8_0 ? 34 : 18; }
 
 DDD_AVX2 inline float f16_at(const uint8_t* p) {
@@ -1141,7 +1141,7 @@ ffi::Error LinearPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 }
 
 // ---------------------------------------------------------- x @ W, W panel-major GGUF blocks ("quantized panels")
-// The panels of np_chunk_rows, holding a GGUF file's blocks instead of floats (ddd_jax.quant.BlockPanels): panel p,
+// The panels of np_chunk_rows, holding a GGUF file's blocks instead of floats (ddd_jax.backends.cpu.quant.BlockPanels): panel p,
 // K block b (32 rows of K) is the 48 GGUF blocks of output columns [48p, 48p + 48) over those K rows, regrouped so
 // that one K row of the panel is one contiguous run of bytes:
 //   q4_1 (960 bytes): 48 float16 d, 48 float16 m, then qs [16][48] -- byte (j, c) is column c's GGUF byte j: its
@@ -1410,7 +1410,7 @@ ffi::Error LinearPanelsGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
 //   |a - c| <= |x| (gamma |w| + |w - w^|) + (|x - x~| + gamma |x~|) |w^| + 2^-20 |c| + tau       (|.|: 2-norms)
 //            = alpha A_v + beta B_v + 2^-20 |c| + tau,
 // where A_v = gamma |w_v| + |w_v - w^_v| and B_v = |w^_v| are computed once and rounded up (the bound rows,
-// `ddd_jax.panels.screen_of`), alpha = |x| and beta = |x - x~| + gamma |x~| per call (float64, inflated by 2^-20
+// `ddd_jax.backends.cpu.panels.screen_of`), alpha = |x| and beta = |x - x~| + gamma |x~| per call (float64, inflated by 2^-20
 // to cover the float32 arithmetic below); 2^-20 |c| covers c's own rounding and that of c +- e; tau = 2^-80 the
 // sums' flushed subnormals. A column is a candidate when c + e reaches the largest c - e of its row; the true
 // maximum always is one. A row whose x is not finite or has |x| > 1e30, and a column whose bound is not finite

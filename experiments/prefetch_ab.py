@@ -1,8 +1,8 @@
 """The CPU kernels' L2-prefetch row threshold (`kernels.l2_prefetch_rows`) head to head in one process: vanilla and
 DDD device (the shipped head in float16, the tuned settings) at each threshold, interleaved per prompt.
 
-    python bench/prefetch_ab.py N START ROWS[,ROWS...]
-    e.g. python bench/prefetch_ab.py 80 0 6,1     (Intel's default against AMD's)
+    python experiments/prefetch_ab.py N START ROWS[,ROWS...]
+    e.g. python experiments/prefetch_ab.py 80 0 6,1     (Intel's default against AMD's)
 
 MT-bench first turns [START, START+N) with the chat template, 64 new tokens, greedy. The threshold is a runtime
 setting of the kernel library (prefetches only: no recompile, no bit changes), so every variant runs the same
@@ -13,7 +13,7 @@ import sys
 import time
 
 import ddd_jax as dj
-from ddd_jax import kernels
+from ddd_jax.backends.cpu import kernels
 from ddd_jax.bench.mtbench import load_questions
 
 HEAD = "smollm2-135m-instruct-eagle"

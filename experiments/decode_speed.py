@@ -1,8 +1,8 @@
 """Decode speed of whichever ddd_jax checkout is importable -- for before/after comparisons of two checkouts in one
 session, where `ddd-jax bench` may not exist in the older one. It uses only the long-stable public API.
 
-    PYTHONPATH=/path/to/old/checkout python bench/decode_speed.py 8 question.jsonl
-    python bench/decode_speed.py 8 question.jsonl          # this checkout (the installed package)
+    PYTHONPATH=/path/to/old/checkout python experiments/decode_speed.py 8 question.jsonl
+    python experiments/decode_speed.py 8 question.jsonl          # this checkout (the installed package)
 
 Loads SmolLM2-135M-Instruct and the shipped head, runs vanilla, EAGLE-2 and DDD (device, host) with the tuned CPU
 trees (top_k 2, 8 tokens, depth 2; DDD S={2,4}, x=-1, n=6) on the first N MT-bench first turns (chat template,

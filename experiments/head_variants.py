@@ -2,15 +2,15 @@
 target's float32 weights beside its GGUF blocks -- interleaved per prompt with vanilla in one process, so their
 speed-ups share one stretch of the host.
 
-    python bench/head_variants.py N START [--weights float,blocks] VARIANT [VARIANT ...]
+    python experiments/head_variants.py N START [--weights float,blocks] VARIANT [VARIANT ...]
     VARIANT = name:dtype:method:top_k:total_tokens:depth:checks:threshold:max_depth[:head]
             | name:dtype:tuned[:head]   (DDD with the settings `generate` resolves for the shipped head: `cpu.json`
                                          here; a `head` directory drafts with them too, as a candidate version)
             | name:dtype:tuned+KEY=VALUE,...[:head]   (those settings with some fields replaced: any TreeConfig
                                          or DDDConfig field; check_steps as 0/1/3)
-    e.g. python bench/head_variants.py 20 0 ddd32:float32:ddd:4:4:2:1/3/5:-1:6 ddd16:float16:ddd:4:4:2:1/3/5:-1:6
-         python bench/head_variants.py 40 0 ddd16:float16:tuned ddd8:q8_0:tuned
-         python bench/head_variants.py 80 0 n7:float16:tuned n8:float16:tuned+total_tokens=8,threshold=-1.5
+    e.g. python experiments/head_variants.py 20 0 ddd32:float32:ddd:4:4:2:1/3/5:-1:6 ddd16:float16:ddd:4:4:2:1/3/5:-1:6
+         python experiments/head_variants.py 40 0 ddd16:float16:tuned ddd8:q8_0:tuned
+         python experiments/head_variants.py 80 0 n7:float16:tuned n8:float16:tuned+total_tokens=8,threshold=-1.5
 
 MT-bench first turns [START, START+N) with the chat template, 64 new tokens, greedy; SmolLM2-135M-Instruct and the
 shipped head (or `head`: a head directory, to compare candidate heads in one run); every variant compiled for

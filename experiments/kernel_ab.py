@@ -1,10 +1,10 @@
 """Two builds of the CPU kernel library head to head on the target forward, in alternating processes.
 
-    python bench/kernel_ab.py BUILD BUILD [BUILD ...] [--sizes 1,7,16] [--rounds 6] [--context 256] [--reps 15]
+    python experiments/kernel_ab.py BUILD BUILD [BUILD ...] [--sizes 1,7,16] [--rounds 6] [--context 256] [--reps 15]
                               [--gguf-blocks]
-    e.g. python bench/kernel_ab.py 23b57b9 HEAD --sizes 1,8,16,32
+    e.g. python experiments/kernel_ab.py 23b57b9 HEAD --sizes 1,8,16,32
 
-Each argument is a built library (a path ending in .so) or a git revision whose `ddd_jax/csrc/cpu_kernels.cc` is
+Each argument is a built library (a path ending in .so) or a git revision whose kernel source (`KERNEL_SOURCES`) is
 compiled with setup.py's flags into a temporary library. A kernel change is C++, not a runtime switch, so the two
 builds cannot share one process: each round starts one process per build (in alternating order, round by round)
 that loads the SmolLM2 target with that library (`DDD_JAX_KERNELS_LIB`) and times the target forward of each size
@@ -30,12 +30,17 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-Wno-attributes", "-Wno-return-type"]  # setup.py's
 
 
+KERNEL_SOURCES = ("ddd_jax/backends/cpu/csrc/cpu_kernels.cc", "ddd_jax/csrc/cpu_kernels.cc")  # now, before the move
+
+
 def source(rev: str, out_dir: str, tool: str = "kernel_ab") -> Path:
     """The kernels' source at git revision `rev`, written into out_dir."""
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:ddd_jax/csrc/cpu_kernels.cc"],
-                         capture_output=True, text=True)
-    if src.returncode != 0:
-        raise SystemExit(f"{tool}: git revision {rev!r} has no ddd_jax/csrc/cpu_kernels.cc ({src.stderr.strip()})")
+    for path in KERNEL_SOURCES:
+        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], capture_output=True, text=True)
+        if src.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"{tool}: git revision {rev!r} has no kernel source ({src.stderr.strip()})")
     cc = Path(out_dir) / f"{rev.replace('/', '_')}.cc"
     cc.write_text(src.stdout)
     return cc
@@ -61,7 +66,7 @@ def child(sizes: list, context: int, reps: int, gguf_blocks: bool = False) -> No
     """One build's timings (the library comes from DDD_JAX_KERNELS_LIB): one JSON line {size: ms}, the median of
     three `cost_curve` passes (each a median of `reps` forwards)."""
     import ddd_jax as dj
-    from ddd_jax import kernels
+    from ddd_jax.backends.cpu import kernels
     from ddd_jax.bench.cost import cost_curve
 
     if not kernels.available():

@@ -1,13 +1,13 @@
-"""The optional CPU kernels behind `layers.linear` and `layers.attention`, registered with `jax.ffi`.
+"""The optional CPU kernels behind `ddd_jax.ops` (products and attention), registered with `jax.ffi`.
 
-`pip install` builds `ddd_jax/_cpu_kernels*.so` from `ddd_jax/csrc/cpu_kernels.cc` (g++ and jaxlib's FFI headers;
+`pip install` builds `_cpu_kernels*.so` here from `csrc/cpu_kernels.cc` (g++ and jaxlib's FFI headers;
 see setup.py). On the CPU backend, float32 work of at most `MAX_ROWS` rows -- decoding and verification -- runs
 there: small-M matrix products that read a stacked weight's layer in place (no per-layer copy; weights streamed
 once for all rows), and attention over the slots a row may attend only. Products also take float16 weights under
 float32 activations (weight-only storage, e.g. a draft head's: half the bytes, widened exactly as they are read,
-so the result is the float32 product of the widened weights), and GGUF Q4_1 / Q8_0 / Q4_0 blocks (`ddd_jax.quant`:
+so the result is the float32 product of the widened weights), and GGUF Q4_1 / Q8_0 / Q4_0 blocks (`quant`:
 dequantized exactly into L1, four rows at a time (eight on AVX-512), then the float32 transposed product), and
-panel-major float32 weights (`ddd_jax.panels`: every panel one contiguous stream, any number of rows; bitwise the
+panel-major float32 weights (`panels`: every panel one contiguous stream, any number of rows; bitwise the
 row-major product; float16 panels for a draft head bound to a panel-major target; for greedy decoding's lm_head
 the same product also returns each row's first maximum, `greedy_panels`), and GGUF blocks stored panel-major
 (`quant.BlockPanels`, `product_qpanels`: dequantized in registers, bitwise `product_panels` of the dequantized
@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .panels import pack, unpack_array
+from .. import precision
+from .layout import KINDS, _from_panels, dequantize_blocks, pack_array, unpack_array
 
 TARGETS = {"ddd_linear": "DddLinear", "ddd_linear_f16": "DddLinearF16", "ddd_linear_blocks": "DddLinearBlocks",
            "ddd_linear_panels": "DddLinearPanels", "ddd_linear_panels_f16": "DddLinearPanelsF16",
@@ -161,20 +162,6 @@ def _call(x2, w3, layer, trans: bool):
     return call(x2, w3, layer, trans=trans)
 
 
-def precision(*operands):
-    """The `precision` of this package's forward products under XLA: `lax.Precision.HIGHEST` when every operand is
-    float32 and no default matmul precision is set (`JAX_DEFAULT_MATMUL_PRECISION`, `jax.default_matmul_precision`),
-    else None (JAX's default). So float32 means float32 products on every backend: JAX's default runs them as TF32
-    on recent NVIDIA GPUs, and then a forward of several tokens and one of a single token round differently, so
-    speculative decoding leaves vanilla's tokens at near-ties (README: 10 of 80 MT-bench turns on an H200, none
-    at HIGHEST). Setting a default precision (e.g. "tensorfloat32") trades that for speed, also for training on a
-    GPU (autodiff of these products keeps their precision; the kernels' own backward products use JAX's default).
-    XLA:CPU computes float32 products in float32 either way."""
-    if jax.config.jax_default_matmul_precision is not None:
-        return None
-    return jax.lax.Precision.HIGHEST if all(jnp.dtype(o.dtype) == jnp.float32 for o in operands) else None
-
-
 def _xla(x2, w3, layer, trans: bool):
     w = jax.lax.dynamic_index_in_dim(w3, layer, 0, keepdims=False).astype(jnp.float32)
     return jnp.dot(x2, w.T if trans else w, precision=precision(x2, w), preferred_element_type=jnp.float32)
@@ -231,7 +218,6 @@ def usable(x, w) -> bool:
 
 # ----------------------------------------------------------------------------------------------- GGUF blocks
 def _blocks_call(x2, b3, layer, kind):
-    from .quant import KINDS
     call = jax.ffi.ffi_call("ddd_linear_blocks", jax.ShapeDtypeStruct((x2.shape[0], b3.shape[1]), jnp.float32),
                             vmap_method="sequential")
     return call(x2, b3, layer, kind=np.int64(KINDS[kind][0]))
@@ -239,7 +225,6 @@ def _blocks_call(x2, b3, layer, kind):
 
 def _layer_rows(b3, layer, kind):
     """Layer `layer` of stacked blocks b3 [L, N, .] dequantized: [N, K] float32."""
-    from .quant import dequantize_blocks
     return dequantize_blocks(jax.lax.dynamic_index_in_dim(b3, layer, 0, keepdims=False), kind)
 
 
@@ -288,7 +273,7 @@ def _panels_xla(x2, w4, layer, n):
 def _panels_bwd(n, res, g):
     x2, w4, layer = res
     gx = jnp.dot(g, _panels_layer(w4, layer, n).T, preferred_element_type=jnp.float32)
-    gw4 = jnp.zeros_like(w4).at[layer].set(pack(x2.T @ g, width=w4.shape[-1]).data.astype(w4.dtype))
+    gw4 = jnp.zeros_like(w4).at[layer].set(pack_array(x2.T @ g, w4.shape[-1]).astype(w4.dtype))
     return gx, gw4, None
 
 
@@ -296,7 +281,7 @@ _panels = _kernel_product(_panels_call, _panels_xla, _panels_bwd)
 
 
 def product_panels(x, data, n: int, layer=None):
-    """x [..., K] @ W for W a panel-major float32 (or float16: a draft head's) weight (`ddd_jax.panels`): data
+    """x [..., K] @ W for W a panel-major float32 (or float16: a draft head's) weight (`panels`): data
     [P, K, W] or stacked [L, P, K, W] (W: 16 or 48 columns a panel) with `layer` (an int32 scalar, may be traced);
     n the logical width N.
     Returns [..., N] float32, bitwise the row-major kernel's product. Float32 x of any number of rows runs the
@@ -312,7 +297,6 @@ def product_panels(x, data, n: int, layer=None):
 
 # ----------------------------------------------------------------------------------------------- quantized panels
 def _qpanels_call(x2, w4, layer, static):
-    from .quant import KINDS
     kind, n = static
     call = jax.ffi.ffi_call("ddd_linear_qpanels", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
                             vmap_method="sequential")
@@ -321,7 +305,6 @@ def _qpanels_call(x2, w4, layer, static):
 
 def _qpanels_layer(w4, layer, kind, n):
     """Layer `layer` of stacked quantized panels w4 [L, P, nb, .] dequantized, as output rows: [n, K] float32."""
-    from .quant import _from_panels, dequantize_blocks
     return dequantize_blocks(_from_panels(jax.lax.dynamic_index_in_dim(w4, layer, 0, keepdims=False), kind, n), kind)
 
 

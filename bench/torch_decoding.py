@@ -55,14 +55,14 @@ except ModuleNotFoundError as e:  # the extra is missing
     raise ModuleNotFoundError(f"the PyTorch decoding needs torch and transformers ({e.name!r} is not installed): "
                               "pip install 'ddd-jax[torch]'", name=e.name) from e
 
-from .checkpoints.eagle_official import EAGLE1_RULES
-from .checkpoints.hf import HF_LLAMA_RULES
-from .checkpoints.keytable import export
-from .checkpoints.torch_ref import TorchEagleHead
-from .config import DDDConfig, TreeConfig
-from .generate import GenerateResult, make_plan
-from .llama import output_embedding
-from .quant import dequantize_tree
+from ddd_jax.checkpoints.eagle_official import EAGLE1_RULES
+from ddd_jax.checkpoints.hf import HF_LLAMA_RULES
+from ddd_jax.checkpoints.keytable import export
+from ddd_jax.checkpoints.torch_ref import TorchEagleHead
+from ddd_jax.config import DDDConfig, TreeConfig
+from ddd_jax.decode import GenerateResult, make_plan
+from ddd_jax.llama import output_embedding
+from ddd_jax.backends.cpu.quant import dequantize_tree
 
 METHODS = ("vanilla", "eagle2", "ddd")
 SYNCS = ("host", "device")  # DDD's stop decision in torch (JAX also has "callback")
@@ -128,7 +128,7 @@ def torch_head(draft, model) -> TorchEagleHead:
     sd["embed_tokens.weight"] = head.embed_tokens.weight.detach()  # replaced by the target's below
     head.load_state_dict(sd, strict=True)
     if dcfg.rope_scaling:  # e.g. llama3 scaling: the same inverse frequencies as the JAX head
-        from .layers import rope_inv_freq
+        from ddd_jax.layers import rope_inv_freq
         inv = torch.from_numpy(np.asarray(rope_inv_freq(dcfg.layer_config()), np.float32))
         head.layers[0].self_attn.inv_freq = inv
     head = head.to(device=emb.device, dtype=emb.dtype).eval()

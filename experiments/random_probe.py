@@ -3,7 +3,7 @@ untrained head (acceptance ~0, so every speculative cycle drafts the full depth,
 one token). For a machine the weights cannot reach in time -- e.g. a short GPU loan: SmolLM2's converted
 `config.json` is 1 KB where its GGUF is 98 MB.
 
-    python bench/random_probe.py ~/.cache/ddd_jax/smollm2-135m-instruct/config.json [REPEAT]
+    python experiments/random_probe.py ~/.cache/ddd_jax/smollm2-135m-instruct/config.json [REPEAT]
 
 Prints, for vanilla, EAGLE-2, DDD device and DDD host at the paper's defaults (200-token random prompt, 64 new
 tokens): the first call (compiles), the fastest of two steady calls, the target calls; then `cost_curve` with
@@ -30,7 +30,7 @@ def main(config_path: str, repeat: int = 5) -> None:
     from ddd_jax import llama
     from ddd_jax.config import ModelConfig
     from ddd_jax.eagle import init_draft
-    from ddd_jax.generate import generate
+    from ddd_jax.decode import generate
     from ddd_jax.target import Target
 
     log("jax", jax.__version__, jax.devices())

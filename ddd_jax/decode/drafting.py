@@ -1,6 +1,6 @@
 """The draft phase of a speculative cycle: step 0, EAGLE-2 beam expansion, and when to stop (fixed depth, or DDD
-in its three sync modes), with every host sync counted. `generate` asks this module for a beam; nothing else
-decides when drafting stops.
+in its three sync modes), with every host sync counted. a cycle asks this module for a beam; nothing else
+decides when drafting stops. The cycle takes the finished tree from `finished_tree`.
 
 Step numbering (see `TreeConfig`): step 0 runs the head over the newly committed pairs and gives the first beam;
 step j >= 1 expands the depth-j beam. A DDD check at step s happens after step s and looks at the beam that step
@@ -31,10 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from .cache import KVCache, with_length
-from .eagle import draft_logits, head_forward, new_cache, project_features
-from .layers import causal_mask, tree_kv_mask
-from .tree import Beam, confidence, expand, first_beam
+from ..cache import KVCache, with_length
+from ..config import LOOKUP_MAX_NGRAM
+from ..eagle import draft_logits, head_forward, new_cache, project_features
+from ..layers import causal_mask, tree_kv_mask
+from ..tree import Beam, Tree, add_lookup, build_tree, confidence, expand, first_beam, lookup_chain
 
 # (step, confidence [B], active [B], threshold) -> keep drafting [B] bool. Runs on the host (sync="callback").
 Policy = Callable[[int, np.ndarray, np.ndarray, float], np.ndarray]
@@ -59,7 +60,7 @@ class SyncCounter:
         self.draft += int(draft)
         if all(getattr(a, "is_fully_addressable", True) for a in jax.tree.leaves(x)):
             return jax.tree.map(np.asarray, jax.device_get(x))
-        from .sharding import to_host  # arrays sharded over several processes: the whole value on each
+        from ..sharding import to_host  # arrays sharded over several processes: the whole value on each
         return jax.tree.map(to_host, x)
 
     def count_draft(self):
@@ -247,8 +248,8 @@ _begin_jit = jax.jit(begin, static_argnames=("plan", "end_step", "decide"))
 
 
 # sync="host": each program returns the beam's confidence with it, so a check is one device->host read of values
-# already computed (as the paper's `.item()`), not a logsumexp run op by op outside jit (~1 ms a check on CPU,
-# each primitive its own dispatch: README, "Lazy evaluation across frameworks")
+# already computed (as the paper's `.item()`), not a logsumexp run op by op outside jit (each primitive its own
+# dispatch; docs/lazy-eval.md)
 def begin_host(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold) -> tuple[Draft, jax.Array]:
     """sync="host": the draft up to its first check step, and that beam's confidence [B] (traceable; `generate`
     runs it in one program with the previous cycle's verification)."""
@@ -258,7 +259,7 @@ def begin_host(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, thre
 
 
 # the named boundary of the first cycle's draft under sync="host" (later cycles run begin_host inside
-# generate._verify_commit_begin), and of `draft_from_host`
+# cycle._verify_commit_begin), and of `draft_from_host`
 begin_host_jit = jax.jit(begin_host, static_argnames=("plan",))
 
 
@@ -299,3 +300,14 @@ def draft_from_host(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n,
     d, conf = begin_host_jit(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold)
     return finish_from_host(tparams, dparams, plan, d, counter.read((conf, d.beam.active), draft=True), threshold,
                             counter)
+
+
+def finished_tree(plan, d: Draft, root, ctx, length) -> Tree:
+    """The tree a cycle verifies: the draft's candidate pool, plus the context-lookup candidates when the plan has
+    them (`tree.lookup_chain` over `ctx`, the tokens at each position; length [B]: the root's position), reranked
+    into `plan.total_tokens` nodes under `root` [B]."""
+    beam = d.beam
+    if plan.lookup:  # context-lookup candidates join the head's pool before the rerank
+        tok, ok = lookup_chain(ctx, length, plan.lookup, plan.lookup_ngram, LOOKUP_MAX_NGRAM)
+        beam = add_lookup(beam, tok, ok, plan.lookup_logp, plan.top_k)
+    return build_tree(root, beam, plan.total_tokens)

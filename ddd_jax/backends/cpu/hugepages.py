@@ -1,10 +1,8 @@
 """Backs a model's large CPU weight buffers with 2 MiB pages (Linux transparent huge pages), once, at load.
 
 A forward streams every weight from memory each call, and with 4 KiB pages that is a TLB miss and a page walk
-every 4 KiB of every weight stream. On the 2-core Xeon VM (`transparent_hugepage/enabled` = madvise, so nothing
-gets huge pages unless it asks) the seven layer products of 30 SmolLM2 layers, streamed from memory by the CPU
-kernel, took 13.7 -> 12.8 ms at one row and 19.9 -> 17.7 ms at 16 rows when their weights sat on huge pages (two
-alternating runs each).
+every 4 KiB of every weight stream. Where `transparent_hugepage/enabled` is madvise, nothing gets huge pages
+unless it asks, so the loader asks for the weights' buffers (docs/cpu.md has the measured effect).
 
 XLA owns the buffers, so they are not allocated on huge pages: `collapse` asks the kernel to move the pages of each
 large buffer that already exist into huge pages in place (`madvise(MADV_HUGEPAGE)`, then `MADV_COLLAPSE`, Linux

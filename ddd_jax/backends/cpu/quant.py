@@ -27,22 +27,20 @@ is dequantized by XLA.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .panels import PANEL, has_panels, is_panels, unpack
-
-BLOCK = 32
-KINDS = {"q4_1": (0, 20), "q8_0": (1, 34), "q4_0": (2, 18)}  # name -> (the kernel's `kind` attribute, bytes a block)
-GGUF_KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0", "Q4_0": "q4_0"}  # gguf.GGMLQuantizationType names kept as blocks
+from .. import Packed, check_layout
+from .layout import (BLOCK, GGUF_KINDS, KINDS, _from_panels, _panel_header, _to_panels,  # noqa: F401
+                     check_kind, dequantize_blocks)
+from .panels import PANEL, is_panels, unpack
 
 
 @jax.tree_util.register_pytree_node_class
 @dataclass(frozen=True)
-class BlockWeight:
+class BlockWeight(Packed):
     """A weight stored as GGUF blocks.
 
     blocks: [..., R, K // 32 * bytes] uint8 -- R output rows (a leading layer axis when stacked), K inputs each.
@@ -97,10 +95,23 @@ class BlockWeight:
         w = self.rows()
         return jnp.swapaxes(w, -1, -2) if self.transposed else w
 
+    def product(self, x, layer=None, *, transposed: bool = False):
+        """x @ rows.T (outputs are rows): the block kernel, bitwise the float32 kernel's product of the dequantized
+        weight."""
+        from . import kernels
+        check_layout(self, not self.transposed, transposed)
+        return kernels.product_blocks(x, self.blocks, self.kind, layer)
+
+    def take(self, ids):
+        return take_rows(self, ids)
+
+    def as_rows(self):
+        return BlockWeight(self.blocks, self.kind, transposed=False)
+
 
 @jax.tree_util.register_pytree_node_class
 @dataclass(frozen=True, eq=False)  # identity: its arrays have no truth value
-class BlockPanels:
+class BlockPanels(Packed):
     """GGUF blocks stored panel-major: the layout the CPU kernel streams (`pack_blocks`; the C++ file's
     "quantized panels"). The same bytes as a BlockWeight, regrouped so that a product reads each panel's K rows as
     one contiguous run, dequantizes them in registers and reduces every output element in the float32 panels'
@@ -186,40 +197,11 @@ class BlockPanels:
         got = jnp.take_along_axis(self.data[ids // PANEL], offs, axis=-1)  # [..., nb, block bytes]
         return dequantize_blocks(got.reshape(*ids.shape, -1), self.kind)
 
-
-def _panel_header(kind: str) -> tuple[int, int]:
-    """(bytes before a panel block's quants, quant bytes per column)."""
-    return (4 * PANEL if kind == "q4_1" else 2 * PANEL), KINDS[kind][1] - (4 if kind == "q4_1" else 2)
-
-
-@partial(jax.jit, static_argnames=("kind",))
-def _to_panels(blocks, kind: str):
-    """[..., R, nb * bytes] GGUF rows -> [..., P, nb, 48 * bytes] panels (see BlockPanels)."""
-    nbytes = KINDS[kind][1]
-    lead, R, nb = blocks.shape[:-2], blocks.shape[-2], blocks.shape[-1] // nbytes
-    P = -(-R // PANEL)
-    b = jnp.pad(blocks, [(0, 0)] * len(lead) + [(0, P * PANEL - R), (0, 0)])
-    b = jnp.swapaxes(b.reshape(*lead, P, PANEL, nb, nbytes), -3, -2)  # [..., P, nb, 48, bytes]
-    quants = nbytes - _panel_header(kind)[1]  # where a GGUF block's quants start (after d, m)
-    parts = [b[..., 0:2].reshape(*b.shape[:-2], 2 * PANEL)]
-    if kind == "q4_1":
-        parts.append(b[..., 2:4].reshape(*b.shape[:-2], 2 * PANEL))
-    parts.append(jnp.swapaxes(b[..., quants:], -1, -2).reshape(*b.shape[:-2], -1))  # [..., nq, 48]
-    return jnp.concatenate(parts, -1)
-
-
-@partial(jax.jit, static_argnames=("kind", "n"))
-def _from_panels(data, kind: str, n: int):
-    """The inverse of _to_panels: [..., P, nb, 48 * bytes] -> [..., n, nb * bytes]."""
-    hdr, nq = _panel_header(kind)
-    lead, P = data.shape[:-3], data.shape[-3]
-    parts = [data[..., 0:2 * PANEL].reshape(*data.shape[:-1], PANEL, 2)]
-    if kind == "q4_1":
-        parts.append(data[..., 2 * PANEL:4 * PANEL].reshape(*data.shape[:-1], PANEL, 2))
-    parts.append(jnp.swapaxes(data[..., hdr:].reshape(*data.shape[:-1], nq, PANEL), -1, -2))
-    b = jnp.concatenate(parts, -1)  # [..., P, nb, 48, bytes]
-    b = jnp.swapaxes(b, -3, -2).reshape(*lead, P * PANEL, -1)
-    return b[..., :n, :]
+    def product(self, x, layer=None, *, transposed: bool = False):
+        """x @ w (or x @ rows.T): dequantized in registers, bitwise the float32 panels' product."""
+        from . import kernels
+        check_layout(self, self.rows, transposed)
+        return kernels.product_qpanels(x, self.data, self.kind, self.n, layer)
 
 
 def pack_blocks(w: BlockWeight, table: bool = False) -> BlockPanels:
@@ -246,36 +228,6 @@ def pack_block_params(params: dict, tied: bool) -> dict:
     if tied and is_block(params["embed"]):
         out["embed"] = pack_blocks(params["embed"], table=True)
     return out
-
-
-def check_kind(kind: str) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"unknown block kind {kind!r}; known: {sorted(KINDS)}")
-
-
-def dequantize_blocks(blocks, kind: str):
-    """[..., R, nb * bytes] uint8 -> [..., R, nb * 32] float32, exactly as gguf's dequantizer (see module doc)."""
-    check_kind(kind)
-    nbytes = KINDS[kind][1]
-    blocks = jnp.asarray(blocks)
-    if blocks.dtype != jnp.uint8 or blocks.shape[-1] % nbytes:
-        raise ValueError(f"{kind} blocks must be uint8 [..., R, n * {nbytes}]; got {blocks.dtype} {blocks.shape}")
-    nb = blocks.shape[-1] // nbytes
-    b = blocks.reshape(*blocks.shape[:-1], nb, nbytes)
-    d = jax.lax.bitcast_convert_type(b[..., 0:2].reshape(*b.shape[:-1], 1, 2), jnp.float16).astype(jnp.float32)
-    if kind == "q4_1":
-        m = jax.lax.bitcast_convert_type(b[..., 2:4].reshape(*b.shape[:-1], 1, 2), jnp.float16).astype(jnp.float32)
-        qs = b[..., 4:20]
-        q = jnp.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(jnp.float32)
-        w = d * q + m
-    elif kind == "q4_0":
-        qs = b[..., 2:18]
-        q = jnp.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(jnp.int32) - 8
-        w = d * q.astype(jnp.float32)
-    else:
-        q = jax.lax.bitcast_convert_type(b[..., 2:34], jnp.int8).astype(jnp.float32)
-        w = q * d
-    return w.reshape(*blocks.shape[:-1], nb * BLOCK)
 
 
 def quantize(w, kind: str, transposed: bool = False) -> BlockWeight:

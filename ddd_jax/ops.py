@@ -1,0 +1,104 @@
+"""The one door between model code and the backends: products, embedding rows, the greedy output head, attention,
+precision, and the weight formats a head may be stored in.
+
+Model and decode code (layers, llama, eagle, eagle3, drafting, generate) call these and nothing below them. A
+packed weight (`backends.Packed`: panels, GGUF blocks, ...) carries its own product; a plain array takes the
+backend's kernel where one applies (`backends/cpu`: float32 work of at most 128 rows) and XLA otherwise. The
+results do not depend on which path ran: the CPU kernels are bitwise the float32 products they replace, row by
+row, whatever the number of rows.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .backends import Packed, precision
+from .backends.cpu import kernels as _cpu
+from .backends.cpu import pack as _pack
+from .backends.cpu import quant as _quant
+
+__all__ = ["Packed", "precision", "matmul", "take_rows", "output_rows", "greedy_head", "greedy_tokens",
+           "attention", "as_stored", "BLOCK_KINDS", "is_block", "has_blocks", "quantize", "pack_head"]
+
+BLOCK_KINDS = tuple(_quant.KINDS)  # GGUF block kinds a weight may be stored as ("q8_0", "q4_0", "q4_1")
+
+
+def matmul(x, w, layer=None, *, transposed: bool = False, f32: bool = False):
+    """x [..., K] @ w [K, N] -> [..., N], or with transposed=True x @ w.T for w [N, K] (output-embedding rows:
+    float32 result). f32: a float32 result (accumulated in float32) for the non-transposed product too.
+    layer: w is stacked [L, K, N] / [L, N, K] and `layer` (an int, may be traced) picks one, read in place."""
+    if isinstance(w, Packed):
+        return w.product(x, layer, transposed=transposed)
+    if _cpu.usable(x, w):
+        return _cpu.product(x, w, layer, trans=transposed)
+    if layer is not None:
+        w = jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
+    prec = precision(x, w)
+    if transposed:
+        return jnp.einsum("...d,vd->...v", x, w, precision=prec, preferred_element_type=jnp.float32)
+    if f32:
+        return jnp.einsum("...d,dv->...v", x, w, precision=prec, preferred_element_type=jnp.float32)
+    return jnp.matmul(x, w, precision=prec)
+
+
+def take_rows(w, ids):
+    """Rows `ids` [...] of an embedding w [V, D] (an array or a packed rows-layout weight): [..., D]."""
+    if isinstance(w, Packed):
+        return w.take(ids)
+    return jnp.take(w, ids, axis=0)
+
+
+def output_rows(w):
+    """The rows [V, D] of an untied output projection stored [D, V] (a view where the storage allows)."""
+    return w.as_rows() if isinstance(w, Packed) else w.T
+
+
+def greedy_head(hidden, w, pick):
+    """(logits, tokens) of hidden against output projection `w` computed in one pass where its storage allows,
+    else None (the caller computes the logits and `pick`s from them)."""
+    return w.greedy(hidden, pick) if isinstance(w, Packed) else None
+
+
+def greedy_tokens(hidden, w, pick):
+    """The greedy tokens alone where `w`'s storage has a cheaper way than the logits, else None."""
+    return w.greedy_tokens(hidden, pick) if isinstance(w, Packed) else None
+
+
+def attention(q, k, v, mask, layer, reference, head_major: bool):
+    """`reference(q, k, v, mask)` (XLA attention over the layer's caches), or the backend's kernel for it where one
+    applies: only the slots a row may attend, summed in slot order, so a row's output does not depend on the
+    other rows. k, v are stacked [L, ...] caches when `layer` is given."""
+    if _cpu.attention_usable(q, k):
+        return _cpu.attention(q, k, v, mask, layer, reference, head_major=head_major)
+    if layer is not None:
+        k, v = k[layer], v[layer]
+    return reference(q, k, v, mask)
+
+
+def as_stored(w, dtype):
+    """A weight for activations of `dtype`: packed weights and float16 weights under float32 activations stay as
+    stored (products widen them exactly as they read them), anything else is cast."""
+    if isinstance(w, Packed):
+        return w
+    return w if (w.dtype == jnp.float16 and dtype == jnp.float32) else w.astype(dtype)
+
+
+def is_block(x) -> bool:
+    """A weight kept as GGUF blocks (any layout)."""
+    return _quant.is_block(x)
+
+
+def has_blocks(tree) -> bool:
+    return _quant.has_blocks(tree)
+
+
+def quantize(w, kind: str, transposed: bool = False):
+    """`w` stored as GGUF blocks of `kind` (gguf's reference quantizer): transposed=True for a [K, N] matrix used
+    as x @ w."""
+    return _quant.quantize(w, kind, transposed=transposed)
+
+
+def pack_head(params: dict, lm_sub, target_params) -> dict | None:
+    """An EAGLE-1/2 head's decode params laid out as its target's are (panel-major float or quantized panels), so
+    a draft step reads them as the target's products do; None when the target's weights are not packed."""
+    return _pack.pack_draft(params, lm_sub, target_params)

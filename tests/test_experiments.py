@@ -1,0 +1,57 @@
+"""The one-off A/B harnesses of experiments/ (kernel_ab, attention_ab and its C++ harness): bad input is refused,
+and the harness built from this checkout runs the kernel."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+
+
+def test_kernel_ab_rejects_bad_input(tmp_path):
+    import kernel_ab
+    with pytest.raises(SystemExit, match="at least two builds"):
+        kernel_ab.main(["HEAD"])
+    with pytest.raises(SystemExit, match="must be integers"):
+        kernel_ab.main(["HEAD", "HEAD", "--sizes", "1,x"])
+    with pytest.raises(SystemExit, match="at most 512"):
+        kernel_ab.main(["HEAD", "HEAD", "--sizes", "300", "--context", "256"])
+    with pytest.raises(SystemExit, match="no library"):
+        kernel_ab.build(str(tmp_path / "missing.so"), str(tmp_path))
+    with pytest.raises(SystemExit, match="has no kernel source"):
+        kernel_ab.build("no-such-revision-xyz", str(tmp_path))
+
+
+def test_attention_ab_rejects_bad_input(tmp_path):
+    import attention_ab
+    with pytest.raises(SystemExit, match="at least two builds"):
+        attention_ab.main(["HEAD"])
+    with pytest.raises(SystemExit, match="must be integers"):
+        attention_ab.main(["HEAD", "HEAD", "--sizes", "1,x"])
+    with pytest.raises(SystemExit, match=r"in \[1, 256\]"):
+        attention_ab.main(["HEAD", "HEAD", "--sizes", "0"])
+    with pytest.raises(SystemExit, match="at least 1"):
+        attention_ab.main(["HEAD", "HEAD", "--rounds", "0"])
+    with pytest.raises(SystemExit, match="no kernel source"):
+        attention_ab.build(str(tmp_path / "missing.cc"), str(tmp_path))
+    with pytest.raises(SystemExit, match="has no kernel source"):
+        attention_ab.build("no-such-revision-xyz", str(tmp_path))
+
+
+@pytest.mark.slow
+def test_attention_harness_runs_the_kernel_and_its_bits_follow_the_rows(tmp_path):
+    """The harness built from this checkout's kernels: both modes run, and the output's checksum is the same
+    whatever the thread count (the chunking splits rows between threads; every row's bits are its own); "l2"
+    attends one layer's keys and values, "stream" all 30 (the output is the last layer's)."""
+    from ddd_jax.backends.cpu import kernels
+    import attention_ab
+    if not kernels.available():
+        pytest.skip("CPU kernel library not built / not supported")
+    exe = attention_ab.build(str(attention_ab.ROOT / "ddd_jax" / "backends" / "cpu" / "csrc" / "cpu_kernels.cc"), str(tmp_path))
+    for mode in ("l2", "stream"):
+        one, two = (attention_ab.run(exe, 7, mode, 2, threads) for threads in (1, 2))
+        assert one["us"] > 0 and two["us"] > 0
+        assert one["checksum"] == two["checksum"]
+    assert attention_ab.run(exe, 7, "l2", 1, 1)["checksum"] != two["checksum"]  # other layers' keys and values
