@@ -46,9 +46,19 @@ def tree_and_ddd(args):
     if args.ddd_max_depth is not None:
         over["max_depth"] = args.ddd_max_depth
     ddd = dataclasses.replace(ddd, **over) if over else ddd
-    if any(getattr(args, k) is not None for k in ("top_k", "total_tokens", "depth", "ddd_checks", "ddd_threshold",
-                                                   "ddd_max_depth")):
+    tree_flags = any(getattr(args, k) is not None for k in ("top_k", "total_tokens", "depth"))
+    ddd_flags = any(getattr(args, k) is not None for k in ("ddd_checks", "ddd_threshold", "ddd_max_depth"))
+    if tree_flags or ddd_flags:
         source += " + command-line flags"
+    # settings compose: flags for one part take the other part from the file when it fits, else the paper's
+    from .config import DDDConfig, TreeConfig, check_tree_for_ddd
+    try:
+        check_tree_for_ddd(tree, ddd)
+    except ValueError:
+        if tree_flags and not ddd_flags:
+            ddd, source = DDDConfig(), source + " (the paper's DDD rule: the tuned one does not fit this tree)"
+        elif ddd_flags and not tree_flags:
+            tree, source = TreeConfig(), source + " (the paper's tree: the tuned one does not fit this DDD rule)"
     return tree, ddd, source
 
 

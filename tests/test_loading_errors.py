@@ -120,3 +120,17 @@ def test_chat_errors(tiny_hf_llama):
     assert render_chat(t, [{"role": "user", "content": "hi"}]) == "ok"
     with pytest.raises(ChatTemplateError, match="first must be user"):
         render_chat(t, [{"role": "system", "content": "hi"}])
+
+
+def test_truncated_or_corrupt_head_file_names_the_file(tiny_hf_llama, tmp_path):
+    from ddd_jax import init_draft, load_draft, save_draft
+    t = load_target(tiny_hf_llama()[1])
+    save_draft(init_draft(t), tmp_path / "head")
+    f = tmp_path / "head" / "model.safetensors"
+    whole = f.read_bytes()
+    f.write_bytes(whole[:len(whole) - 100])
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor .* ends at byte .* truncated file"):
+        load_draft(tmp_path / "head", t)
+    f.write_bytes(whole[:4])
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a safetensors file \(too short\)"):
+        load_draft(tmp_path / "head", t)

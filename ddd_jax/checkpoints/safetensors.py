@@ -31,6 +31,7 @@ def safetensors_sources(path) -> list[SourceTensor]:
             raise ValueError(f"{path}: not a safetensors file ({e})") from None
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     start = 8 + n
+    have = len(mm) - start  # bytes of tensor data in the file
     out = []
     for name, info in header.items():
         if name == "__metadata__":
@@ -40,6 +41,13 @@ def safetensors_sources(path) -> list[SourceTensor]:
         dt = np_dtype(_ST_DTYPES[info["dtype"]])
         b, e = info["data_offsets"]
         shape = tuple(info["shape"])
+        need = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if e - b != need:
+            raise ValueError(f"{path}: tensor {name!r} of shape {list(shape)} {dt} needs {need} bytes, its header "
+                             f"gives it {e - b} (a corrupt file)")
+        if e > have:
+            raise ValueError(f"{path}: tensor {name!r} ends at byte {start + e} but the file has {len(mm)} bytes "
+                             "(a truncated file: copy or download it again)")
 
         def load(b=b, e=e, dt=dt, shape=shape):
             return mm[start + b:start + e].view(dt).reshape(shape)

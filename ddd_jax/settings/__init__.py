@@ -43,7 +43,7 @@ STORAGES = (None, "blocks")  # float weights (arrays or panels) / GGUF blocks
 def weight_storage(target) -> str | None:
     """The settings key of a target's weight storage: "blocks" when its matrices are GGUF blocks, None for float
     weights (row-major or panel-major arrays)."""
-    from .. import quant
+    from ..backends.cpu import quant
     return "blocks" if quant.has_blocks(getattr(target, "params", {})) else None
 
 
@@ -194,21 +194,39 @@ def base_configs(target_name: str | None, draft_name: str | None, use_tuned: boo
     return (*to_configs(s), why)
 
 
-def resolve(target, draft, tree=None, ddd=None, backend: str | None = None):
+def resolve(target, draft, tree=None, ddd=None, backend: str | None = None, method: str = "ddd"):
     """(TreeConfig, DDDConfig, source): explicit configs win; what is missing comes from the tuned settings of
     this backend, this target's weight storage (`weight_storage`) and this target/head pair when they exist, else
     from the paper's defaults (EAGLE-2: top_k 10, 60 tokens, depth 5; DDD: S={5,7,9}, x=-0.3, n=11). `source` says
-    which, and why."""
-    from ..config import check_tree_for_ddd
+    which, and why.
+
+    Settings compose: a method other than "ddd" never consults a DDD rule (the one returned is unused). For "ddd",
+    an explicit tree takes the tuned DDD rule when it fits that tree (`check_tree_for_ddd`), else the paper's; an
+    explicit rule takes the tuned tree when it fits, else the paper's; a conflict left after that is an error
+    naming both sources."""
+    from ..config import DDDConfig, TreeConfig, check_tree_for_ddd
     if tree is not None and ddd is not None:
         return tree, ddd, "explicit"
     base_tree, base_ddd, source = base_configs(getattr(target, "name", None), getattr(draft, "name", None),
                                                backend=backend, storage=weight_storage(target))
-    if tree is not None or ddd is not None:
-        source = f"explicit {'tree' if tree is not None else 'ddd'}, the rest from {source}"
-    tree, ddd = tree or base_tree, ddd or base_ddd
-    try:
-        check_tree_for_ddd(tree, ddd)
-    except ValueError as e:
-        raise ValueError(f"{e} -- settings from {source}; pass both tree= and ddd=") from None
-    return tree, ddd, source
+    if method != "ddd":
+        if tree is not None:
+            return tree, ddd or base_ddd, f"explicit tree ({method} uses no DDD rule)"
+        return base_tree, ddd or base_ddd, source
+    if tree is None and ddd is None:
+        return base_tree, base_ddd, source
+
+    def first_fit(pairs, what: str, other: str):
+        """The first (tree, rule, source) of `pairs` that passes `check_tree_for_ddd`, else an error naming both."""
+        for t, d, why in pairs:
+            try:
+                check_tree_for_ddd(t, d)
+                return t, d, f"explicit {what}, the {other} from {why}"
+            except ValueError as e:
+                err = e
+        raise ValueError(f"{err}: the explicit {what} fits neither the {other} from {source} nor the paper's; pass "
+                         f"both tree= and ddd=") from None
+
+    if tree is not None:
+        return first_fit([(tree, base_ddd, source), (tree, DDDConfig(), "paper defaults")], "tree", "DDD rule")
+    return first_fit([(base_tree, ddd, source), (TreeConfig(), ddd, "paper defaults")], "ddd", "tree")
