@@ -1,8 +1,4 @@
 """ddd-jax: lossless speculative decoding (EAGLE-2 dynamic trees, Dynamic Depth Decoding) in JAX."""
-from . import _checkout
-
-_checkout.install()  # a checkout on PYTHONPATH: ddd_jax.bench / .convert / .train_draft from the folders beside
-
 from .checkpoints.loading import load_draft, load_target
 from .checkpoints.ours import save_draft
 from .config import DDDConfig, DraftConfig, ModelConfig, TreeConfig

@@ -28,7 +28,7 @@ BUCKETS = (128, 256, 384, 512)
 def replies(target, name: str, holdout: str | None, tokens: int) -> list:
     """Set `name`'s sequences [(ids, prompt_len)]: prompt + the first `tokens` reply tokens."""
     if name == "holdout":
-        from ddd_jax.train_draft.regen import load_records
+        from train_draft.regen import load_records
         return [(r["ids"][:r["prompt_len"] + tokens], r["prompt_len"]) for r in load_records(holdout)]
     out = []
     for q in load_questions(None):
@@ -41,7 +41,7 @@ def replies(target, name: str, holdout: str | None, tokens: int) -> list:
 def features(target, names: list, cache: Path, make) -> dict:
     """{set name: [(ids, features [T, D] float16, prompt_len)]}, from the cache or computed (`make(name)` gives the
     set's sequences) and cached."""
-    from ddd_jax.train_draft.extract import _write_npz_atomic, target_features
+    from train_draft.extract import _write_npz_atomic, target_features
     out = {}
     for name in names:
         f = cache / f"{name}.npz"
@@ -59,7 +59,7 @@ def features(target, names: list, cache: Path, make) -> dict:
 def accuracy(target, head, seqs, tokens: int) -> dict:
     """Top-1 / top-4 hits of `head` (`Draft.forward`, an EAGLE-1/2 head) against the target's greedy tokens, over
     the tokens it drafts from: its draft vocabulary (`d2t`) when it has one, as drafting does."""
-    from ddd_jax.train_draft.train import frozen_target_arrays
+    from train_draft.train import frozen_target_arrays
     _, lm_w = frozen_target_arrays(target)  # [D, V] float32
     allowed = None
     if "d2t" in head.params:

@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_train_fit import synthetic, tiny_target  # noqa: E402
 
 from ddd_jax.sharding import make_mesh  # noqa: E402
-from ddd_jax.train_draft.extract import extract, load_features  # noqa: E402
-from ddd_jax.train_draft.train import FitConfig, fit  # noqa: E402
+from train_draft.extract import extract, load_features  # noqa: E402
+from train_draft.train import FitConfig, fit  # noqa: E402
 
 
 def main():

@@ -190,7 +190,7 @@ def dataclass_replace(x, **kw):
 def token_data(t: Target, n: int = 24, new: int = 36):
     """A FeatureSet of the target's own greedy continuations (ids and masks only: EAGLE-3 computes features)."""
     import dataclasses as dc
-    from ddd_jax.train_draft.extract import FeatureSet
+    from train_draft.extract import FeatureSet
     rng = np.random.RandomState(5)
     ps = [list(rng.randint(0, 90, rng.randint(2, 6))) for _ in range(n)]
     no_eos = Target(t.name, dc.replace(t.config, eos_token_id=()), t.params)
@@ -204,7 +204,7 @@ def token_data(t: Target, n: int = 24, new: int = 36):
 
 @pytest.mark.slow  # time (test-fast budget); `make test` runs it
 def test_ttt_training_loss_falls_and_resume_is_exact(tmp_path):
-    from ddd_jax.train_draft.eagle3_fit import Fit3Config, fit_eagle3
+    from train_draft.eagle3_fit import Fit3Config, fit_eagle3
     t = tiny3()
     fs = token_data(t)
     cfg = Fit3Config(steps=16, batch_size=2, seq_len=96, ttt_steps=3, draft_vocab_size=48, lr=2e-2, warmup=2,
@@ -281,7 +281,7 @@ def test_train_draft_cli_eagle3(tmp_path):
     """`ddd-jax train-draft fit --head-type eagle3` on extracted shards (only their ids and masks are read)."""
     from ddd_jax.checkpoints.ours import save_target
     from ddd_jax.cli import main
-    from ddd_jax.train_draft.extract import extract
+    from train_draft.extract import extract
     t = tiny3()
     save_target(t, tmp_path / "tgt")
     rng = np.random.default_rng(0)

@@ -12,7 +12,7 @@ import pytest
 from ddd_jax import generate, llama, load_draft
 from ddd_jax.config import ModelConfig
 from ddd_jax.target import Target
-from ddd_jax.train_draft.recipe import (SMOKE, check_inputs_for, load_inputs, run_recipe, save_inputs)
+from train_draft.recipe import (SMOKE, check_inputs_for, load_inputs, run_recipe, save_inputs)
 
 V = 96
 
@@ -96,8 +96,8 @@ def test_every_stage_runs_and_records_itself(tmp_path):
 
 
 def test_eagle3_fit_sizes_itself_to_a_budget(tmp_path):
-    from ddd_jax.train_draft.eagle3_fit import Fit3Config, fit_eagle3
-    from ddd_jax.train_draft.recipe import _token_set
+    from train_draft.eagle3_fit import Fit3Config, fit_eagle3
+    from train_draft.recipe import _token_set
     t = tiny_target()
     recs = [{"id": f"s{i}", "prompt_len": 3, "ids": list(range(2 + i, 40 + i))} for i in range(12)]
     fs = _token_set(recs, 64)

@@ -11,7 +11,7 @@ import pytest
 from ddd_jax import llama
 from ddd_jax.config import ModelConfig
 from ddd_jax.target import Target
-from ddd_jax.train_draft import data
+from train_draft import data
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

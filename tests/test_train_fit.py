@@ -15,8 +15,8 @@ import pytest
 from ddd_jax import eagle, llama
 from ddd_jax.config import ModelConfig
 from ddd_jax.target import Target
-from ddd_jax.train_draft.extract import extract, load_features, shard_name
-from ddd_jax.train_draft.train import FitConfig, BatchPlan, fit, pack_rows
+from train_draft.extract import extract, load_features, shard_name
+from train_draft.train import FitConfig, BatchPlan, fit, pack_rows
 
 V = 64
 
@@ -150,7 +150,7 @@ def test_fit_takes_a_panel_major_target(target, feats, tmp_path):
 
 def test_export_load_forward_and_target_check(target, feats, tmp_path):
     from ddd_jax.checkpoints.ours import load_draft_dir
-    from ddd_jax.train_draft.export import export_run
+    from train_draft.export import export_run
     cfg = FitConfig(steps=2, batch_size=2, seq_len=80, init="target-last-layer")
     r = fit(target, feats, tmp_path / "run", cfg, progress=False)
     extra = export_run(tmp_path / "run", target, tmp_path / "head")
@@ -163,11 +163,11 @@ def test_export_load_forward_and_target_check(target, feats, tmp_path):
     tok = feats.ids[None, 1:17]
     f = jnp.asarray(feats.features[None, :16], jnp.float32)
     chex.assert_trees_all_equal(d.forward(tok, f), ref.forward(tok, f))
-    from ddd_jax.train_draft.train import _manager, init_head_params
+    from train_draft.train import _manager, init_head_params
     warm = init_head_params(r["draft_config"], target, FitConfig(init=f"head:{tmp_path / 'head'}"))
     chex.assert_trees_all_equal(warm, d.params)
     # a head with a reduced draft vocabulary warm-starts too: same weights, its d2t dropped (not trained)
-    from ddd_jax.train_draft.vocab import apply_draft_vocab
+    from train_draft.vocab import apply_draft_vocab
     extract(target, synthetic(4, 40), lambda e: e, tmp_path / "fv", source={"kind": "synthetic"}, max_len=40,
             shard_size=16, buckets=(48,), progress=False)
     apply_draft_vocab(tmp_path / "head", target, tmp_path / "fv", 16, tmp_path / "head_v")
@@ -191,7 +191,7 @@ def test_export_load_forward_and_target_check(target, feats, tmp_path):
 
 def test_cli_registers_train_draft(tmp_path):
     from ddd_jax.cli import build_parser
-    from ddd_jax.train_draft.plot import plot_metrics
+    from train_draft.plot import plot_metrics
     a = build_parser().parse_args(["train-draft", "fit", "--target", "t", "--features", "f", "--out", "o",
                                    "--steps", "5", "--init", "target-last-layer"])
     assert a.steps == 5 and a.init == "target-last-layer" and callable(a.func)
@@ -208,7 +208,7 @@ def test_cli_registers_train_draft(tmp_path):
 
 
 def test_ce_subsampling_is_unbiased(target, feats):
-    from ddd_jax.train_draft.train import frozen_target_arrays, init_head_params, loss_sums
+    from train_draft.train import frozen_target_arrays, init_head_params, loss_sums
     from ddd_jax.config import DraftConfig
     cfg = FitConfig(batch_size=2, seq_len=80)
     dcfg = DraftConfig.from_target(target.config)

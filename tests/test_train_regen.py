@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ddd_jax import generate
-from ddd_jax.train_draft.regen import example_from_record, load_records, regenerate
+from train_draft.regen import example_from_record, load_records, regenerate
 from test_train_fit import tiny_target
 
 
@@ -69,9 +69,9 @@ def test_example_masks_only_the_reply_and_bad_files(tmp_path):
 
 def test_cli_extract_regenerated_checks_the_split_and_masks_replies(target, tmp_path, monkeypatch, capsys):
     from ddd_jax.cli import main
-    from ddd_jax.train_draft import cli as tcli
-    from ddd_jax.train_draft.data import is_holdout
-    from ddd_jax.train_draft.extract import load_features
+    from train_draft import cli as tcli
+    from train_draft.data import is_holdout
+    from train_draft.extract import load_features
     monkeypatch.setattr(tcli, "_load_target", lambda name: target)
     held = next(f"h{i}" for i in range(10000) if is_holdout(f"h{i}", 2.0))
     train = [f"t{i}" for i in range(50) if not is_holdout(f"t{i}", 2.0)][:2]
@@ -89,7 +89,7 @@ def test_cli_extract_regenerated_checks_the_split_and_masks_replies(target, tmp_
     masks = {i: fs.mask[a:b].tolist() for i, a, b in zip(fs.seq_ids, fs.offsets[:-1], fs.offsets[1:])}
     assert masks == {train[0]: [0, 0, 0, 1, 1, 1, 1], train[1]: [0, 0, 1, 1, 1, 1]}
     # several feature directories: concatenated in order, each checked against its own split
-    from ddd_jax.train_draft.vocab import token_counts
+    from train_draft.vocab import token_counts
     out_h = tmp_path / "h.jsonl"
     regenerate(target, [(held, [9, 10])], out_h, max_new_tokens=4, batch_size=1, progress=False)
     assert main(["train-draft", "extract", "--target", "tiny", "--regenerated", str(out_h), "--split", "holdout",
@@ -116,8 +116,8 @@ def test_cli_extract_regenerated_checks_the_split_and_masks_replies(target, tmp_
 def test_cli_regenerate_skip_prompts_starts_later_in_the_order(target, tmp_path, monkeypatch, capsys):
     """`--skip-prompts N` answers the prompts after the first N of the order (an earlier file's); past the end fails."""
     from ddd_jax.cli import main
-    from ddd_jax.train_draft import cli as tcli
-    from ddd_jax.train_draft import regen
+    from train_draft import cli as tcli
+    from train_draft import regen
     items = [(f"c{i}", [{"role": "user", "content": str(i)}]) for i in range(5)]
     monkeypatch.setattr(tcli, "_load_target", lambda name: target)
     monkeypatch.setattr(tcli, "_sharegpt_items", lambda args, split: (items, {split: len(items)}))

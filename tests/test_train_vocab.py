@@ -9,7 +9,7 @@ import pytest
 
 from ddd_jax import TreeConfig, generate, init_draft, load_draft, save_draft
 from spec_helpers import tiny_target
-from ddd_jax.train_draft.vocab import apply_draft_vocab, coverage, frequent_tokens, token_counts
+from train_draft.vocab import apply_draft_vocab, coverage, frequent_tokens, token_counts
 
 
 def write_features(path, ids, mask):
