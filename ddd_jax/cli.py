@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 # (module, what it adds). Each module exposes add_parser(subparsers) registering `func(args) -> int`.
-_COMMANDS = ["ddd_jax.generate_cli", "ddd_jax.plan_cli", "convert.cli", "train_draft.cli",
+_COMMANDS = ["ddd_jax.generate_cli", "ddd_jax.calibrate_cli", "ddd_jax.plan_cli", "convert.cli", "train_draft.cli",
              "ddd_jax.bench.cli", "ddd_jax.bench.lazy_eval_cli"]
 
 

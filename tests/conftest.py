@@ -11,6 +11,9 @@ import pytest
 # The command line turns on JAX's persistent compilation cache (`ddd_jax.cli.enable_compile_cache`); CLI tests run
 # in-process, so keep them from choosing one for the whole test worker (`make test` names its own cache).
 os.environ.setdefault("DDD_JAX_COMPILE_CACHE", "0")
+# Calibrations saved on this machine (`ddd-jax calibrate`) would change what generate picks without tree / ddd:
+# off in tests, and the command line's first-use calibration with them (tests/test_calibrate.py turns them on).
+os.environ["DDD_JAX_CALIBRATE"] = "0"
 
 TINY_LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,

@@ -25,6 +25,8 @@ import json
 import os
 from pathlib import Path
 
+from .calibration import weight_storage  # noqa: F401 (part of this package's API)
+
 SETTINGS_DIR = Path(__file__).parent
 TREE_KEYS = ("top_k", "total_tokens", "depth")
 TREE_OPTIONAL = ("lookup", "lookup_ngram", "lookup_logp")  # context-lookup candidates (TreeConfig), default off
@@ -38,13 +40,6 @@ def settings_dir() -> Path:
 
 
 STORAGES = (None, "blocks")  # float weights (arrays or panels) / GGUF blocks
-
-
-def weight_storage(target) -> str | None:
-    """The settings key of a target's weight storage: "blocks" when its matrices are GGUF blocks, None for float
-    weights (row-major or panel-major arrays)."""
-    from ..backends.cpu import quant
-    return "blocks" if quant.has_blocks(getattr(target, "params", {})) else None
 
 
 def settings_path(backend: str | None = None, storage: str | None = None) -> Path:
@@ -195,9 +190,10 @@ def base_configs(target_name: str | None, draft_name: str | None, use_tuned: boo
 
 
 def resolve(target, draft, tree=None, ddd=None, backend: str | None = None, method: str = "ddd"):
-    """(TreeConfig, DDDConfig, source): explicit configs win; what is missing comes from the tuned settings of
-    this backend, this target's weight storage (`weight_storage`) and this target/head pair when they exist, else
-    from the paper's defaults (EAGLE-2: top_k 10, 60 tokens, depth 5; DDD: S={5,7,9}, x=-0.3, n=11). `source` says
+    """(TreeConfig, DDDConfig, source): explicit configs win; what is missing comes from this device's calibration
+    for this target and head (`ddd_jax.calibrate`) when one was saved, else the tuned settings of this backend, this
+    target's weight storage (`weight_storage`) and this target/head pair when they exist, else from the paper's
+    defaults (EAGLE-2: top_k 10, 60 tokens, depth 5; DDD: S={5,7,9}, x=-0.3, n=11). `source` says
     which, and why.
 
     Settings compose: a method other than "ddd" never consults a DDD rule (the one returned is unused). For "ddd",
@@ -207,8 +203,15 @@ def resolve(target, draft, tree=None, ddd=None, backend: str | None = None, meth
     from ..config import DDDConfig, TreeConfig, check_tree_for_ddd
     if tree is not None and ddd is not None:
         return tree, ddd, "explicit"
-    base_tree, base_ddd, source = base_configs(getattr(target, "name", None), getattr(draft, "name", None),
-                                               backend=backend, storage=weight_storage(target))
+    cal = None
+    if backend is None and draft is not None:  # this device's calibration (`ddd_jax.calibrate`), when one was saved
+        from .calibration import calibrated_configs
+        cal = calibrated_configs(target, draft, method)
+    if cal is not None:
+        base_tree, base_ddd, source = cal
+    else:
+        base_tree, base_ddd, source = base_configs(getattr(target, "name", None), getattr(draft, "name", None),
+                                                   backend=backend, storage=weight_storage(target))
     if method != "ddd":
         if tree is not None:
             return tree, ddd or base_ddd, f"explicit tree ({method} uses no DDD rule)"

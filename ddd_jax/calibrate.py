@@ -1,0 +1,199 @@
+"""Trees chosen for this device: `calibrate(target, draft)` times what a cycle costs here -- the target forward over
+n tokens, t(n), and a draft step over a beam of k, d(k) -- and combines it with the head's acceptance profile (tokens
+per target call, τ, and drafted depth for each candidate tree and DDD rule, measured once on held-out prompts and
+stored with the head) into a predicted speed-up per candidate:
+
+    speed-up = τ · t(1) / (t(N) + d(k) · (1 + mean draft steps))      (vanilla: 1)
+
+It saves the best EAGLE-2 tree and DDD rule under `$DDD_JAX_CACHE/calibration/`, keyed by backend, device (the CPU
+model on CPU), weight storage, target and head; `generate` without tree / ddd then uses them (`settings.resolve`),
+and `stats["settings"]["source"]` says so (DDD_JAX_CALIBRATE=0 turns saved calibrations off, and the command line's
+first-use calibration with them). Library calls never time anything on their own: only `calibrate` does.
+When no candidate is predicted to beat vanilla, the cheapest tree is saved and the result says that vanilla is
+predicted to be as fast (`vanilla_predicted_faster`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import time
+
+from . import io as dio
+from .config import DDDConfig, TreeConfig
+from .settings.calibration import (CALIBRATION_FORMAT, PROFILE_FILE, PROFILE_FORMAT,  # noqa: F401 (re-exported)
+                                   _head_id, calibrated_configs, calibration_path, device_key, load_calibration,
+                                   load_profile, save_profile)
+
+# (label, method, tree, DDD rule): small trees for CPUs (where t(n) grows with n) up to EAGLE-2's paper tree
+CANDIDATES = (
+    ("eagle2-k2-n3-d1", "eagle2", TreeConfig(top_k=2, total_tokens=3, depth=1), DDDConfig()),
+    ("eagle2-k4-n5-d1", "eagle2", TreeConfig(top_k=4, total_tokens=5, depth=1), DDDConfig()),
+    ("eagle2-k4-n7-d2", "eagle2", TreeConfig(top_k=4, total_tokens=7, depth=2), DDDConfig()),
+    ("eagle2-k4-n7-d2-lookup4", "eagle2", TreeConfig(top_k=4, total_tokens=7, depth=2, lookup=4), DDDConfig()),
+    ("eagle2-k4-n8-d3", "eagle2", TreeConfig(top_k=4, total_tokens=8, depth=3), DDDConfig()),
+    ("eagle2-k8-n16-d3", "eagle2", TreeConfig(top_k=8, total_tokens=16, depth=3), DDDConfig()),
+    ("eagle2-k10-n32-d4", "eagle2", TreeConfig(top_k=10, total_tokens=32, depth=4), DDDConfig()),
+    ("eagle2-k10-n60-d5", "eagle2", TreeConfig(), DDDConfig()),
+    ("ddd-k4-n7-s0135-x-1-n6-lookup4", "ddd", TreeConfig(top_k=4, total_tokens=7, depth=2, lookup=4),
+     DDDConfig(check_steps=(0, 1, 3, 5), threshold=-1.0, max_depth=6)),
+    ("ddd-k4-n8-s135-x-0.5-n6", "ddd", TreeConfig(top_k=4, total_tokens=8, depth=2),
+     DDDConfig(check_steps=(1, 3, 5), threshold=-0.5, max_depth=6)),
+    ("ddd-k10-n60-paper", "ddd", TreeConfig(), DDDConfig()),
+)
+
+# Held-out prompts for a profile measured at calibration time: general requests written for this purpose (not
+# MT-bench, which the benchmarks use; not ShareGPT training data).
+PROMPTS = (
+    "Explain how a refrigerator keeps food cold, in simple terms.",
+    "Write a short email asking a colleague to move our meeting to Thursday afternoon.",
+    "What are three good habits for writing maintainable Python code?",
+    "Summarise the causes of the French Revolution in one paragraph.",
+    "Give me a recipe for a quick vegetarian pasta dinner.",
+    "How do vaccines train the immune system?",
+    "Write a haiku about a city at night, then explain its imagery.",
+    "List five tips for a first-time visitor to Tokyo.",
+)
+
+
+# ------------------------------------------------------------------------------------------ acceptance profile
+
+def acceptance_profile(target, draft, prompt_ids: list | None = None, candidates=CANDIDATES,
+                       max_new_tokens: int = 64, batch_size: int = 8, progress: bool = False) -> dict:
+    """τ and drafted depth of each candidate over held-out prompts (acceptance only: batched, every output checked
+    against vanilla). prompt_ids: token-id prompts (default: `PROMPTS`, chat-rendered)."""
+    from .bench.acceptance import measure_runs
+    if prompt_ids is None:
+        prompt_ids = [target.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    runs = {}
+    for label, method, tree, ddd in candidates:
+        if draft.config.draft_vocab_size and tree.top_k > draft.config.draft_vocab_size:
+            continue
+        runs[label] = {"draft": draft, "method": method, "tree": tree, "ddd": ddd}
+    res = measure_runs(target, prompt_ids, runs, max_new_tokens=max_new_tokens,
+                       batch_size=min(batch_size, len(prompt_ids)), progress=progress)
+    entries = []
+    for (label, method, tree, ddd) in candidates:
+        if label not in res:
+            continue
+        r = res[label]
+        entries.append({"label": label, "method": method, "tree": tree.to_dict(),
+                        "ddd": dataclasses.asdict(ddd) if method == "ddd" else None, "tau": r["tau"],
+                        "mean_depth": r["mean_depth"], "depth_hist": r["depth_hist"],
+                        "identical": r["identical"], "prompts": r["prompts"]})
+    return {"format": PROFILE_FORMAT, "version": 1, "head": _head_id(draft), "target": target.name,
+            "prompts": len(prompt_ids), "max_new_tokens": max_new_tokens, "date": _now(), "entries": entries}
+
+
+# ------------------------------------------------------------------------------------------ prediction
+
+def predict(profile: dict, costs: dict) -> list[dict]:
+    """Predicted speed-up over vanilla of each profiled candidate, from `costs` = {"target_ms": {n: ms},
+    "draft_ms": {k: ms}} (`measure_costs`). A cycle verifies N tokens and drafts 1 + mean_depth steps (step 0
+    over the committed tokens, then the beam steps)."""
+    t, d = _interp(costs["target_ms"]), _interp(costs["draft_ms"])
+    t1 = t(1)
+    out = []
+    for e in profile["entries"]:
+        tree = e["tree"]
+        steps = 1 + e["mean_depth"]
+        cycle = t(tree["total_tokens"]) + d(tree["top_k"]) * steps
+        out.append({**{k: e[k] for k in ("label", "method", "tree", "ddd", "tau", "mean_depth")},
+                    "cycle_ms": cycle, "predicted_speedup": e["tau"] * t1 / cycle})
+    return out
+
+
+def _interp(ms: dict):
+    """Linear interpolation of a cost curve given at a few sizes (clamped outside)."""
+    pts = sorted((int(k), float(v)) for k, v in ms.items())
+
+    def f(n):
+        if n <= pts[0][0]:
+            return pts[0][1]
+        for (a, ya), (b, yb) in zip(pts, pts[1:]):
+            if n <= b:
+                return ya + (yb - ya) * (n - a) / (b - a)
+        return pts[-1][1]
+    return f
+
+
+def measure_costs(target, draft, sizes, beams, repeat: int = 3, progress: bool = False) -> dict:
+    """t(n) for n in `sizes` and a draft step over a beam of k for k in `beams`, in ms (`bench.cost.cost_curve`,
+    interleaved rounds)."""
+    from .bench.cost import cost_curve
+    ns = sorted({1, *sizes, *beams})
+    cc = cost_curve(target, draft, sizes=tuple(ns), repeat=repeat, progress=progress)
+    rows = {r["tokens"]: r for r in cc["rows"]}
+    return {"target_ms": {n: rows[n]["target_ms"] for n in ns},
+            "draft_ms": {k: rows[k]["draft_ms"] for k in ns}, "context": cc["context"], "repeat": repeat}
+
+
+def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, repeat: int = 3,
+              progress: bool = False) -> dict:
+    """Measure this device's costs, predict every profiled candidate's speed-up and pick the best EAGLE-2 tree and
+    DDD rule (see the module docstring). The head's profile is `profile`, else the stored one, else measured now
+    on `PROMPTS` and stored with the head. Returns the calibration (saved under $DDD_JAX_CACHE unless save=False)."""
+    t0 = time.time()
+    measured_profile = False
+    if profile is None:
+        profile = load_profile(draft)
+    if profile is None:
+        profile = acceptance_profile(target, draft, progress=progress)
+        save_profile(profile, draft)
+        measured_profile = True
+    entries = [e for e in profile["entries"]
+               if not (draft.config.draft_vocab_size and e["tree"]["top_k"] > draft.config.draft_vocab_size)]
+    if not entries:
+        raise ValueError("calibrate: the head's acceptance profile holds no candidate this head can draft")
+    costs = measure_costs(target, draft, sizes={e["tree"]["total_tokens"] for e in entries},
+                          beams={e["tree"]["top_k"] for e in entries}, repeat=repeat, progress=progress)
+    preds = predict({**profile, "entries": entries}, costs)
+    best = {m: max((p for p in preds if p["method"] == m), key=lambda p: p["predicted_speedup"], default=None)
+            for m in ("eagle2", "ddd")}
+    top = max((p for p in best.values() if p), key=lambda p: p["predicted_speedup"])
+    slower = top["predicted_speedup"] < 1.0
+    if slower:  # nothing beats vanilla here: draft as cheaply as possible (the cheapest cycle of each method)
+        best = {m: min((p for p in preds if p["method"] == m), key=lambda p: p["cycle_ms"], default=None)
+                for m in ("eagle2", "ddd")}
+    tree_pick = best["eagle2"] or best["ddd"]
+    ddd_pick = best["ddd"]
+    tree = TreeConfig(**tree_pick["tree"])
+    ddd = DDDConfig(**ddd_pick["ddd"]) if ddd_pick else DDDConfig()
+    ddd_tree = TreeConfig(**ddd_pick["tree"]) if ddd_pick else tree
+    out = {"format": CALIBRATION_FORMAT, "version": 1, "key": {**device_key(target), "draft": _head_id(draft)},
+           "date": _now(), "seconds": round(time.time() - t0, 1), "profile_measured_now": measured_profile,
+           "profile": {k: profile.get(k) for k in ("head", "prompts", "max_new_tokens", "date")},
+           "costs": costs, "predictions": sorted(preds, key=lambda p: -p["predicted_speedup"]),
+           "tree": tree.to_dict(), "ddd": {**dataclasses.asdict(ddd), "check_steps": list(ddd.check_steps)},
+           "ddd_tree": ddd_tree.to_dict(),
+           "recommended_method": "vanilla" if slower else top["method"],
+           "vanilla_predicted_faster": slower,
+           "best": {m: (p["label"], round(p["predicted_speedup"], 3)) if p else None for m, p in best.items()}}
+    if save:
+        p = calibration_path(target, draft)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        dio.atomic_write_text(p, json.dumps(out, indent=1) + "\n")
+        out["path"] = str(p)
+    return out
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+TREE_FLAGS = ("top_k", "total_tokens", "depth", "ddd_checks", "ddd_threshold", "ddd_max_depth")
+
+
+def first_use(args, target, draft) -> None:
+    """A command line's first use on this device: calibrate when no calibration exists, its settings are automatic,
+    no tree / DDD flag was given and DDD_JAX_CALIBRATE is not 0; print one line saying so."""
+    import os
+    import sys
+    if draft is None or getattr(args, "settings", "auto") != "auto" or os.environ.get("DDD_JAX_CALIBRATE") == "0":
+        return
+    if any(getattr(args, k, None) is not None for k in TREE_FLAGS) or load_calibration(target, draft) is not None:
+        return
+    c = calibrate(target, draft)
+    print(f"ddd-jax: calibrated this device for {c['key']['target']} + {c['key']['draft']} in {c['seconds']} s "
+          f"(recommended {c['recommended_method']}; `ddd-jax calibrate` redoes it) -> {c['path']}",
+          file=sys.stderr, flush=True)

@@ -1,0 +1,52 @@
+"""`ddd-jax calibrate`: time this device's cycle costs, combine them with the head's acceptance profile and save the
+best EAGLE-2 tree and DDD rule for it (`ddd_jax.calibrate`); and the first-use calibration of the other commands."""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("calibrate", help="pick the EAGLE-2 tree and DDD rule for this device (about a minute)")
+    p.add_argument("--target", default="smollm2-135m-instruct", help="target name or path")
+    p.add_argument("--draft", default=None, help="head name or path (default: the target's packaged head)")
+    p.add_argument("--draft-dtype", default=None, help="the head's weight dtype (default: the tuned settings')")
+    p.add_argument("--gguf-blocks", action="store_true", help="calibrate the target kept as GGUF blocks")
+    p.add_argument("--repeat", type=int, default=3, help="timed rounds of the cost curve (median)")
+    p.add_argument("--profile", action="store_true",
+                   help="measure the head's acceptance profile again (stored with the head) before calibrating")
+    p.add_argument("--json", action="store_true", help="print the whole calibration as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from . import load_draft, load_target
+    from .calibrate import acceptance_profile, calibrate, save_profile
+    from .generate_cli import DEFAULT_DRAFTS
+    from .settings import cli_draft
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
+    target = load_target(args.target, gguf_blocks=args.gguf_blocks)
+    name = args.draft or DEFAULT_DRAFTS.get(args.target)
+    if name is None:
+        raise ValueError(f"calibrate needs --draft (no packaged head for target {args.target!r})")
+    draft = cli_draft(load_draft(name, target), args.draft_dtype, True, args.target, name,
+                      storage="blocks" if args.gguf_blocks else None)
+    if args.profile:
+        print(f"calibrate: measuring {name}'s acceptance profile", file=sys.stderr, flush=True)
+        save_profile(acceptance_profile(target, draft, progress=True), draft)
+    c = calibrate(target, draft, repeat=args.repeat, progress=True)
+    print(json.dumps(c, indent=1) if args.json else summary(c))
+    return 0
+
+
+def summary(c: dict) -> str:
+    lines = [f"calibrated {c['key']['target']} + {c['key']['draft']} on {c['key']['device']} "
+             f"({c['key']['backend']}, {c['key']['storage']} weights) in {c['seconds']} s -> {c.get('path', '')}"]
+    for p in c["predictions"][:6]:
+        lines.append(f"  {p['label']:<34} tau {p['tau']:.2f}  cycle {p['cycle_ms']:.1f} ms  "
+                     f"predicted {p['predicted_speedup']:.2f}x")
+    lines.append(f"  t(1) = {c['costs']['target_ms'][min(c['costs']['target_ms'], key=int)]:.1f} ms; recommended: "
+                 f"{c['recommended_method']}" + ("  (vanilla is predicted to be as fast: the cheapest trees are "
+                                                "saved)" if c["vanilla_predicted_faster"] else ""))
+    return "\n".join(lines)

@@ -1,0 +1,135 @@
+"""Saved calibrations and acceptance profiles, read without measuring anything: what `settings.resolve` consults
+before the shipped settings files. `ddd_jax.calibrate` measures and writes them."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+from pathlib import Path
+
+from .. import io as dio
+from ..config import DDDConfig, TreeConfig, check_tree_for_ddd
+
+PROFILE_FORMAT = "ddd-jax-acceptance-profile"
+CALIBRATION_FORMAT = "ddd-jax-calibration"
+PROFILE_FILE = "profile.json"  # beside a head's config.json
+
+
+def weight_storage(target) -> str | None:
+    """The settings key of a target's weight storage: "blocks" when its matrices are GGUF blocks, None for float
+    weights (row-major or panel-major arrays)."""
+    from ..backends.cpu import quant
+    return "blocks" if quant.has_blocks(getattr(target, "params", {})) else None
+
+
+def device_key(target) -> dict:
+    """What a calibration is for: backend, device (the CPU model on CPU), weight storage, target and head."""
+    import jax
+    backend = jax.default_backend()
+    dev = jax.devices()[0]
+    kind = cpu_model() if backend == "cpu" else getattr(dev, "device_kind", str(dev))
+    return {"backend": backend, "device": kind, "storage": weight_storage(target) or "float",
+            "target": getattr(target, "name", None)}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def calibration_path(target, draft) -> Path:
+    """Where this device's calibration for target + head lives (it may not exist)."""
+    from ..checkpoints.registry import cache_root
+    key = {**device_key(target), "draft": _head_id(draft)}
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{key['backend']}-{key['storage']}-{key['target']}-{key['draft']}")
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
+    return cache_root() / "calibration" / f"{slug}-{digest}.json"
+
+
+def _head_id(draft) -> str:
+    """A head's name, or for an unnamed one a digest of its weights' shapes and first values (good enough to key a
+    cache: a retrained head under the same path gets a fresh calibration only if its profile changes)."""
+    if getattr(draft, "name", None):
+        return str(draft.name)
+    return "unnamed-" + hashlib.sha256(json.dumps(draft.config.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
+
+
+def load_calibration(target, draft) -> dict | None:
+    """This device's saved calibration for target + head, or None (never measures)."""
+    p = calibration_path(target, draft)
+    if not p.is_file():
+        return None
+    try:
+        c = dio.read_json(p)
+    except (ValueError, OSError):
+        return None
+    if c.get("format") != CALIBRATION_FORMAT:
+        return None
+    return c
+
+
+def head_dir(draft) -> Path | None:
+    """The directory a head was loaded from (a packaged name or a path), when it has one."""
+    from ..checkpoints.registry import HEADS_DIR, NAMED_DRAFTS
+    name = getattr(draft, "name", None)
+    if name is None:
+        return None
+    if name in NAMED_DRAFTS:
+        return HEADS_DIR / NAMED_DRAFTS[name]
+    p = Path(str(name))
+    return p if (p / "config.json").is_file() else None
+
+
+def load_profile(draft) -> dict | None:
+    """The head's stored acceptance profile: beside its config.json, else in $DDD_JAX_CACHE/profiles/."""
+    from ..checkpoints.registry import cache_root
+    for p in ([head_dir(draft) / PROFILE_FILE] if head_dir(draft) else []) + [
+            cache_root() / "profiles" / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', _head_id(draft))}.json"]:
+        if p.is_file():
+            prof = dio.read_json(p)
+            if prof.get("format") != PROFILE_FORMAT:
+                raise ValueError(f"{p}: not an acceptance profile (format {prof.get('format')!r})")
+            return prof
+    return None
+
+
+def save_profile(profile: dict, draft=None, path=None) -> Path:
+    """Write a profile beside the head (a writable head directory), else under $DDD_JAX_CACHE/profiles/."""
+    from ..checkpoints.registry import cache_root
+    if path is None:
+        d = head_dir(draft) if draft is not None else None
+        path = (d / PROFILE_FILE) if d is not None and _writable(d) else (
+            cache_root() / "profiles" / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', _head_id(draft))}.json")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dio.atomic_write_text(path, json.dumps(profile, indent=1) + "\n")
+    return path
+
+
+def _writable(d: Path) -> bool:
+    return os.access(d, os.W_OK)
+
+
+def calibrated_configs(target, draft, method: str = "ddd"):
+    """(TreeConfig, DDDConfig, source) from this device's saved calibration, or None (also with DDD_JAX_CALIBRATE=0,
+    which turns calibrations off). For method "ddd" the tree is the one DDD's rule was profiled with."""
+    if os.environ.get("DDD_JAX_CALIBRATE") == "0":
+        return None
+    c = load_calibration(target, draft)
+    if c is None:
+        return None
+    tree = TreeConfig(**(c["ddd_tree"] if method == "ddd" else c["tree"]))
+    ddd = DDDConfig(**{**c["ddd"], "check_steps": tuple(c["ddd"]["check_steps"])})
+    try:
+        check_tree_for_ddd(tree, ddd)
+    except ValueError:
+        return None
+    note = "; vanilla is predicted to be as fast here" if c.get("vanilla_predicted_faster") else ""
+    return tree, ddd, f"calibrated on {c['key']['device']} ({c['date']}, {calibration_path(target, draft)}){note}"
