@@ -181,7 +181,8 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-TREE_FLAGS = ("top_k", "total_tokens", "depth", "ddd_checks", "ddd_threshold", "ddd_max_depth")
+# the command lines' tree / DDD flags (generate's --top-k, bench's --tree-top-k): any of them set means no calibration
+TREE_FLAGS = ("top_k", "tree_top_k", "total_tokens", "depth", "ddd_checks", "ddd_threshold", "ddd_max_depth")
 
 
 def first_use(args, target, draft) -> None:

@@ -95,6 +95,25 @@ def test_every_stage_runs_and_records_itself(tmp_path):
     assert r2["stages"]["eagle3"]["started_utc"] == st["eagle3"]["started_utc"]
 
 
+def test_a_fit_out_of_device_memory_halves_its_batch():
+    from train_draft.eagle3_fit import Fit3Config
+    from train_draft.recipe import halving_on_oom
+    seen = []
+
+    def run(cfg):
+        seen.append(cfg.batch_size)
+        if cfg.batch_size > 2:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.4GiB")
+        return "ok"
+
+    out, retries = halving_on_oom(run, Fit3Config(batch_size=8))
+    assert out == "ok" and seen == [8, 4, 2] and [r["batch_size"] for r in retries] == [8, 4]
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):  # one row still too many
+        halving_on_oom(lambda cfg: run(Fit3Config(batch_size=3)), Fit3Config(batch_size=1))
+    with pytest.raises(ValueError, match="other"):  # any other error is not retried
+        halving_on_oom(lambda cfg: (_ for _ in ()).throw(ValueError("other")), Fit3Config(batch_size=8))
+
+
 def test_eagle3_fit_sizes_itself_to_a_budget(tmp_path):
     from train_draft.eagle3_fit import Fit3Config, fit_eagle3
     from train_draft.recipe import _token_set

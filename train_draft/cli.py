@@ -336,7 +336,7 @@ def add_parser(subparsers) -> None:
     r.add_argument("--target", default="smollm2-135m-instruct",
                    help="target name or path, e.g. the GGUF file on a machine without the asset packages")
     r.add_argument("--budget-s", type=float, default=None,
-                   help="wall-time budget in seconds (default 540; --smoke 300)")
+                   help="wall-time budget of the stages in seconds (default 500; --smoke 300)")
     r.set_defaults(func=cmd_recipe)
 
     ri = sub.add_parser("recipe-inputs", help="tokenize the recipe's prompts into one .npz (uint16 ids) to carry "

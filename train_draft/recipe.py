@@ -48,10 +48,11 @@ PARTS = ("train", "holdout", "mtbench")
 
 @dataclass(frozen=True)
 class RecipeConfig:
-    """Sizes of one recipe run. The defaults fit one H100/H200 in 9 minutes; `SMOKE` is the CPU check. The two
+    """Sizes of one recipe run. The defaults fit one H100/H200 in 9 minutes (500 s of stages after loading the target
+    and compiling its first programs); `SMOKE` is the CPU check. The two
     fits' own configs are `eagle3` and `eagle1`; their `steps` are upper bounds (the budget decides)."""
 
-    budget_s: float = 540.0  # wall time of the whole run, from the start of stage (a)
+    budget_s: float = 500.0  # wall time from the start of stage (a); loading the target comes before it
     regen_until: float = 0.28  # stage ends, as fractions of the budget
     eagle3_until: float = 0.70
     eagle1_until: float = 0.82
@@ -341,11 +342,13 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     f3 = cfg.eagle3
 
     def fit3():
-        r = eagle3_fit.fit_eagle3(target, train, _fresh(out / "eagle3"), f3, time_budget_s=left(at(cfg.eagle3_until)),
-                                  probe_steps=cfg.probe_steps, ckpt_every=10 ** 9, log_every=10,
-                                  export_dir=heads_dir / e3_name, progress=progress)
+        r, retries = halving_on_oom(lambda fc: eagle3_fit.fit_eagle3(
+            target, train, _fresh(out / "eagle3"), fc, time_budget_s=left(at(cfg.eagle3_until)),
+            probe_steps=cfg.probe_steps, ckpt_every=10 ** 9, log_every=10, export_dir=heads_dir / e3_name,
+            progress=progress), f3)
         return {"steps": r["step"], "fit_config": r["fit_config"].to_dict(), "last_metrics": r["last_metrics"],
-                "head": str(heads_dir / e3_name), "export": _head_files(heads_dir / e3_name)}
+                "head": str(heads_dir / e3_name), "export": _head_files(heads_dir / e3_name),
+                "out_of_memory_retries": retries}
 
     if not rec.done("eagle3"):
         _stage(rec, "eagle3", fit3)
@@ -410,6 +413,20 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     rec.data["finished_utc"] = _utc()
     rec.write()
     return rec.data
+
+
+def halving_on_oom(run, cfg):
+    """(run(cfg), retries): on a device out of memory, run again with half the packed rows a step, while there is a
+    row to halve; any other error, or one row still too many, is raised."""
+    retries = []
+    while True:
+        try:
+            return run(cfg), retries
+        except Exception as e:  # noqa: BLE001 -- XLA reports OOM as a runtime error naming RESOURCE_EXHAUSTED
+            if not ("RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()) or cfg.batch_size == 1:
+                raise
+            retries.append({"batch_size": cfg.batch_size, "error": str(e)[:300]})
+            cfg = dataclasses.replace(cfg, batch_size=cfg.batch_size // 2)
 
 
 def _head_files(path: Path) -> dict:
