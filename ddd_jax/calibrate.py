@@ -27,6 +27,7 @@ from .settings.calibration import (CALIBRATION_FORMAT, PROFILE_FILE, PROFILE_FOR
 
 # (label, method, tree, DDD rule): small trees for CPUs (where t(n) grows with n) up to EAGLE-2's paper tree
 CANDIDATES = (
+    ("eagle2-k1-n2-d0", "eagle2", TreeConfig(top_k=1, total_tokens=2, depth=0), DDDConfig()),
     ("eagle2-k2-n3-d1", "eagle2", TreeConfig(top_k=2, total_tokens=3, depth=1), DDDConfig()),
     ("eagle2-k4-n5-d1", "eagle2", TreeConfig(top_k=4, total_tokens=5, depth=1), DDDConfig()),
     ("eagle2-k4-n7-d2", "eagle2", TreeConfig(top_k=4, total_tokens=7, depth=2), DDDConfig()),
@@ -40,6 +41,9 @@ CANDIDATES = (
     ("ddd-k4-n8-s135-x-0.5-n6", "ddd", TreeConfig(top_k=4, total_tokens=8, depth=2),
      DDDConfig(check_steps=(1, 3, 5), threshold=-0.5, max_depth=6)),
     ("ddd-k10-n60-paper", "ddd", TreeConfig(), DDDConfig()),
+    # the cheapest DDD: stop at step 0 (a threshold of 0 is never reached), one drafted token verified
+    ("ddd-k1-n2-s0-x0-n2", "ddd", TreeConfig(top_k=1, total_tokens=2, depth=0),
+     DDDConfig(check_steps=(0,), threshold=0.0, max_depth=2)),
 )
 
 # Held-out prompts for a profile measured at calibration time: general requests written for this purpose (not
@@ -117,58 +121,77 @@ def _interp(ms: dict):
     return f
 
 
-def measure_costs(target, draft, sizes, beams, repeat: int = 3, progress: bool = False) -> dict:
-    """t(n) for n in `sizes` and a draft step over a beam of k for k in `beams`, in ms (`bench.cost.cost_curve`,
-    interleaved rounds)."""
+def measure_costs(target, draft, sizes, beams, repeat: int = 3, progress: bool = False, batch: int = 1) -> dict:
+    """t(n) for n in `sizes` and a draft step over a beam of k for k in `beams`, in ms, for `batch` sequences
+    verified together (`bench.cost.cost_curve`, interleaved rounds)."""
     from .bench.cost import cost_curve
     ns = sorted({1, *sizes, *beams})
-    cc = cost_curve(target, draft, sizes=tuple(ns), repeat=repeat, progress=progress)
+    cc = cost_curve(target, draft, sizes=tuple(ns), repeat=repeat, progress=progress, batch=batch)
     rows = {r["tokens"]: r for r in cc["rows"]}
     return {"target_ms": {n: rows[n]["target_ms"] for n in ns},
             "draft_ms": {k: rows[k]["draft_ms"] for k in ns}, "context": cc["context"], "repeat": repeat}
 
 
-def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, repeat: int = 3,
-              progress: bool = False) -> dict:
-    """Measure this device's costs, predict every profiled candidate's speed-up and pick the best EAGLE-2 tree and
-    DDD rule (see the module docstring). The head's profile is `profile`, else the stored one, else measured now
-    on `PROMPTS` and stored with the head. Returns the calibration (saved under $DDD_JAX_CACHE unless save=False)."""
-    t0 = time.time()
-    measured_profile = False
-    if profile is None:
-        profile = load_profile(draft)
-    if profile is None:
-        profile = acceptance_profile(target, draft, progress=progress)
-        save_profile(profile, draft)
-        measured_profile = True
-    entries = [e for e in profile["entries"]
-               if not (draft.config.draft_vocab_size and e["tree"]["top_k"] > draft.config.draft_vocab_size)]
-    if not entries:
-        raise ValueError("calibrate: the head's acceptance profile holds no candidate this head can draft")
-    costs = measure_costs(target, draft, sizes={e["tree"]["total_tokens"] for e in entries},
-                          beams={e["tree"]["top_k"] for e in entries}, repeat=repeat, progress=progress)
-    preds = predict({**profile, "entries": entries}, costs)
+def pick(preds: list[dict]) -> dict:
+    """The EAGLE-2 tree and DDD rule with the best predicted speed-up -- or, when none beats vanilla, the cheapest
+    cycle of each method (drafting stays lossless and costs the least)."""
     best = {m: max((p for p in preds if p["method"] == m), key=lambda p: p["predicted_speedup"], default=None)
             for m in ("eagle2", "ddd")}
     top = max((p for p in best.values() if p), key=lambda p: p["predicted_speedup"])
     slower = top["predicted_speedup"] < 1.0
-    if slower:  # nothing beats vanilla here: draft as cheaply as possible (the cheapest cycle of each method)
+    if slower:
         best = {m: min((p for p in preds if p["method"] == m), key=lambda p: p["cycle_ms"], default=None)
                 for m in ("eagle2", "ddd")}
-    tree_pick = best["eagle2"] or best["ddd"]
-    ddd_pick = best["ddd"]
+    tree_pick, ddd_pick = best["eagle2"] or best["ddd"], best["ddd"]
     tree = TreeConfig(**tree_pick["tree"])
     ddd = DDDConfig(**ddd_pick["ddd"]) if ddd_pick else DDDConfig()
-    ddd_tree = TreeConfig(**ddd_pick["tree"]) if ddd_pick else tree
+    return {"tree": tree.to_dict(), "ddd": {**dataclasses.asdict(ddd), "check_steps": list(ddd.check_steps)},
+            "ddd_tree": (TreeConfig(**ddd_pick["tree"]) if ddd_pick else tree).to_dict(),
+            "recommended_method": "vanilla" if slower else top["method"], "vanilla_predicted_faster": slower,
+            "best": {m: (p["label"], round(p["predicted_speedup"], 3)) if p else None for m, p in best.items()},
+            "predictions": sorted(preds, key=lambda p: -p["predicted_speedup"])}
+
+
+def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, repeat: int = 3,
+              batch_sizes=(1,), progress: bool = False) -> dict:
+    """Measure this device's costs, predict every profiled candidate's speed-up and pick the best EAGLE-2 tree and
+    DDD rule (see the module docstring), for each batch size in `batch_sizes` (a batch verifies batch x N rows a
+    cycle, so bigger batches pick smaller trees; `generate` uses the largest calibrated batch size not above its
+    own). The head's profile is `profile`, else the stored one, else measured now on `PROMPTS` and stored with the
+    head. Returns the calibration (saved under $DDD_JAX_CACHE unless save=False); its top-level choice is the
+    smallest batch size's."""
+    t0 = time.time()
+    batch_sizes = sorted({int(b) for b in batch_sizes})
+    if not batch_sizes or batch_sizes[0] < 1:
+        raise ValueError(f"calibrate: batch sizes must be >= 1, got {batch_sizes}")
+    measured_profile = False
+    if profile is None:
+        profile = load_profile(draft)
+        if profile is None:
+            profile = acceptance_profile(target, draft, progress=progress)
+            measured_profile = True
+        else:  # candidates added since the profile was measured: measure those alone and keep them with the rest
+            have = {e["label"] for e in profile["entries"]}
+            missing = [c for c in CANDIDATES if c[0] not in have]
+            if missing:
+                more = acceptance_profile(target, draft, candidates=missing, progress=progress)
+                profile = {**profile, "entries": profile["entries"] + more["entries"]}
+                measured_profile = [c[0] for c in missing]
+        if measured_profile:
+            save_profile(profile, draft)
+    entries = [e for e in profile["entries"]
+               if not (draft.config.draft_vocab_size and e["tree"]["top_k"] > draft.config.draft_vocab_size)]
+    if not entries:
+        raise ValueError("calibrate: the head's acceptance profile holds no candidate this head can draft")
+    by_batch = {}
+    for b in batch_sizes:
+        costs = measure_costs(target, draft, sizes={e["tree"]["total_tokens"] for e in entries},
+                              beams={e["tree"]["top_k"] for e in entries}, repeat=repeat, progress=progress, batch=b)
+        by_batch[str(b)] = {"costs": costs, **pick(predict({**profile, "entries": entries}, costs))}
     out = {"format": CALIBRATION_FORMAT, "version": 1, "key": {**device_key(target), "draft": _head_id(draft)},
            "date": _now(), "seconds": round(time.time() - t0, 1), "profile_measured_now": measured_profile,
            "profile": {k: profile.get(k) for k in ("head", "prompts", "max_new_tokens", "date")},
-           "costs": costs, "predictions": sorted(preds, key=lambda p: -p["predicted_speedup"]),
-           "tree": tree.to_dict(), "ddd": {**dataclasses.asdict(ddd), "check_steps": list(ddd.check_steps)},
-           "ddd_tree": ddd_tree.to_dict(),
-           "recommended_method": "vanilla" if slower else top["method"],
-           "vanilla_predicted_faster": slower,
-           "best": {m: (p["label"], round(p["predicted_speedup"], 3)) if p else None for m, p in best.items()}}
+           **by_batch[str(batch_sizes[0])], "batch": batch_sizes[0], "by_batch": by_batch}
     if save:
         p = calibration_path(target, draft)
         p.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,9 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-dtype", default=None, help="the head's weight dtype (default: the tuned settings')")
     p.add_argument("--gguf-blocks", action="store_true", help="calibrate the target kept as GGUF blocks")
     p.add_argument("--repeat", type=int, default=3, help="timed rounds of the cost curve (median)")
+    p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes to calibrate (default 1; e.g. "
+                                                      "1,4,8,16: a batch verifies batch x N rows, so it picks smaller "
+                                                      "trees)")
     p.add_argument("--profile", action="store_true",
                    help="measure the head's acceptance profile again (stored with the head) before calibrating")
     p.add_argument("--json", action="store_true", help="print the whole calibration as JSON")
@@ -26,6 +29,12 @@ def run(args) -> int:
     from .settings import cli_draft
     if args.repeat < 1:
         raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
+    try:
+        batches = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    except ValueError:
+        raise ValueError(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}") from None
+    if not batches or min(batches) < 1:
+        raise ValueError(f"--batch-sizes must be integers >= 1, got {args.batch_sizes!r}")
     target = load_target(args.target, gguf_blocks=args.gguf_blocks)
     name = args.draft or DEFAULT_DRAFTS.get(args.target)
     if name is None:
@@ -35,7 +44,7 @@ def run(args) -> int:
     if args.profile:
         print(f"calibrate: measuring {name}'s acceptance profile", file=sys.stderr, flush=True)
         save_profile(acceptance_profile(target, draft, progress=True), draft)
-    c = calibrate(target, draft, repeat=args.repeat, progress=True)
+    c = calibrate(target, draft, repeat=args.repeat, batch_sizes=batches, progress=True)
     print(json.dumps(c, indent=1) if args.json else summary(c))
     return 0
 
@@ -46,7 +55,9 @@ def summary(c: dict) -> str:
     for p in c["predictions"][:6]:
         lines.append(f"  {p['label']:<34} tau {p['tau']:.2f}  cycle {p['cycle_ms']:.1f} ms  "
                      f"predicted {p['predicted_speedup']:.2f}x")
-    lines.append(f"  t(1) = {c['costs']['target_ms'][min(c['costs']['target_ms'], key=int)]:.1f} ms; recommended: "
-                 f"{c['recommended_method']}" + ("  (vanilla is predicted to be as fast: the cheapest trees are "
-                                                "saved)" if c["vanilla_predicted_faster"] else ""))
+    for b, ch in c["by_batch"].items():
+        t = ch["costs"]["target_ms"]
+        lines.append(f"  batch {b}: t(1) = {t[min(t, key=int)]:.1f} ms; best {ch['best']}; recommended "
+                     f"{ch['recommended_method']}" + ("  (vanilla is predicted to be as fast: the cheapest trees are "
+                                                     "saved)" if ch["vanilla_predicted_faster"] else ""))
     return "\n".join(lines)

@@ -84,3 +84,24 @@ def test_cli_refuses_bad_input(capsys):
     from ddd_jax.cli import main
     assert main(["calibrate", "--repeat", "0"]) == 2
     assert "--repeat must be >= 1" in capsys.readouterr().err
+
+
+def test_bigger_batches_pick_smaller_trees_and_generate_follows_its_batch(calibrating, monkeypatch):
+    target, draft = calibrating
+    prof = {"format": cal.PROFILE_FORMAT, "entries": [
+        {"label": label, "method": m, "tree": t.to_dict(), "ddd": dataclasses.asdict(d) if m == "ddd" else None,
+         "tau": tau, "mean_depth": float(t.depth)} for (label, m, t, d), tau in zip(SMALL, (1.5, 2.4, 2.4))]}
+
+    def costs(target, draft, sizes, beams, repeat=3, progress=False, batch=1):
+        # one row costs 10 ms; each extra row verified adds 0.5 ms at batch 1, 4 ms at batch 8 (compute-bound)
+        per = 0.5 if batch == 1 else 4.0
+        return {"target_ms": {n: 10.0 + per * (n - 1) for n in (1, 3, 7)}, "draft_ms": {1: 0.1, 2: 0.1, 4: 0.1}}
+
+    monkeypatch.setattr(cal, "measure_costs", costs)
+    c = cal.calibrate(target, draft, profile=prof, batch_sizes=(1, 8))
+    assert c["by_batch"]["1"]["tree"]["total_tokens"] == 7 and c["by_batch"]["8"]["tree"]["total_tokens"] == 3
+    assert c["tree"] == c["by_batch"]["1"]["tree"]
+    assert cal.calibrated_configs(target, draft, "eagle2", batch=1)[0].total_tokens == 7
+    assert cal.calibrated_configs(target, draft, "eagle2", batch=16)[0].total_tokens == 3  # largest size <= 16
+    r = generate(target, draft, prompts(8, seed=2), max_new_tokens=6, method="eagle2")
+    assert r.stats["settings"]["tree"]["total_tokens"] == 3 and ", batch 8," in r.stats["settings"]["source"]

@@ -13,6 +13,7 @@ until 2026-11-26) SmolLM2's rows had 6-240 such columns; over decoded text 7 on 
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from functools import partial
@@ -85,8 +86,17 @@ def decoded_inputs(target, n: int, capacity: int, dtype):
     return np.asarray(ids, np.int32), cache
 
 
+def _rows(cache, batch: int):
+    """A one-row cache repeated into `batch` identical rows."""
+    if batch == 1:
+        return cache
+    return dataclasses.replace(cache, k=jnp.repeat(cache.k, batch, axis=1), v=jnp.repeat(cache.v, batch, axis=1),
+                               length=jnp.repeat(cache.length, batch, axis=0))
+
+
 def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capacity: int | None = None,
-               repeat: int = 5, progress: bool = False, logits: bool = False, inputs: str = "decoded") -> dict:
+               repeat: int = 5, progress: bool = False, logits: bool = False, inputs: str = "decoded",
+               batch: int = 1) -> dict:
     """Median wall time of one target forward over n new tokens (tree-masked like verification) for n in
     `sizes`, with `context` tokens already in a cache of `capacity` slots (default: context + 256, rounded
     up to 256 like the benchmark's shared capacity). With a draft, also one draft step over a beam of n tokens.
@@ -100,7 +110,9 @@ def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capa
 
     inputs: "decoded" (default) -- the cache holds `context` tokens the target decoded greedily and the n tokens
     are the next ones it decodes (`decoded_inputs`), as in decoding; "synthetic" -- a zero cache and the token ids
-    0..n-1 (the screened lm_head then recomputes many more columns: see the module docstring)."""
+    0..n-1 (the screened lm_head then recomputes many more columns: see the module docstring).
+    batch: sequences verified (and drafted) together, each the same n tokens over the same cache: t(n) of a batch
+    forward of batch x n rows."""
     cfg = target.config
     capacity = capacity or -(-(context + 256) // 256) * 256
     if context + max(sizes) > capacity:
@@ -109,23 +121,25 @@ def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capa
         raise ValueError(f"repeat={repeat}: need at least one timed round")
     if inputs not in ("decoded", "synthetic"):
         raise ValueError(f"inputs must be 'decoded' or 'synthetic', got {inputs!r}")
+    if batch < 1:
+        raise ValueError(f"batch={batch}: need at least one sequence")
     dtype = target.params["embed"].dtype
-    length = lambda: jnp.full((1,), context, jnp.int32)  # noqa: E731  (a fresh buffer each: caches are donated)
+    length = lambda: jnp.full((batch,), context, jnp.int32)  # noqa: E731  (a fresh buffer each: caches are donated)
     # one target cache and one draft cache, threaded through every call (donated, handed back at `context`)
     if inputs == "decoded":
         ids, cache = decoded_inputs(target, context + max(sizes), capacity, dtype)
         verified = ids[context:]
     else:
         cache, verified = llama.new_cache(cfg, 1, capacity, dtype), np.arange(max(sizes), dtype=np.int32)
-    caches = {"target": with_length(cache, length())}
+    caches = {"target": with_length(_rows(cache, batch), length())}
     if draft is not None:
-        caches["draft"] = with_length(new_draft_cache(draft.config, 1, capacity, dtype), length())
+        caches["draft"] = with_length(new_draft_cache(draft.config, batch, capacity, dtype), length())
         dparams = draft.decode_params()
 
     def calls(n):
-        toks = jnp.asarray(verified[None, :n] % cfg.vocab_size)
-        pos = context + jnp.arange(n, dtype=jnp.int32)[None]
-        mask = causal_mask(1, n)
+        toks = jnp.asarray(np.repeat(verified[None, :n] % cfg.vocab_size, batch, axis=0))
+        pos = jnp.broadcast_to(context + jnp.arange(n, dtype=jnp.int32)[None], (batch, n))
+        mask = causal_mask(batch, n)
 
         def target_call():
             out, caches["target"] = _target_step(target.params, cfg, caches["target"], toks, pos, mask, logits)
@@ -133,7 +147,7 @@ def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capa
 
         out = {"target": target_call}
         if draft is not None:
-            feats = jnp.zeros((1, n, draft.config.hidden_size), dtype)  # beam features: the head's own width
+            feats = jnp.zeros((batch, n, draft.config.hidden_size), dtype)  # beam features: the head's own width
 
             def draft_call():
                 out, caches["draft"] = _draft_step(dparams, draft.config, target.params, cfg, caches["draft"], toks,
@@ -173,6 +187,7 @@ def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capa
         r["break_even_tau"] = r["target_rel_1"]
     from ddd_jax.backends.cpu.quant import describe
     return {"format": "ddd-jax-cost-curve", "target": target.name, "context": context, "capacity": capacity,
+            "batch": batch,
             "repeat": repeat, "interleaved": True, "dtype": str(dtype), "weights": describe(target.params),
             "forward": "logits" if logits else "greedy tokens", "inputs": inputs,
             "rows": rows}

@@ -97,7 +97,8 @@ def _decode(target, draft, prompt_ids, max_new_tokens, method, sync, tree, ddd, 
     if method == "vanilla":
         tree, ddd, source = tree or TreeConfig(), ddd or DDDConfig(), None
     else:
-        tree, ddd, source = settings.resolve(target, draft, tree, ddd, method=method)
+        rows = len(prompt_ids) if len(prompt_ids) and isinstance(prompt_ids[0], (list, tuple, np.ndarray)) else 1
+        tree, ddd, source = settings.resolve(target, draft, tree, ddd, method=method, batch=rows)
     plan = make_plan(target, draft, method=method, sync=sync, tree=tree, ddd=ddd, temperature=temperature,
                      top_p=top_p, max_new_tokens=max_new_tokens, policy=policy)
     if loop is None:

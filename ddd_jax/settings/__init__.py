@@ -189,7 +189,7 @@ def base_configs(target_name: str | None, draft_name: str | None, use_tuned: boo
     return (*to_configs(s), why)
 
 
-def resolve(target, draft, tree=None, ddd=None, backend: str | None = None, method: str = "ddd"):
+def resolve(target, draft, tree=None, ddd=None, backend: str | None = None, method: str = "ddd", batch: int = 1):
     """(TreeConfig, DDDConfig, source): explicit configs win; what is missing comes from this device's calibration
     for this target and head (`ddd_jax.calibrate`) when one was saved, else the tuned settings of this backend, this
     target's weight storage (`weight_storage`) and this target/head pair when they exist, else from the paper's
@@ -199,14 +199,14 @@ def resolve(target, draft, tree=None, ddd=None, backend: str | None = None, meth
     Settings compose: a method other than "ddd" never consults a DDD rule (the one returned is unused). For "ddd",
     an explicit tree takes the tuned DDD rule when it fits that tree (`check_tree_for_ddd`), else the paper's; an
     explicit rule takes the tuned tree when it fits, else the paper's; a conflict left after that is an error
-    naming both sources."""
+    naming both sources. batch: the sequences decoded together (a calibration may hold a choice per batch size)."""
     from ..config import DDDConfig, TreeConfig, check_tree_for_ddd
     if tree is not None and ddd is not None:
         return tree, ddd, "explicit"
     cal = None
     if backend is None and draft is not None:  # this device's calibration (`ddd_jax.calibrate`), when one was saved
         from .calibration import calibrated_configs
-        cal = calibrated_configs(target, draft, method)
+        cal = calibrated_configs(target, draft, method, batch)
     if cal is not None:
         base_tree, base_ddd, source = cal
     else:

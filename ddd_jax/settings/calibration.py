@@ -54,8 +54,8 @@ def calibration_path(target, draft) -> Path:
 
 
 def _head_id(draft) -> str:
-    """A head's name, or for an unnamed one a digest of its weights' shapes and first values (good enough to key a
-    cache: a retrained head under the same path gets a fresh calibration only if its profile changes)."""
+    """A head's name (what it was loaded as), or for an unnamed one "unnamed-" and a digest of its config. A head
+    retrained in place keeps its key: recalibrate it (`ddd-jax calibrate --profile`)."""
     if getattr(draft, "name", None):
         return str(draft.name)
     return "unnamed-" + hashlib.sha256(json.dumps(draft.config.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
@@ -117,19 +117,24 @@ def _writable(d: Path) -> bool:
     return os.access(d, os.W_OK)
 
 
-def calibrated_configs(target, draft, method: str = "ddd"):
+def calibrated_configs(target, draft, method: str = "ddd", batch: int = 1):
     """(TreeConfig, DDDConfig, source) from this device's saved calibration, or None (also with DDD_JAX_CALIBRATE=0,
-    which turns calibrations off). For method "ddd" the tree is the one DDD's rule was profiled with."""
+    which turns calibrations off). For method "ddd" the tree is the one DDD's rule was profiled with; `batch`: the
+    choice calibrated for the largest batch size not above it (the smallest one's below them all)."""
     if os.environ.get("DDD_JAX_CALIBRATE") == "0":
         return None
     c = load_calibration(target, draft)
     if c is None:
         return None
-    tree = TreeConfig(**(c["ddd_tree"] if method == "ddd" else c["tree"]))
-    ddd = DDDConfig(**{**c["ddd"], "check_steps": tuple(c["ddd"]["check_steps"])})
+    sizes = sorted(int(b) for b in c.get("by_batch", {})) or [c.get("batch", 1)]
+    size = max([b for b in sizes if b <= batch] or sizes[:1])
+    choice = c.get("by_batch", {}).get(str(size), c)
+    tree = TreeConfig(**(choice["ddd_tree"] if method == "ddd" else choice["tree"]))
+    ddd = DDDConfig(**{**choice["ddd"], "check_steps": tuple(choice["ddd"]["check_steps"])})
     try:
         check_tree_for_ddd(tree, ddd)
     except ValueError:
         return None
-    note = "; vanilla is predicted to be as fast here" if c.get("vanilla_predicted_faster") else ""
-    return tree, ddd, f"calibrated on {c['key']['device']} ({c['date']}, {calibration_path(target, draft)}){note}"
+    note = "; vanilla is predicted to be as fast here" if choice.get("vanilla_predicted_faster") else ""
+    at = f", batch {size}" if len(sizes) > 1 else ""
+    return tree, ddd, f"calibrated on {c['key']['device']} ({c['date']}{at}, {calibration_path(target, draft)}){note}"
