@@ -183,6 +183,8 @@ def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, 
                if not (draft.config.draft_vocab_size and e["tree"]["top_k"] > draft.config.draft_vocab_size)]
     if not entries:
         raise ValueError("calibrate: the head's acceptance profile holds no candidate this head can draft")
+    from .ops import choose_kernel_variants
+    variants = choose_kernel_variants()  # once per CPU model (seconds): the faster exact tiles per row count
     by_batch = {}
     for b in batch_sizes:
         costs = measure_costs(target, draft, sizes={e["tree"]["total_tokens"] for e in entries},
@@ -191,6 +193,7 @@ def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, 
     out = {"format": CALIBRATION_FORMAT, "version": 1, "key": {**device_key(target), "draft": _head_id(draft)},
            "date": _now(), "seconds": round(time.time() - t0, 1), "profile_measured_now": measured_profile,
            "profile": {k: profile.get(k) for k in ("head", "prompts", "max_new_tokens", "date")},
+           "kernel_variants": None if variants is None else {k: variants.get(k) for k in ("avx2_rows", "path")},
            **by_batch[str(batch_sizes[0])], "batch": batch_sizes[0], "by_batch": by_batch}
     if save:
         p = calibration_path(target, draft)

@@ -18,7 +18,8 @@ from .backends.cpu import pack as _pack
 from .backends.cpu import quant as _quant
 
 __all__ = ["Packed", "precision", "matmul", "take_rows", "output_rows", "greedy_head", "greedy_tokens",
-           "attention", "as_stored", "BLOCK_KINDS", "is_block", "has_blocks", "quantize", "pack_head"]
+           "attention", "as_stored", "BLOCK_KINDS", "is_block", "has_blocks", "quantize", "pack_head",
+           "choose_kernel_variants"]
 
 BLOCK_KINDS = tuple(_quant.KINDS)  # GGUF block kinds a weight may be stored as ("q8_0", "q4_0", "q4_1")
 
@@ -102,3 +103,14 @@ def pack_head(params: dict, lm_sub, target_params) -> dict | None:
     """An EAGLE-1/2 head's decode params laid out as its target's are (panel-major float or quantized panels), so
     a draft step reads them as the target's products do; None when the target's weights are not packed."""
     return _pack.pack_draft(params, lm_sub, target_params)
+
+
+def choose_kernel_variants(force: bool = False) -> dict | None:
+    """Where the backend has several exact variants of a product (the CPU's AVX-512 and AVX2 panel tiles), time them
+    on this device once and keep the faster per row count; the choice is saved per CPU model and applied at load,
+    and the results' bits never depend on it. Returns the choice (None where there is nothing to choose), measuring
+    only when none is saved or `force`."""
+    if not _cpu.avx512():
+        return None
+    saved = None if force else _cpu._read_panel_tiles()
+    return saved if saved is not None else _cpu.choose_panel_tiles()

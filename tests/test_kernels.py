@@ -346,3 +346,30 @@ def test_avx512_and_avx2_products_are_bitwise_equal(tmp_path):
         runs[name].pop("avx512")
         for key, got in runs[name].items():
             assert np.array_equal(got, runs["avx2"][key]), f"{name} and AVX2 products differ at {key}"
+
+
+def test_panel_tiles_chosen_by_timing_keep_the_bits(tmp_path, monkeypatch):
+    """The AVX-512 and AVX2 tiles of a panel product give the same bits at every row count, so timing them and
+    keeping the faster per row count (`choose_panel_tiles`, saved per CPU model) is speed only."""
+    from ddd_jax.backends.cpu import kernels
+    from ddd_jax.backends.cpu.layout import pack_array
+    if not kernels.avx512():
+        pytest.skip("no AVX-512 paths on this CPU")
+    monkeypatch.setenv("DDD_JAX_CACHE", str(tmp_path))
+    before = kernels.panel512_rows()
+    rng = np.random.default_rng(1)
+    K, N = 96, 100
+    data = pack_array(jnp.asarray(rng.standard_normal((K, N), np.float32)), 48)
+    f = jax.jit(lambda x, d: kernels.product_panels(x, d, N))
+    try:
+        for m in range(1, 11):
+            x = jnp.asarray(rng.standard_normal((m, K), np.float32))
+            kernels.set_panel512_rows(0)
+            avx2 = np.asarray(f(x, data))
+            kernels.set_panel512_rows(2 ** 64 - 1)
+            np.testing.assert_array_equal(np.asarray(f(x, data)), avx2)
+        got = kernels.choose_panel_tiles(rows=(1, 3), K=96, N=96, layers=2, rounds=1)
+        assert got["path"].startswith(str(tmp_path)) and kernels._read_panel_tiles()["panel512_rows"] == \
+            got["panel512_rows"] == kernels.panel512_rows()
+    finally:
+        kernels.set_panel512_rows(before)

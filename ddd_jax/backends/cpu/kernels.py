@@ -70,12 +70,17 @@ def _load() -> bool:
         if not lib.ddd_cpu_supported():
             return False  # no AVX2/FMA: XLA's dot, silently (nothing to fix)
         lib.ddd_l2_prefetch_rows.restype = ctypes.c_int64
+        lib.ddd_panel512_rows.restype = ctypes.c_uint64
+        lib.ddd_set_panel512_rows.argtypes = [ctypes.c_uint64]
         for name, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except Exception as e:  # noqa: BLE001  (any failure here must leave the XLA path working)
         _warn(f"ddd_jax: CPU kernel library {path} not usable ({e}); using XLA's dot")
         return False
     _state["lib"] = lib
+    chosen = _read_panel_tiles()
+    if chosen is not None and lib.ddd_avx512():  # this CPU's measured choice (`choose_panel_tiles`)
+        lib.ddd_set_panel512_rows(ctypes.c_uint64(chosen["panel512_rows"]))
     return True
 
 
@@ -133,6 +138,87 @@ def set_l2_prefetch_rows(n: int) -> None:
     """Set `l2_prefetch_rows()` (n >= 1) for this process. For benchmarks."""
     if available():
         _state["lib"].ddd_set_l2_prefetch_rows(ctypes.c_int64(max(1, int(n))))
+
+
+def panel512_rows() -> int | None:
+    """Bit mask of the row counts (bit M: M rows, M < 64) whose 48-column panel products take the AVX-512 tiles
+    rather than the AVX2 ones -- the same bits either way, so speed only. None without the AVX-512 paths."""
+    if not avx512():
+        return None
+    return int(_state["lib"].ddd_panel512_rows())
+
+
+def set_panel512_rows(mask: int) -> None:
+    """Set `panel512_rows()` for this process (compiled functions follow it: the kernel reads it every call)."""
+    if available():
+        _state["lib"].ddd_set_panel512_rows(ctypes.c_uint64(int(mask) & (2 ** 64 - 1)))
+
+
+def _panel_tiles_path():
+    from pathlib import Path
+    root = Path(os.environ.get("DDD_JAX_CACHE") or Path.home() / ".cache" / "ddd_jax").expanduser()
+    slug = "".join(c if c.isalnum() or c in "._-" else "_" for c in (cpu_model() or "unknown-cpu"))
+    return root / "kernels" / f"{slug}-panel-tiles.json"
+
+
+def _read_panel_tiles() -> dict | None:
+    import json
+    p = _panel_tiles_path()
+    try:
+        d = json.loads(p.read_text())
+        return d if d.get("cpu_model") == cpu_model() and isinstance(d.get("panel512_rows"), int) else None
+    except (OSError, ValueError):
+        return None
+
+
+def choose_panel_tiles(rows=range(1, 17), K: int = 576, N: int = 1536, layers: int = 16, rounds: int = 5,
+                       save: bool = True) -> dict | None:
+    """Time the AVX-512 and the AVX2 tiles of a panel product for each row count in `rows` on this CPU (a stack of
+    `layers` K x N float32 weights, streamed from memory as decoding reads them; the two alternating, `rounds`
+    times) and keep the faster for each (`set_panel512_rows`). The bits never depend on it. Saved per CPU model
+    under $DDD_JAX_CACHE/kernels/ and applied when the kernels load. None without the AVX-512 paths."""
+    import json
+    import statistics
+    import time
+    if not avx512():
+        return None
+    from .layout import pack_array
+    rng = np.random.default_rng(0)
+    data = jnp.asarray(np.stack([np.asarray(pack_array(jnp.asarray(rng.standard_normal((K, N), np.float32)), 48))
+                                 for _ in range(layers)]))
+    step = jax.jit(lambda x, d: jax.lax.fori_loop(0, layers, lambda i, acc: acc + product_panels(x, d, N, i)[:, :1],
+                                                  jnp.zeros((x.shape[0], 1), jnp.float32)))
+    before = panel512_rows()
+    timings, mask = {}, before
+    try:
+        for m in rows:
+            x = jnp.asarray(rng.standard_normal((m, K), np.float32))
+            ms = {"avx512": [], "avx2": []}
+            for variant in ("avx512", "avx2"):  # compile and warm both
+                set_panel512_rows(before | (1 << m) if variant == "avx512" else before & ~(1 << m))
+                jax.block_until_ready(step(x, data))
+            for _ in range(rounds):
+                for variant in ("avx512", "avx2"):
+                    set_panel512_rows(before | (1 << m) if variant == "avx512" else before & ~(1 << m))
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(step(x, data))
+                    ms[variant].append(1e3 * (time.perf_counter() - t0))
+            med = {k: statistics.median(v) for k, v in ms.items()}
+            timings[m] = med
+            mask = mask | (1 << m) if med["avx512"] <= med["avx2"] else mask & ~(1 << m)
+    finally:
+        set_panel512_rows(mask)
+    out = {"cpu_model": cpu_model(), "panel512_rows": mask, "K": K, "N": N, "layers": layers, "rounds": rounds,
+           "ms": {str(m): t for m, t in timings.items()},
+           "avx2_rows": [m for m in rows if not (mask >> m) & 1]}
+    if save:
+        p = _panel_tiles_path()
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f".{p.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(out, indent=1) + "\n")
+        os.replace(tmp, p)  # whole or not at all
+        out["path"] = str(p)
+    return out
 
 
 def cpu_model() -> str | None:

@@ -413,12 +413,18 @@ DDD_AVX512 void np_chunk512(const float* x, const W* w, float* out, int64_t M, i
   }
 }
 
+// Which row counts of a 48-column panel product take the AVX-512 tiles (bit M set: M rows, M < 64; from 64 rows
+// always): all by default. Both paths give the same bits, so the choice is speed only; `kernels.choose_panel_tiles`
+// times them on the host at hand and sets it (on some Intel Xeons the AVX2 tiles win at several rows).
+uint64_t g_panel512_rows = ~0ull;
+inline bool panel512(int64_t M) { return M >= 64 || ((g_panel512_rows >> M) & 1); }
+
 // W: float, or uint16_t (float16 panels: a draft head's weight-only storage, widened exactly as they are read).
 // pw: the panel width, 48 or 16 (kPanel16; on AVX-512 those take p16_chunk instead).
 template <class W>
 DDD_AVX2 void np_chunk_rows(const float* x, const W* w, float* out, int64_t M, int64_t K, int64_t N,
                             int64_t n0, int64_t n1, int64_t pw = kPanel512) {  // M <= kPanelRows, n0 % 48 == 0
-  if (g_avx512 && pw == kPanel512) return np_chunk512<W>(x, w, out, M, K, N, n0, n1);
+  if (g_avx512 && pw == kPanel512 && panel512(M)) return np_chunk512<W>(x, w, out, M, K, N, n0, n1);
   const int64_t CB = std::max<int64_t>(kPanel512, (kTile / M) / kPanel512 * kPanel512);  // M x CB <= kTile
   const int64_t KB = kKBlock;
   alignas(64) float tile[kTile];
@@ -2460,6 +2466,9 @@ __attribute__((visibility("default"))) void ddd_set_l2_prefetch_rows(int64_t n) 
 }
 // The rows ahead the AVX-512 panel products prefetch (g_panel_ahead; 0: none). For benchmarks.
 __attribute__((visibility("default"))) void ddd_set_panel_ahead(int64_t n) { g_panel_ahead = std::max<int64_t>(0, n); }
+// The row counts whose 48-column panel products take the AVX-512 tiles (bit M: M rows; see g_panel512_rows).
+__attribute__((visibility("default"))) uint64_t ddd_panel512_rows() { return g_panel512_rows; }
+__attribute__((visibility("default"))) void ddd_set_panel512_rows(uint64_t mask) { g_panel512_rows = mask; }
 // Rows up to which quantized panels dequantize in registers, tile by tile (else once into L2). For benchmarks.
 __attribute__((visibility("default"))) void ddd_set_qp_tile_rows(int64_t n) { g_qp_tile_rows = n; }
 // 16-column panels (p16_chunk): the rows from which 16-row tiles run, and the K rows ahead each path prefetches
