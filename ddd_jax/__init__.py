@@ -6,6 +6,7 @@ from .eagle import Draft, init_draft
 from .decode import GenerateResult, generate, stream
 from .target import Target
 
+
 def __getattr__(name):
     # The nnx module views load flax (~0.45 s) only when asked for, so `import ddd_jax` and the CLI stay quick.
     if name in ("LlamaModule", "EagleHeadModule"):

@@ -62,6 +62,7 @@ PROMPTS = (
 
 # ------------------------------------------------------------------------------------------ acceptance profile
 
+
 def acceptance_profile(target, draft, prompt_ids: list | None = None, candidates=CANDIDATES,
                        max_new_tokens: int = 64, batch_size: int = 8, progress: bool = False) -> dict:
     """τ and drafted depth of each candidate over held-out prompts (acceptance only: batched, every output checked
@@ -90,6 +91,7 @@ def acceptance_profile(target, draft, prompt_ids: list | None = None, candidates
 
 
 # ------------------------------------------------------------------------------------------ prediction
+
 
 def predict(profile: dict, costs: dict) -> list[dict]:
     """Predicted speed-up over vanilla of each profiled candidate, from `costs` = {"target_ms": {n: ms},

@@ -94,6 +94,7 @@ SMOKE = RecipeConfig(budget_s=300.0, train_prompts=12, holdout_prompts=4, regen_
 
 # ----------------------------------------------------------------------------------------------- inputs
 
+
 def prepare_inputs(target, *, max_prompt_len: int = 192, holdout_percent: float = 2.0, max_train: int = 0,
                    seed: int = 0, sharegpt=None, questions=None, progress: bool = True) -> dict:
     """Token ids of the recipe's prompts: {"meta", "train", "holdout", "mtbench"}, each part [(key, ids)].
@@ -185,6 +186,7 @@ def check_inputs_for(target, inputs: dict, where: str = "recipe inputs") -> None
 
 
 # ----------------------------------------------------------------------------------------------- the run
+
 
 def device_info() -> dict:
     import jax

@@ -15,6 +15,7 @@ from . import drivers
 from .drafting import SyncCounter
 from .state import GenerateResult, Plan, bucket_length, cache_capacity, cache_slack, make_plan
 
+
 def _prepare_prompts(target, prompt_ids, plan: Plan, capacity: int | None):
     if len(prompt_ids) == 0:
         raise ValueError("prompt_ids is empty")

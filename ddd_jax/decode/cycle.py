@@ -15,6 +15,7 @@ from ..verify import accept_greedy, accept_sample, process_logits
 from . import drafting
 from .state import Plan, State
 
+
 def _sample(logits, key, temperature: float, top_p: float):
     """The next token sampled from logits (temperature > 0; greedy decoding's forwards return their tokens:
     `forward(..., return_logits=False, greedy=True)`)."""

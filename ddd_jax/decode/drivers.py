@@ -16,6 +16,7 @@ from . import drafting
 from .drafting import SyncCounter
 from .state import GenerateResult, Plan, State
 
+
 class PhaseClock:
     """Wall time per phase of a Python-loop cycle; blocks on each phase's output only when profiling."""
 

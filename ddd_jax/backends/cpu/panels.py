@@ -40,7 +40,6 @@ from .. import Packed, check_layout
 from .layout import DTYPES, PANEL, PANEL16, WIDTHS, pack_array, unpack_array  # noqa: F401 (re-exported)
 
 
-
 def default_width() -> int:
     """The panel width `pack` uses when given none: `DDD_JAX_PANEL_WIDTH` (16 or 48) when set, else 48. Either
     width gives the same bits."""
