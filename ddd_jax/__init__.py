@@ -3,6 +3,7 @@ from .checkpoints.loading import load_draft, load_target
 from .checkpoints.ours import save_draft
 from .config import DDDConfig, DraftConfig, ModelConfig, TreeConfig
 from .eagle import Draft, init_draft
+from .calibration import calibrate
 from .decode import GenerateResult, generate, stream
 from .target import Target
 
@@ -16,5 +17,5 @@ def __getattr__(name):
 
 
 __all__ = ["DDDConfig", "DraftConfig", "ModelConfig", "TreeConfig", "Draft", "init_draft", "save_draft",
-           "GenerateResult", "generate", "stream", "Target", "load_target", "load_draft",
+           "GenerateResult", "generate", "stream", "calibrate", "Target", "load_target", "load_draft",
            "LlamaModule", "EagleHeadModule"]

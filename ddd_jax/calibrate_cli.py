@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from . import load_draft, load_target
-    from .calibrate import acceptance_profile, calibrate, save_profile
+    from .calibration import acceptance_profile, calibrate, save_profile
     from .generate_cli import DEFAULT_DRAFTS
     from .settings import cli_draft
     if args.repeat < 1:

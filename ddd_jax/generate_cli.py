@@ -116,7 +116,7 @@ def run(args) -> int:
                           getattr(args, "settings", "none") == "auto", args.target, name,
                           storage="blocks" if args.gguf_blocks else None)
     if draft is not None and args.method != "vanilla" and getattr(args, "settings", "none") == "auto":
-        from .calibrate import TREE_FLAGS, calibrated_configs, first_use
+        from .calibration import TREE_FLAGS, calibrated_configs, first_use
         if not any(getattr(args, k, None) is not None for k in TREE_FLAGS):
             first_use(args, target, draft)
             cal = calibrated_configs(target, draft, args.method)

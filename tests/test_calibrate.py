@@ -8,7 +8,7 @@ import json
 import pytest
 
 from ddd_jax import DDDConfig, TreeConfig, generate
-from ddd_jax import calibrate as cal
+from ddd_jax import calibration as cal
 from spec_helpers import fitted_draft, prompts, tiny_target
 
 SMALL = (("eagle2-k2-n3-d1", "eagle2", TreeConfig(top_k=2, total_tokens=3, depth=1), DDDConfig()),
@@ -22,6 +22,11 @@ def calibrating(monkeypatch, tmp_path):
     monkeypatch.setenv("DDD_JAX_CACHE", str(tmp_path))
     monkeypatch.delenv("DDD_JAX_CALIBRATE", raising=False)
     return tiny_target(), dataclasses.replace(fitted_draft(), name="tiny-head")
+
+
+def test_the_public_function():
+    import ddd_jax
+    assert ddd_jax.calibrate is cal.calibrate and "calibrate" in ddd_jax.__all__
 
 
 def test_predict_is_tau_times_t1_over_the_cycle():

@@ -326,7 +326,7 @@ def run_bench(args) -> int:
     prompts = load_prompts(args)
     target, draft, draft_name = load_models(args, need_draft=any(not m.startswith("vanilla") for m in methods))
     if args.settings == "auto" and draft is not None:  # this device's calibration (made at first use)
-        from ddd_jax.calibrate import TREE_FLAGS, calibrated_configs, first_use
+        from ddd_jax.calibration import TREE_FLAGS, calibrated_configs, first_use
         if not any(getattr(args, k, None) is not None for k in TREE_FLAGS):
             first_use(args, target, draft)
             cal = calibrated_configs(target, draft, "ddd")  # DDD's pick: its tree serves every method's default

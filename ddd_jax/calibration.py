@@ -1,7 +1,7 @@
-"""Trees chosen for this device: `calibrate(target, draft)` times what a cycle costs here -- the target forward over
-n tokens, t(n), and a draft step over a beam of k, d(k) -- and combines it with the head's acceptance profile (tokens
-per target call, τ, and drafted depth for each candidate tree and DDD rule, measured once on held-out prompts and
-stored with the head) into a predicted speed-up per candidate:
+"""Trees chosen for this device: `calibrate(target, draft)` (exported as `ddd_jax.calibrate`) times what a cycle
+costs here -- the target forward over n tokens, t(n), and a draft step over a beam of k, d(k) -- and combines it with
+the head's acceptance profile (tokens per target call, τ, and drafted depth for each candidate tree and DDD rule,
+measured once on held-out prompts and stored with the head) into a predicted speed-up per candidate:
 
     speed-up = τ · t(1) / (t(N) + d(k) · (1 + mean draft steps))      (vanilla: 1)
 
