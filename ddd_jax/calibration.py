@@ -15,7 +15,6 @@ predicted to be as fast (`vanilla_predicted_faster`).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import time
 
@@ -87,7 +86,7 @@ def acceptance_profile(target, draft, prompt_ids: list | None = None, candidates
                         "mean_depth": r["mean_depth"], "depth_hist": r["depth_hist"],
                         "identical": r["identical"], "prompts": r["prompts"]})
     return {"format": PROFILE_FORMAT, "version": 1, "head": _head_id(draft), "target": target.name,
-            "prompts": len(prompt_ids), "max_new_tokens": max_new_tokens, "date": _now(), "entries": entries}
+            "prompts": len(prompt_ids), "max_new_tokens": max_new_tokens, "date": dio.utc_now(), "entries": entries}
 
 
 # ------------------------------------------------------------------------------------------ prediction
@@ -193,7 +192,7 @@ def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, 
                               beams={e["tree"]["top_k"] for e in entries}, repeat=repeat, progress=progress, batch=b)
         by_batch[str(b)] = {"costs": costs, **pick(predict({**profile, "entries": entries}, costs))}
     out = {"format": CALIBRATION_FORMAT, "version": 1, "key": {**device_key(target), "draft": _head_id(draft)},
-           "date": _now(), "seconds": round(time.time() - t0, 1), "profile_measured_now": measured_profile,
+           "date": dio.utc_now(), "seconds": round(time.time() - t0, 1), "profile_measured_now": measured_profile,
            "profile": {k: profile.get(k) for k in ("head", "prompts", "max_new_tokens", "date")},
            "kernel_variants": None if variants is None else {k: variants.get(k) for k in ("avx2_rows", "path")},
            **by_batch[str(batch_sizes[0])], "batch": batch_sizes[0], "by_batch": by_batch}
@@ -205,24 +204,22 @@ def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, 
     return out
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
 # the command lines' tree / DDD flags (generate's --top-k, bench's --tree-top-k): any of them set means no calibration
 TREE_FLAGS = ("top_k", "tree_top_k", "total_tokens", "depth", "ddd_checks", "ddd_threshold", "ddd_max_depth")
 
 
-def first_use(args, target, draft) -> None:
-    """A command line's first use on this device: calibrate when no calibration exists, its settings are automatic,
-    no tree / DDD flag was given and DDD_JAX_CALIBRATE is not 0; print one line saying so."""
+def cli_configs(args, target, draft, method: str):
+    """A command line's (TreeConfig, DDDConfig, source) from this device's calibration, or None where its settings
+    are not automatic, a tree / DDD flag was given, there is no head, or DDD_JAX_CALIBRATE=0. At first use on this
+    device (no calibration saved yet) it calibrates, printing one line saying so."""
     import os
     import sys
-    if draft is None or getattr(args, "settings", "auto") != "auto" or os.environ.get("DDD_JAX_CALIBRATE") == "0":
-        return
-    if any(getattr(args, k, None) is not None for k in TREE_FLAGS) or load_calibration(target, draft) is not None:
-        return
-    c = calibrate(target, draft)
-    print(f"ddd-jax: calibrated this device for {c['key']['target']} + {c['key']['draft']} in {c['seconds']} s "
-          f"(recommended {c['recommended_method']}; `ddd-jax calibrate` redoes it) -> {c['path']}",
-          file=sys.stderr, flush=True)
+    if (draft is None or getattr(args, "settings", "auto") != "auto" or os.environ.get("DDD_JAX_CALIBRATE") == "0"
+            or any(getattr(args, k, None) is not None for k in TREE_FLAGS)):
+        return None
+    if load_calibration(target, draft) is None:
+        c = calibrate(target, draft)
+        print(f"ddd-jax: calibrated this device for {c['key']['target']} + {c['key']['draft']} in {c['seconds']} s "
+              f"(recommended {c['recommended_method']}; `ddd-jax calibrate` redoes it) -> {c['path']}",
+              file=sys.stderr, flush=True)
+    return calibrated_configs(target, draft, method)

@@ -115,13 +115,9 @@ def run(args) -> int:
         draft = cli_draft(load_draft(name, target) if name else None, args.draft_dtype,
                           getattr(args, "settings", "none") == "auto", args.target, name,
                           storage="blocks" if args.gguf_blocks else None)
-    if draft is not None and args.method != "vanilla" and getattr(args, "settings", "none") == "auto":
-        from .calibration import TREE_FLAGS, calibrated_configs, first_use
-        if not any(getattr(args, k, None) is not None for k in TREE_FLAGS):
-            first_use(args, target, draft)
-            cal = calibrated_configs(target, draft, args.method)
-            if cal is not None:
-                tree, ddd, source = cal
+    if args.method != "vanilla":  # this device's calibration, made at first use (`calibration.cli_configs`)
+        from .calibration import cli_configs
+        tree, ddd, source = cli_configs(args, target, draft, args.method) or (tree, ddd, source)
     ids = target.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else target.encode(args.prompt)
     kw = dict(max_new_tokens=args.max_new_tokens, tree=tree, ddd=ddd, temperature=args.temperature,
               top_p=args.top_p, seed=args.seed)

@@ -81,3 +81,9 @@ def read_json(path: str | os.PathLike) -> dict:
         raise FileNotFoundError(f"no JSON file at {path}")
     with open(path) as f:
         return json.load(f)
+
+
+def utc_now() -> str:
+    """The current UTC time, ISO 8601 to the second (what records and results are stamped with)."""
+    import datetime
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

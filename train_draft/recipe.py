@@ -190,15 +190,9 @@ def check_inputs_for(target, inputs: dict, where: str = "recipe inputs") -> None
 
 def device_info() -> dict:
     import jax
+    from ddd_jax.backends.cpu.kernels import cpu_model
     dev = jax.devices()[0]
-    cpu = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     return {"backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
             "device_count": jax.device_count(), "host_cpu": cpu or platform.processor(), "jax": jax.__version__}
 
@@ -259,7 +253,7 @@ def _fresh(path: Path) -> Path:
 def _stage(rec: Record, name: str, fn, *, fatal: bool = False):
     """Run one stage, recording its status, seconds and result (or its error)."""
     t = time.time()
-    rec.set(name, status="running", started_utc=_utc())
+    rec.set(name, status="running", started_utc=dio.utc_now())
     try:
         result = fn() or {}
     except Exception as e:  # noqa: BLE001 -- recorded; later stages may still run
@@ -270,11 +264,6 @@ def _stage(rec: Record, name: str, fn, *, fatal: bool = False):
         return None
     rec.set(name, status="done", seconds=round(time.time() - t, 1), **result)
     return result
-
-
-def _utc() -> str:
-    import datetime
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def acceptance_runs(heads: dict) -> dict:
@@ -315,7 +304,7 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     left = lambda until: max(0.0, until - time.time())  # noqa: E731
     rec = Record(out, {"format": RECIPE_FORMAT, "version": 1, "smoke": smoke, "config": cfg.to_dict(),
                        "device": device_info(), "target": target.name, "inputs": inputs["meta"]["counts"],
-                       "started_utc": _utc()})
+                       "started_utc": dio.utc_now()})
     e3_name, e1_name = f"{target.name}-eagle3", f"{target.name}-eagle"
     heads_dir = out / "heads"
     max_len = max(len(p) for _, p in inputs["train"] + inputs["holdout"]) + cfg.regen_max_new + 1
@@ -412,7 +401,7 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     if heads and not rec.done("acceptance"):
         _stage(rec, "acceptance", acceptance)
     rec.data["total_s"] = round(time.time() - t0, 1)
-    rec.data["finished_utc"] = _utc()
+    rec.data["finished_utc"] = dio.utc_now()
     rec.write()
     return rec.data
 

@@ -325,13 +325,8 @@ def run_bench(args) -> int:
         methods += [m for m in sweep_methods(tree, ddd, args.sweep_thresholds, args.sweep_checks) if m not in methods]
     prompts = load_prompts(args)
     target, draft, draft_name = load_models(args, need_draft=any(not m.startswith("vanilla") for m in methods))
-    if args.settings == "auto" and draft is not None:  # this device's calibration (made at first use)
-        from ddd_jax.calibration import TREE_FLAGS, calibrated_configs, first_use
-        if not any(getattr(args, k, None) is not None for k in TREE_FLAGS):
-            first_use(args, target, draft)
-            cal = calibrated_configs(target, draft, "ddd")  # DDD's pick: its tree serves every method's default
-            if cal is not None:
-                tree, ddd, source = cal
+    from ddd_jax.calibration import cli_configs  # this device's calibration (made at first use): DDD's pick,
+    tree, ddd, source = cli_configs(args, target, draft, "ddd") or (tree, ddd, source)  # whose tree every method uses
     res = run_benchmark(target, draft, prompts, methods, tree=tree, ddd=ddd, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed, repeat=args.repeat,
                         turns=args.turns, profile_prompts=args.profile_prompts, tie_tol=args.tie_tol,

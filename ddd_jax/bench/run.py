@@ -14,7 +14,6 @@ turn_1 + answer_1 + turn_2 ... (tokenizer-free test targets).
 """
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import os
@@ -255,7 +254,7 @@ def environment() -> dict:
         "cpu_count": os.cpu_count(), "cpu_affinity": affinity,
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "platform": platform.platform(), "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": ddd_jax.io.utc_now(),
         "command": " ".join(sys.argv), "git_commit": commit,
         # ddd_jax.backends.cpu.kernels in use (CPU backend), or XLA only (DDD_JAX_NO_KERNELS=1, not built, other backends)
         "cpu_kernels": jax.default_backend() == "cpu" and kernels.available(),

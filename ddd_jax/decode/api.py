@@ -16,10 +16,15 @@ from .drafting import SyncCounter
 from .state import GenerateResult, Plan, bucket_length, cache_capacity, cache_slack, make_plan
 
 
+def _batched(prompt_ids) -> bool:
+    """A batch of prompts (a list of token-id lists), not one prompt."""
+    return len(prompt_ids) > 0 and isinstance(prompt_ids[0], (list, tuple, np.ndarray))
+
+
 def _prepare_prompts(target, prompt_ids, plan: Plan, capacity: int | None):
     if len(prompt_ids) == 0:
         raise ValueError("prompt_ids is empty")
-    batched = isinstance(prompt_ids[0], (list, tuple, np.ndarray))
+    batched = _batched(prompt_ids)
     prompts = [list(map(int, p)) for p in (prompt_ids if batched else [prompt_ids])]
     V = target.config.vocab_size
     for p in prompts:
@@ -79,7 +84,7 @@ def stream(target, draft, prompt_ids, max_new_tokens: int = 128, method: str = "
     """The new tokens of one prompt as they are decided, one list per cycle (a Python loop over jitted cycles):
     `for chunk in stream(target, draft, ids, method="ddd"): ...`. The arguments are `generate`'s; the tokens are
     exactly `generate`'s. The GenerateResult is the iterator's return value (`StopIteration.value`)."""
-    if prompt_ids and isinstance(prompt_ids[0], (list, tuple, np.ndarray)):
+    if _batched(prompt_ids):
         raise ValueError("stream() decodes one prompt (a list of token ids); use generate() for a batch")
     run = _decode(target, draft, prompt_ids, max_new_tokens, method, sync, tree, ddd, temperature, top_p, seed, "host",
                   False, policy, capacity, streaming=True)
@@ -98,8 +103,8 @@ def _decode(target, draft, prompt_ids, max_new_tokens, method, sync, tree, ddd, 
     if method == "vanilla":
         tree, ddd, source = tree or TreeConfig(), ddd or DDDConfig(), None
     else:
-        rows = len(prompt_ids) if len(prompt_ids) and isinstance(prompt_ids[0], (list, tuple, np.ndarray)) else 1
-        tree, ddd, source = settings.resolve(target, draft, tree, ddd, method=method, batch=rows)
+        tree, ddd, source = settings.resolve(target, draft, tree, ddd, method=method,
+                                             batch=len(prompt_ids) if _batched(prompt_ids) else 1)
     plan = make_plan(target, draft, method=method, sync=sync, tree=tree, ddd=ddd, temperature=temperature,
                      top_p=top_p, max_new_tokens=max_new_tokens, policy=policy)
     if loop is None:

@@ -2,6 +2,7 @@
 before the shipped settings files. `ddd_jax.calibrate` measures and writes them."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -34,21 +35,22 @@ def device_key(target) -> dict:
             "target": getattr(target, "name", None)}
 
 
+@functools.lru_cache(maxsize=None)
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """The CPU's model name (read once a process: `generate` keys its calibration lookup by it)."""
+    from ..backends.cpu.kernels import cpu_model as from_proc
+    return from_proc() or platform.processor() or platform.machine()
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text)
 
 
 def calibration_path(target, draft) -> Path:
     """Where this device's calibration for target + head lives (it may not exist)."""
     from ..checkpoints.registry import cache_root
     key = {**device_key(target), "draft": _head_id(draft)}
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{key['backend']}-{key['storage']}-{key['target']}-{key['draft']}")
+    slug = _slug(f"{key['backend']}-{key['storage']}-{key['target']}-{key['draft']}")
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     return cache_root() / "calibration" / f"{slug}-{digest}.json"
 
@@ -87,11 +89,14 @@ def head_dir(draft) -> Path | None:
     return p if (p / "config.json").is_file() else None
 
 
+def _cached_profile_path(draft) -> Path:
+    from ..checkpoints.registry import cache_root
+    return cache_root() / "profiles" / f"{_slug(_head_id(draft))}.json"
+
+
 def load_profile(draft) -> dict | None:
     """The head's stored acceptance profile: beside its config.json, else in $DDD_JAX_CACHE/profiles/."""
-    from ..checkpoints.registry import cache_root
-    for p in ([head_dir(draft) / PROFILE_FILE] if head_dir(draft) else []) + [
-            cache_root() / "profiles" / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', _head_id(draft))}.json"]:
+    for p in ([head_dir(draft) / PROFILE_FILE] if head_dir(draft) else []) + [_cached_profile_path(draft)]:
         if p.is_file():
             prof = dio.read_json(p)
             if prof.get("format") != PROFILE_FORMAT:
@@ -102,19 +107,13 @@ def load_profile(draft) -> dict | None:
 
 def save_profile(profile: dict, draft=None, path=None) -> Path:
     """Write a profile beside the head (a writable head directory), else under $DDD_JAX_CACHE/profiles/."""
-    from ..checkpoints.registry import cache_root
     if path is None:
         d = head_dir(draft) if draft is not None else None
-        path = (d / PROFILE_FILE) if d is not None and _writable(d) else (
-            cache_root() / "profiles" / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', _head_id(draft))}.json")
+        path = (d / PROFILE_FILE) if d is not None and os.access(d, os.W_OK) else _cached_profile_path(draft)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     dio.atomic_write_text(path, json.dumps(profile, indent=1) + "\n")
     return path
-
-
-def _writable(d: Path) -> bool:
-    return os.access(d, os.W_OK)
 
 
 def calibrated_configs(target, draft, method: str = "ddd", batch: int = 1):
