@@ -1,16 +1,12 @@
 """KV cache pytree with static capacity: slot writes happen in the model, `commit` compacts accepted tree paths.
 
-Two layouts of k / v, named by the cache's static `layout` field:
-    "head"  [L, B, K, S, H]  head-major: one KV head's slots are one run of memory, which attention reads head by
-                             head (what `init_cache` and the models' `new_cache` make);
-    "slot"  [L, B, S, K, H]  slot-major: the layout of every cache before head-major ones, and still what
-                             `KVCache(k, v, length)` without a layout means, so caches built by hand keep working.
-Both hold the same numbers and decode the same tokens (the attention kernel sums the same slots in the same order).
+k / v are head-major, [L, B, K, S, H]: one KV head's slots are one run of memory, which attention reads head by
+head.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -20,52 +16,36 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    k: jax.Array  # [L, B, K, S, H] (layout "head") or [L, B, S, K, H] ("slot"): keys per layer / sequence / slot
-    v: jax.Array  # the same shape as k
+    k: jax.Array  # [L, B, K, S, H]: keys per layer / sequence / KV head / slot
+    v: jax.Array  # [L, B, K, S, H]: values, as k
     length: jax.Array  # [B] int32: slots [0, length) hold the committed prefix
-    layout: str = field(default="slot", metadata=dict(static=True))  # "head" | "slot" (see the module docstring)
-
-    def __post_init__(self):
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"KVCache layout must be one of {LAYOUTS}, not {self.layout!r}")
-
-    @property
-    def slot_axis(self) -> int:
-        """The axis of k / v that indexes cache slots: 3 head-major, 2 slot-major."""
-        return 3 if self.layout == "head" else 2
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[self.slot_axis]
+        return self.k.shape[SLOT_AXIS]
 
     @property
     def batch(self) -> int:
         return self.k.shape[1]
 
 
-LAYOUTS = ("head", "slot")
+SLOT_AXIS = 3  # of k / v [L, B, K, S, H]
 
 
 def check_cache(cache: KVCache, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
-    """A clear error when the cache's k / v do not have the shape its layout names for this model. A head-major
-    cache built by hand without layout="head" is caught here (unless its capacity equals the number of KV heads)."""
-    head = cache.layout == "head"
-    form = "[L, B, K, S, H]" if head else "[L, B, S, K, H]"
+    """A clear error when the cache's k / v are not [L, B, K, S, H] for this model (e.g. a cache built by hand
+    slot-major, [L, B, S, K, H], is caught here unless its capacity equals the number of KV heads)."""
     for name, x in (("k", cache.k), ("v", cache.v)):
-        if x.ndim != 5 or (x.shape[0], x.shape[2 if head else 3], x.shape[4]) != (num_layers, num_kv_heads, head_dim):
-            raise ValueError(f"KV cache {name} {list(x.shape)} is not {form} with L={num_layers}, K={num_kv_heads}, "
-                             f"H={head_dim} (layout {cache.layout!r})"
-                             + ("; a head-major cache needs KVCache(..., layout='head')" if not head else ""))
+        if x.ndim != 5 or (x.shape[0], x.shape[2], x.shape[4]) != (num_layers, num_kv_heads, head_dim):
+            raise ValueError(f"KV cache {name} {list(x.shape)} is not [L, B, K, S, H] with L={num_layers}, "
+                             f"K={num_kv_heads}, H={head_dim}")
 
 
 def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int,
-               dtype=jnp.float32, layout: str = "head") -> KVCache:
-    """An empty cache (length 0) of `capacity` slots, head-major unless layout="slot" (another layout: KVCache's
-    error)."""
-    shape = ((num_layers, batch, num_kv_heads, capacity, head_dim) if layout == "head" else
-             (num_layers, batch, capacity, num_kv_heads, head_dim))
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=jnp.zeros((batch,), jnp.int32),
-                   layout=layout)
+               dtype=jnp.float32) -> KVCache:
+    """An empty cache (length 0) of `capacity` slots."""
+    shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=jnp.zeros((batch,), jnp.int32))
 
 
 def commit(cache: KVCache, start, accepted_slots, n) -> KVCache:
@@ -89,15 +69,11 @@ def commit(cache: KVCache, start, accepted_slots, n) -> KVCache:
     dst = start[:, None] + jnp.arange(M, dtype=jnp.int32)[None]
     b = jnp.arange(cache.batch)[:, None]
 
-    ax = cache.slot_axis
-
-    def move(x):  # x: [L, B, K, S, H] (head-major) or [L, B, S, K, H]
+    def move(x):  # x: [L, B, K, S, H]
         if cache.batch != 1:
-            if cache.layout == "head":
-                return x.at[:, b, :, dst].set(x[:, b, :, src], mode="drop")  # (both index [B, M, L, K, H])
-            return x.at[:, b, dst].set(x[:, b, src], mode="drop")
+            return x.at[:, b, :, dst].set(x[:, b, :, src], mode="drop")  # (both index [B, M, L, K, H])
         # on the CPU a loop over the n real entries only (a cycle commits ~2); elsewhere all M, the rest masked
-        one_sequence = partial(move_entries, src=src[0], dst=dst[0], n=n_[0], axis=ax)
+        one_sequence = partial(move_entries, src=src[0], dst=dst[0], n=n_[0], axis=SLOT_AXIS)
         return jax.lax.platform_dependent(x, cpu=one_sequence, default=partial(one_sequence, static=True))
 
     return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v), length=(start + n_).astype(jnp.int32))

@@ -30,7 +30,7 @@ from .cache import KVCache, init_cache
 from .checkpoints.keytable import check_shapes
 from . import eagle3, ops
 from .config import DraftConfig, ModelConfig
-from .layers import causal_mask, linear
+from .layers import cache_mask, causal_mask, linear
 from .layers import embed as embed_rows
 from .llama import WEIGHT_AXES, axes_like, decoder_stack, layer_shapes, lm_head, output_embedding
 
@@ -76,23 +76,24 @@ def init_params(dcfg: DraftConfig, key, dtype=jnp.float32, std: float = 0.02) ->
 
 
 def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions, cache: KVCache | None = None,
-                 kv_mask=None):
+                 attn_mask=None, mask_start=None):
     """Run the head. tokens [B,T] (token_{i+1}), features [B,T,D] (feature_i), positions [B,T].
 
-    embed: the target's embedding table [V, D]. With a cache, K/V are written at slots cache.length + t and
-    kv_mask is [B, T, S]; without, kv_mask is [B, T, T] (default causal). Returns (next_features [B,T,D],
+    embed: the target's embedding table [V, D]. attn_mask: [B, T, W] bool (default causal over the T new tokens).
+    With a cache, K/V are written at slots cache.length + t, and the new tokens attend every slot before
+    mask_start [B] (default cache.length) and the W slots from it as attn_mask allows (`layers.cache_mask`: a
+    draft step's beam sees the prefix and its ancestors among the scratch slots). Returns (next_features [B,T,D],
     cache with K/V written and length unchanged).
     """
     if dcfg.head_type == "eagle3":  # features are the head's width here: see `project_features`
-        return eagle3.head_forward(dparams, dcfg, embed, tokens, features, positions, cache, kv_mask)
+        return eagle3.head_forward(dparams, dcfg, embed, tokens, features, positions, cache, attn_mask, mask_start)
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
     e = embed_rows(embed, tokens).astype(features.dtype)
     x = linear(jnp.concatenate([e, features], axis=-1), _weight(dparams["fc_w"], features.dtype))
     if "fc_b" in dparams:
         x = x + dparams["fc_b"].astype(features.dtype)
-    if kv_mask is None:
-        kv_mask = causal_mask(B, T)
+    kv_mask = cache_mask(causal_mask(B, T) if attn_mask is None else attn_mask, cache, mask_start)
     x, cache = decoder_stack(dparams["layers"], dcfg.layer_config(), x, positions, cache, kv_mask)
     return x, cache
 
@@ -140,9 +141,9 @@ def with_draft_vocab(draft: "Draft", token_ids) -> "Draft":
     return Draft(cfg, params, draft.target)
 
 
-def new_cache(dcfg: DraftConfig, batch: int, capacity: int, dtype=jnp.float32, layout: str = "head") -> KVCache:
-    """An empty draft cache: k, v [1, B, K, S, H] (layout "slot": [1, B, S, K, H]; see `ddd_jax.cache`)."""
-    return init_cache(1, batch, capacity, dcfg.num_key_value_heads, dcfg.head_dim, dtype, layout)
+def new_cache(dcfg: DraftConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+    """An empty draft cache: k, v [1, B, K, S, H]."""
+    return init_cache(1, batch, capacity, dcfg.num_key_value_heads, dcfg.head_dim, dtype)
 
 
 @dataclass

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from .config import DraftConfig, ModelConfig
 from .ops import precision
-from .layers import causal_mask, rms_norm
+from .layers import cache_mask, causal_mask, rms_norm
 from .layers import embed as embed_rows
 from .llama import decoder_stack, layer_shapes
 
@@ -70,7 +70,8 @@ def project_features(dparams, dcfg: DraftConfig, feats):
     return jnp.matmul(feats, w, precision=precision(feats, w))
 
 
-def head_forward(dparams, dcfg: DraftConfig, embed, tokens, h, positions, cache=None, kv_mask=None):
+def head_forward(dparams, dcfg: DraftConfig, embed, tokens, h, positions, cache=None, attn_mask=None,
+                 mask_start=None):
     """The layer over (token, hidden) pairs: tokens [B, T], h [B, T, D] (projected target features or the head's
     own earlier outputs), positions [B, T]. Cache and mask as `eagle.head_forward`. Returns (out [B,T,D], cache)."""
     tokens = jnp.asarray(tokens, jnp.int32)
@@ -82,8 +83,7 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, h, positions, cache=
     def qkv_input(x, p):  # LlamaDecoderLayeremb: cat((input_layernorm(emb), hidden_norm(h)), -1)
         return jnp.concatenate([rms_norm(e, p["emb_norm"], eps), rms_norm(x, p["hidden_norm"], eps)], axis=-1)
 
-    if kv_mask is None:
-        kv_mask = causal_mask(B, T)
+    kv_mask = cache_mask(causal_mask(B, T) if attn_mask is None else attn_mask, cache, mask_start)
     return decoder_stack(dparams["layers"], dcfg.layer_config(), h, positions, cache, kv_mask, qkv_input=qkv_input)
 
 

@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 
 from . import ops
-from .cache import LAYOUTS
 from .config import ModelConfig
 
 NEG_INF = -1e30  # large finite negative: fully-masked rows stay NaN-free
@@ -89,13 +88,26 @@ def causal_mask(B: int, T: int):
 
 
 def tree_kv_mask(length, capacity: int, attn_mask):
-    """[B, T, S] mask over cache slots: every committed slot (< length[b]) plus the new tokens at slots
-    [length, length+T) as attn_mask [B, T, T] allows (causal, or a tree's ancestor matrix)."""
-    T = attn_mask.shape[-1]
+    """[B, T, S] mask over cache slots: every slot before length[b] plus the W slots [length, length+W) as
+    attn_mask [B, T, W] allows (W = T for new tokens: causal, or a tree's ancestor matrix; a draft beam's ancestors
+    among the draft's scratch slots)."""
+    W = attn_mask.shape[-1]
     rel = jnp.arange(capacity)[None, :] - length[:, None]  # [B, S]
-    in_new = (rel >= 0) & (rel < T)
-    new_part = jnp.take_along_axis(attn_mask, jnp.clip(rel, 0, T - 1)[:, None, :].repeat(attn_mask.shape[1], 1), axis=2)
+    in_new = (rel >= 0) & (rel < W)
+    new_part = jnp.take_along_axis(attn_mask, jnp.clip(rel, 0, W - 1)[:, None, :].repeat(attn_mask.shape[1], 1), axis=2)
     return (rel < 0)[:, None, :] | (in_new[:, None, :] & new_part)
+
+
+def cache_mask(attn_mask, cache, start=None):
+    """What a model's new tokens attend, from their mask attn_mask [B, T, W]. Without a cache attn_mask itself
+    ([B, T, T]); with one, [B, T, S] over its slots: every slot before start [B] (default cache.length, where the
+    new K/V are written) and the W slots from start as attn_mask allows. The one place the models' attention masks
+    are made."""
+    if cache is None:
+        return attn_mask
+    if isinstance(start, int) and start == 0 and attn_mask.shape[-1] == cache.capacity:
+        return attn_mask  # already over every slot (training-time test's unrolled steps)
+    return tree_kv_mask(cache.length if start is None else start, cache.capacity, attn_mask)
 
 
 def slot_positions(length, capacity: int, positions):
@@ -113,37 +125,29 @@ def sliding_window_mask(q_positions, kv_positions, window: int):
     return kv_positions[:, None, :] > q_positions[:, :, None] - window
 
 
-def attention(q, k, v, mask, layer=None, layout: str = "slot"):
+def attention(q, k, v, mask, layer=None):
     """Grouped-query attention.
 
-    q: [B, T, N, H]; k, v: [B, S, K, H], or stacked caches [L, B, S, K, H] with `layer` (an int, may be traced:
-    read in place on the kernel path); with layout="head" the caches' head-major [B, K, S, H] / [L, B, K, S, H]
-    (`ddd_jax.cache`); mask: [B, T, S] bool (True = may attend). Returns [B, T, N*H].
+    q: [B, T, N, H]; k, v: head-major [B, K, S, H], or stacked caches [L, B, K, S, H] with `layer` (an int, may be
+    traced: read in place on the kernel path); mask: [B, T, S] bool (True = may attend). Returns [B, T, N*H].
     Softmax in float32. Where the backend has an attention kernel (`ops.attention`), a row attends only the slots
     it may, summed in slot order, so a row's output does not depend on the other rows (a tree node gets exactly
     what decoding its path one token at a time gives).
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"attention layout must be one of {LAYOUTS}, not {layout!r}")
-    reference = _attention_xla_head if layout == "head" else _attention_xla
-    return ops.attention(q, k, v, mask, layer, reference, head_major=layout == "head")
+    return ops.attention(q, k, v, mask, layer, _attention_xla)
 
 
-def _attention_xla_head(q, k, v, mask):  # k, v [B, K, S, H]
-    return _attention_xla(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask)
-
-
-def _attention_xla(q, k, v, mask):  # k, v [B, S, K, H]
+def _attention_xla(q, k, v, mask):  # k, v [B, K, S, H]
     B, T, N, H = q.shape
-    K = k.shape[2]
+    K = k.shape[1]
     G = N // K
     qg = q.reshape(B, T, K, G, H)
-    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, precision=ops.precision(qg, k),
+    logits = jnp.einsum("btkgh,bksh->bkgts", qg, k, precision=ops.precision(qg, k),
                         preferred_element_type=jnp.float32)
     logits = logits * (1.0 / math.sqrt(H))
     logits = jnp.where(mask[:, None, None, :, :], logits, NEG_INF)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v, precision=ops.precision(probs, v))
+    out = jnp.einsum("bkgts,bksh->btkgh", probs, v, precision=ops.precision(probs, v))
     return out.reshape(B, T, N * H)
 
 

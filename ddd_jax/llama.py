@@ -172,14 +172,14 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
             x, aux = c
             p, i = xs
             aux = keep(aux, x, i)
-            q, k, v = qkv(x, p, i)
-            return (rest(x, p, i, L.attention(q, k, v, kv_mask)), aux), None
+            q, k, v = qkv(x, p, i)  # k, v [B, T, K, H] -> [B, K, T, H]
+            a = L.attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), kv_mask)
+            return (rest(x, p, i, a), aux), None
         (x, aux), _ = jax.lax.scan(body, (x, aux0), (small, layer_ids))
         return (x, None, jnp.stack(aux)) if aux_layers else (x, None)
 
     check_cache(cache, n_layers, K, H)
     b_idx = jnp.arange(B)[:, None]
-    head_major = cache.layout == "head"
     dst = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T] slots of the new tokens
 
     def body(carry, xs):
@@ -187,12 +187,12 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
         p, i = xs
         aux = keep(aux, x, i)
         q, k, v = qkv(x, p, i)
-        # scatter straight into the carried [L, B, K, S, H] (or [L, B, S, K, H]) buffers, in place (the indexed
-        # view is [B, T, K, H] either way), then attend over layer i
-        at = (i, b_idx, slice(None), dst) if head_major else (i, b_idx, dst)
+        # scatter straight into the carried [L, B, K, S, H] buffers, in place (the indexed view is [B, T, K, H]),
+        # then attend over layer i
+        at = (i, b_idx, slice(None), dst)
         kall = kall.at[at].set(k.astype(kall.dtype), mode="drop")
         vall = vall.at[at].set(v.astype(vall.dtype), mode="drop")
-        x = rest(x, p, i, L.attention(q, kall, vall, kv_mask, i, layout=cache.layout))
+        x = rest(x, p, i, L.attention(q, kall, vall, kv_mask, i))
         return (x, kall, vall, aux), None
 
     (x, kall, vall, aux), _ = jax.lax.scan(body, (x, cache.k, cache.v, aux0), (small, layer_ids))
@@ -252,10 +252,7 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None =
     if attn_mask is None:
         attn_mask = L.causal_mask(B, T)
     x = L.embed(params["embed"], tokens)
-    if cache is not None:
-        kv_mask = L.tree_kv_mask(cache.length, cache.capacity, attn_mask)
-    else:
-        kv_mask = attn_mask
+    kv_mask = L.cache_mask(attn_mask, cache)
     if cfg.sliding_window is not None:  # family switch: every layer sees only the last sliding_window positions
         kv_pos = positions if cache is None else L.slot_positions(cache.length, cache.capacity, positions)
         kv_mask = kv_mask & L.sliding_window_mask(positions, kv_pos, cfg.sliding_window)
@@ -281,6 +278,6 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None =
     return Output(logits=logits, hidden=hidden, cache=new_cache, aux=aux, greedy=ids)
 
 
-def new_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32, layout: str = "head") -> KVCache:
-    """An empty target cache: k, v [L, B, K, S, H] (layout "slot": [L, B, S, K, H]; see `ddd_jax.cache`)."""
-    return init_cache(cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim, dtype, layout)
+def new_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+    """An empty target cache: k, v [L, B, K, S, H]."""
+    return init_cache(cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim, dtype)

@@ -102,14 +102,15 @@ class EagleHeadModule(_ParamsModule):
                              "arrays; use the float head to train or compose it as a module")
         return cls(draft.config, draft.params)
 
-    def __call__(self, embed, tokens, features, positions, cache: KVCache | None = None, kv_mask=None):
+    def __call__(self, embed, tokens, features, positions, cache: KVCache | None = None, attn_mask=None,
+                 mask_start=None):
         """`eagle.head_forward`: embed [V, D] is the target's embedding table (an array or a `LlamaModule`),
-        tokens [B, T] (token_{i+1}), features [B, T, D] (feature_i), positions [B, T]. Returns
+        tokens [B, T] (token_{i+1}), features [B, T, D] (feature_i), positions [B, T]; masks as there. Returns
         (next_features [B, T, D], cache)."""
         if isinstance(embed, LlamaModule):
             embed = embed.embed[...]
         return eagle.head_forward(self.to_params(), self.config, embed, tokens, features, positions, cache,
-                                  kv_mask)
+                                  attn_mask, mask_start)
 
     def forward(self, target: LlamaModule, tokens, features):
         """Causal, cache-free run over aligned pairs, like `Draft.forward`: returns (next_features [B, T, D],

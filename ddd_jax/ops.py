@@ -65,12 +65,12 @@ def greedy_tokens(hidden, w, pick):
     return w.greedy_tokens(hidden, pick) if isinstance(w, Packed) else None
 
 
-def attention(q, k, v, mask, layer, reference, head_major: bool):
+def attention(q, k, v, mask, layer, reference):
     """`reference(q, k, v, mask)` (XLA attention over the layer's caches), or the backend's kernel for it where one
     applies: only the slots a row may attend, summed in slot order, so a row's output does not depend on the
     other rows. k, v are stacked [L, ...] caches when `layer` is given."""
     if _cpu.attention_usable(q, k):
-        return _cpu.attention(q, k, v, mask, layer, reference, head_major=head_major)
+        return _cpu.attention(q, k, v, mask, layer, reference)
     if layer is not None:
         k, v = k[layer], v[layer]
     return reference(q, k, v, mask)

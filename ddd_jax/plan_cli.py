@@ -72,7 +72,7 @@ def memory_plan(cfg, mesh: tuple[int, int], batch: int, capacity: int, dtype="bf
     axes = flatten(llama.param_axes(cfg))
     out = {"target_weights": sum(_bytes(a.shape, a.dtype, axes[k], mesh) for k, a in flatten(tparams).items())}
     tcache = jax.eval_shape(lambda: llama.new_cache(cfg, B, capacity, dt))
-    out["target_kv_cache"] = 2 * _bytes(tcache.k.shape, dt, sharding.cache_axes(tcache.layout), mesh)
+    out["target_kv_cache"] = 2 * _bytes(tcache.k.shape, dt, sharding.CACHE_AXES, mesh)
     out["draft_weights"] = out["draft_kv_cache"] = 0
     if draft:
         dcfg = DraftConfig.from_target(cfg)
@@ -80,7 +80,7 @@ def memory_plan(cfg, mesh: tuple[int, int], batch: int, capacity: int, dtype="bf
         daxes = flatten(eagle.param_axes(dcfg))
         out["draft_weights"] = sum(_bytes(a.shape, a.dtype, daxes[k], mesh) for k, a in flatten(dparams).items())
         dcache = jax.eval_shape(lambda: eagle.new_cache(dcfg, B, capacity, dt))
-        out["draft_kv_cache"] = 2 * _bytes(dcache.k.shape, dt, sharding.cache_axes(dcache.layout), mesh)
+        out["draft_kv_cache"] = 2 * _bytes(dcache.k.shape, dt, sharding.CACHE_AXES, mesh)
     T = total_tokens
     tok = jax.ShapeDtypeStruct((B, T), jnp.int32)
     fwd = jax.eval_shape(lambda p, t, c: llama.forward(p, cfg, t, t, c), tparams, tok, tcache)

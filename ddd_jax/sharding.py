@@ -27,14 +27,8 @@ RULES = {
     "layers": None, "embed": None, "embed2": None, "draft_vocab": None, "seq": None, "head_dim": None,
 }
 
-# KV cache k / v: [L, B, S, K, H] slot-major, [L, B, K, S, H] head-major (`ddd_jax.cache`; `cache_axes(layout)`)
-CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
-CACHE_AXES_HEAD = ("layers", "batch", "kv_heads", "seq", "head_dim")
-
-
-def cache_axes(layout: str) -> tuple[str, ...]:
-    """The logical axes of a KV cache's k / v in `layout` ("head" or "slot")."""
-    return CACHE_AXES_HEAD if layout == "head" else CACHE_AXES
+# KV cache k / v: [L, B, K, S, H] (`ddd_jax.cache`)
+CACHE_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -170,8 +164,8 @@ def batch_sharding(mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:
     return NamedSharding(mesh, P(*["data" if i == batch_axis else None for i in range(ndim)]))
 
 
-def cache_sharding(mesh, layout: str = "head") -> NamedSharding:
-    return named(mesh, cache_axes(layout))
+def cache_sharding(mesh) -> NamedSharding:
+    return named(mesh, CACHE_AXES)
 
 
 def pad_batch(n: int, mesh) -> int:
@@ -181,7 +175,7 @@ def pad_batch(n: int, mesh) -> int:
 
 
 def constrain_state(state, mesh):
-    """Sharding constraints for a decode `State` (inside jit): KV caches over batch and KV heads (either layout),
+    """Sharding constraints for a decode `State` (inside jit): KV caches over batch and KV heads,
     per-sequence fields over "data" on their batch axis ([C, B] histories on axis 1), scalars replicated."""
     from .cache import KVCache
     import dataclasses
@@ -189,7 +183,7 @@ def constrain_state(state, mesh):
     def cache(c):
         if c is None:
             return None
-        s = cache_sharding(mesh, c.layout)
+        s = cache_sharding(mesh)
         return dataclasses.replace(c, k=jax.lax.with_sharding_constraint(c.k, s),
                                    v=jax.lax.with_sharding_constraint(c.v, s),
                                    length=jax.lax.with_sharding_constraint(c.length, batch_sharding(mesh, 1)))

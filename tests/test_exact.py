@@ -130,7 +130,7 @@ def test_commit_with_padded_paths_exact():
     # L=2 layers, B=3 rows, S=8 slots, 1 kv head of size 1: k = 1000*layer + 100*row + slot, v = -k.
     L, B, S = 2, 3, 8
     k = (1000 * np.arange(L)[:, None, None] + 100 * np.arange(B)[None, :, None]
-         + np.arange(S)[None, None, :]).astype(np.float32)[..., None, None]  # [L, B, S, 1, 1]
+         + np.arange(S)[None, None, :]).astype(np.float32)[:, :, None, :, None]  # [L, B, 1, S, 1]
     cache = KVCache(k=jnp.asarray(k), v=jnp.asarray(-k), length=jnp.asarray([9, 9, 9], jnp.int32))
     start = jnp.asarray([2, 5, 6], jnp.int32)
     slots = jnp.asarray([[0, 2, 3],    # row 0: path root, tree 2, tree 3 (n=3, nothing padded)
@@ -146,7 +146,7 @@ def test_commit_with_padded_paths_exact():
                         [100, 101, 102, 103, 104, 105, 107, 107],  # 5,6,7 <- 5,7,7 (14 clipped to 7)
                         [200, 201, 202, 203, 204, 205, 206, 206]],  # 6,7 <- 6,6 (8 <- 7 dropped)
                        np.float32)
-    want = np.stack([want_l0, want_l0 + 1000])[..., None, None]
+    want = np.stack([want_l0, want_l0 + 1000])[:, :, None, :, None]
     assert_exact(got.k, want, "k")
     assert_exact(got.v, -want, "v")
     assert_exact(got.length, np.array([5, 7, 7], np.int32), "length")

@@ -146,8 +146,8 @@ def test_gradients_through_the_kernels_match_xla():
 def _attention_inputs(seed, B=2, T=5, S=23, L=3, N=6, K=2, H=12):
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((L, B, S, K, H)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((L, B, S, K, H)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((L, B, K, S, H)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((L, B, K, S, H)), jnp.float32)
     mask = rng.random((B, T, S)) < 0.6
     mask[0, 1] = False  # a fully masked row (XLA: uniform weights over all slots)
     return q, k, v, jnp.asarray(mask)
@@ -305,7 +305,7 @@ from ddd_jax import layers
 for H, N, Kh in ((64, 9, 3), (24, 8, 2), (13, 4, 1), (64, 20, 4)):  # p @ V: 64 dims a vector sweep, 16 / 8 / tails
     for T, S in ((1, 40), (5, 150), (16, 300)):
         q = jnp.asarray(rng.standard_normal((2, T, N, H)), jnp.float32)
-        k, v = (jnp.asarray(rng.standard_normal((2, 2, S, Kh, H)), jnp.float32) for _ in range(2))
+        k, v = (jnp.asarray(rng.standard_normal((2, 2, Kh, S, H)), jnp.float32) for _ in range(2))
         mask = jnp.asarray(rng.random((2, T, S)) < 0.7)
         out[f"att-{H}-{N}-{T}-{S}"] = np.asarray(jax.jit(lambda q, k, v, m: layers.attention(q, k, v, m, 1))(
             q, k, v, mask))

@@ -87,55 +87,46 @@ def test_commit_keeps_the_accepted_path(params):
     np.testing.assert_allclose(np.asarray(nxt.logits[0, -1]), ref, atol=2e-5)
 
 
-@pytest.mark.parametrize("layout", ["head", "slot"])
-def test_commit_of_one_sequence_moves_what_the_batched_scatter_moves(layout):
+def test_commit_of_one_sequence_moves_what_the_batched_scatter_moves():
     """B = 1 commits its n real entries one by one in place, a batch all M by one gather + scatter: the same
-    committed slots, every other slot below the new length untouched, entries past the capacity dropped (k, v
-    built slot-major [L, B, S, K, H] and stored in either layout)."""
+    committed slots, every other slot below the new length untouched, entries past the capacity dropped."""
     from ddd_jax.cache import KVCache
     rng = np.random.default_rng(4)
     L, S, K, H, M = 3, 12, 2, 4, 5
-    k = jnp.asarray(rng.standard_normal((L, 2, S, K, H)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((L, 2, K, S, H)), jnp.float32)
 
-    def stored(x):  # slot-major -> the cache's layout
-        return jnp.swapaxes(x, 2, 3) if layout == "head" else x
+    def slots(x):  # [L, B, K, S, H] -> [L, B, S, K, H]: index by slot
+        return np.asarray(jnp.swapaxes(x, 2, 3))
 
-    def slots(x):  # the cache's layout -> slot-major
-        return np.asarray(jnp.swapaxes(x, 2, 3) if layout == "head" else x)
-
-    cache = KVCache(k=stored(k), v=stored(k + 1.0), length=jnp.zeros((2,), jnp.int32), layout=layout)
+    cache = KVCache(k=k, v=k + 1.0, length=jnp.zeros((2,), jnp.int32))
     start = jnp.array([3, 9])  # the second path's slots 9..13 end past S = 12
     acc = jnp.array([[0, 1, 3, 4, 6], [0, 2, 0, 0, 0]])
     n = jnp.array([4, 2])
     both = commit(cache, start, acc, n)
-    assert both.layout == layout
     for b in range(2):
-        one = KVCache(k=stored(k[:, b:b + 1]), v=stored(k[:, b:b + 1] + 1.0), length=jnp.zeros((1,), jnp.int32),
-                      layout=layout)
+        one = KVCache(k=k[:, b:b + 1], v=k[:, b:b + 1] + 1.0, length=jnp.zeros((1,), jnp.int32))
         got = jax.jit(commit)(one, start[b:b + 1], acc[b:b + 1], n[b:b + 1])
         end = min(int(start[b] + n[b]), S)  # the new length; past it, scratch
         np.testing.assert_array_equal(slots(got.k)[:, :, :end], slots(both.k)[:, b:b + 1, :end])
         np.testing.assert_array_equal(slots(got.v)[:, :, :end], slots(both.v)[:, b:b + 1, :end])
-        np.testing.assert_array_equal(slots(got.k)[:, :, end:], np.asarray(k[:, b:b + 1, end:]))  # not moved
+        np.testing.assert_array_equal(slots(got.k)[:, :, end:], slots(k)[:, b:b + 1, end:])  # not moved
         assert int(got.length[0]) == int(both.length[b]) == int(start[b] + n[b])
     moved = slots(both.k)[:, 0, 3:7]  # the first path's four real entries, in order
-    np.testing.assert_array_equal(moved, np.asarray(k[:, 0, np.array([3, 4, 6, 7])]))
+    np.testing.assert_array_equal(moved, slots(k)[:, 0, np.array([3, 4, 6, 7])])
 
 
-@pytest.mark.parametrize("layout", ["head", "slot"])
-def test_commit_loop_of_static_length_moves_what_the_loop_of_n_moves(layout):
+def test_commit_loop_of_static_length_moves_what_the_loop_of_n_moves():
     """Off the CPU one sequence's commit loops over all M entries with the padding masked (a loop XLA:GPU runs
     without host reads); on the CPU over the n real ones. The same cache for every n, the capacity's edge included."""
-    from ddd_jax.cache import move_entries
+    from ddd_jax.cache import SLOT_AXIS, move_entries
     rng = np.random.default_rng(5)
     L, S, K, H, M = 3, 12, 2, 4, 5
-    x = jnp.asarray(rng.standard_normal((L, 1, K, S, H) if layout == "head" else (L, 1, S, K, H)), jnp.float32)
-    axis = 3 if layout == "head" else 2
+    x = jnp.asarray(rng.standard_normal((L, 1, K, S, H)), jnp.float32)
     for start, rel in ((3, [0, 1, 3, 4, 6]), (9, [0, 2, 0, 0, 0]), (0, [0, 0, 0, 0, 0])):
         src = jnp.clip(start + jnp.asarray(rel, jnp.int32), 0, S - 1)
         dst = start + jnp.arange(M, dtype=jnp.int32)
         for n in range(M + 1):
-            kw = dict(src=src, dst=dst, n=jnp.int32(n), axis=axis)
+            kw = dict(src=src, dst=dst, n=jnp.int32(n), axis=SLOT_AXIS)
             loop_n = jax.jit(partial(move_entries, **kw))(x)
             loop_m = jax.jit(partial(move_entries, static=True, **kw))(x)
             np.testing.assert_array_equal(np.asarray(loop_m), np.asarray(loop_n), err_msg=f"start {start} n {n}")
@@ -143,44 +134,14 @@ def test_commit_loop_of_static_length_moves_what_the_loop_of_n_moves(layout):
                 assert not np.array_equal(np.asarray(loop_n), np.asarray(x)) or rel[:n] == list(range(n))
 
 
-@pytest.mark.parametrize("use_kernels", [True, False])
-def test_head_and_slot_major_caches_decode_alike(params, use_kernels):
-    """The two cache layouts hold the same numbers: prefill, a tree-masked forward, its commit and a decode step
-    give the same logits bit for bit (kernel and XLA paths), and the caches are each other's transpose."""
-    from ddd_jax.backends.cpu import kernels
-    n = len(TREE_TOKENS)
-    anc = np.eye(n, dtype=bool)
-    for i in range(1, n):
-        anc[i] |= anc[TREE_PARENT[i]]
-    prefix = np.array([[5, 9, 13, 2, 77], [8, 1, 0, 4, 60]])
-    run = {}
-    with kernels.enabled(use_kernels):
-        for layout in ("head", "slot"):
-            c = llama.new_cache(CFG, 2, 32, layout=layout)
-            o1 = forward(params, CFG, prefix, np.broadcast_to(np.arange(5), (2, 5)), c)
-            o2 = forward(params, CFG, np.array([TREE_TOKENS] * 2), 5 + np.broadcast_to(anc.sum(1) - 1, (2, n)),
-                         o1.cache, attn_mask=np.broadcast_to(anc, (2, n, n)))
-            c3 = commit(o2.cache, jnp.array([5, 5]), jnp.array([[0, 1, 4], [0, 2, 5]]), jnp.array([3, 2]))
-            o4 = forward(params, CFG, np.array([[7], [9]]), np.array([[8], [7]]), c3)
-            assert o4.cache.layout == layout
-            run[layout] = [np.asarray(o.logits) for o in (o1, o2, o4)], o4.cache
-    for a, b in zip(run["head"][0], run["slot"][0]):
-        np.testing.assert_array_equal(a, b)
-    for name in ("k", "v"):
-        np.testing.assert_array_equal(np.swapaxes(np.asarray(getattr(run["head"][1], name)), 2, 3),
-                                      np.asarray(getattr(run["slot"][1], name)))
-
-
-def test_cache_layout_errors_are_clear(params):
-    from ddd_jax.cache import KVCache, init_cache
-    with pytest.raises(ValueError, match="layout must be one of"):
-        init_cache(1, 1, 8, 2, 4, layout="heads")
+def test_cache_shape_errors_are_clear(params):
+    """A cache built by hand slot-major ([L, B, S, K, H]) is named, not misread."""
+    from ddd_jax.cache import KVCache
     c = llama.new_cache(CFG, 1, 8)
-    with pytest.raises(ValueError, match="layout must be one of"):
-        KVCache(c.k, c.v, c.length, layout="kv")
-    # a head-major cache rebuilt without its layout reads as slot-major [L, B, S, K, H]: named, not misread
-    with pytest.raises(ValueError, match="needs KVCache\\(..., layout='head'\\)"):
-        forward(params, CFG, np.array([[1]]), np.array([[0]]), KVCache(c.k, c.v, c.length))
+    slot_major = KVCache(jnp.swapaxes(c.k, 2, 3), jnp.swapaxes(c.v, 2, 3), c.length)
+    with pytest.raises(ValueError, match=r"is not \[L, B, K, S, H\] with L=3, K=2, H=16"):
+        forward(params, CFG, np.array([[1]]), np.array([[0]]), slot_major)
+
 
 
 def test_vanilla_sampling_is_seeded(params):

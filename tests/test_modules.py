@@ -92,9 +92,9 @@ def test_head_module_layout_roundtrip_and_forward(draft_vocab):
     chex.assert_trees_all_equal(h(tmod.embed[...], tokens, features, pos), ref)
     chex.assert_trees_all_equal(h(tmod, tokens, features, pos), ref)
     cache = eagle.new_cache(dcfg, B, 16)
-    kv_mask = layers.tree_kv_mask(cache.length, 16, layers.causal_mask(B, T))  # [B, T, S]
-    chex.assert_trees_all_equal(h(tmod, tokens, features, pos, cache=cache, kv_mask=kv_mask),
-                                eagle.head_forward(params, dcfg, tmod.embed[...], tokens, features, pos, cache, kv_mask))
+    mask = layers.causal_mask(B, T)  # [B, T, T]
+    chex.assert_trees_all_equal(h(tmod, tokens, features, pos, cache=cache, attn_mask=mask),
+                                eagle.head_forward(params, dcfg, tmod.embed[...], tokens, features, pos, cache, mask))
     # (features, logits) like Draft.forward (which is jitted: close, not bit-equal)
     draft = Draft(dcfg, params, Target("t", CFG, tmod.to_params()))
     chex.assert_trees_all_close(h.forward(tmod, tokens, features), draft.forward(tokens, features),

@@ -2,7 +2,7 @@
 
 On GPUs JAX's default runs float32 products as TF32, and a forward of many tokens then rounds differently from a
 forward of one, so speculative decoding left vanilla's tokens at near-ties (README: an H200 run). These tests read
-the traced programs (every dot of the target, the EAGLE and EAGLE-3 heads, both layouts of the XLA attention and
+the traced programs (every dot of the target, the EAGLE and EAGLE-3 heads, the XLA attention and
 the XLA branch of the CPU kernels' products), so they hold on the CPU that CI has."""
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ def dots(fn, *args) -> list[tuple[tuple[str, ...], object]]:
             for e in jaxpr_eqns(fn, *args) if e.primitive.name == "dot_general"]
 
 
-def _decode_programs(target, draft, layout):
+def _decode_programs(target, draft):
     """A prefill, a 3-token verification-shaped forward over a cache, and a draft step."""
     B, T = 1, 5
     toks = jnp.arange(1, T + 1, dtype=jnp.int32)[None]
     pos = jnp.arange(T, dtype=jnp.int32)[None]
-    cache = llama.new_cache(target.config, B, 16, target.params["embed"].dtype, layout=layout)
+    cache = llama.new_cache(target.config, B, 16, target.params["embed"].dtype)
 
     def target_fn(toks, pos, cache):
         out = target.forward(toks, pos, cache)
@@ -44,10 +44,9 @@ def _decode_programs(target, draft, layout):
     return dots(target_fn, toks, pos, cache) + dots(draft_fn, toks, feats)
 
 
-@pytest.mark.parametrize("layout", ["head", "slot"])
-def test_float32_products_are_highest(layout):
+def test_float32_products_are_highest():
     target = tiny_target(0)
-    found = _decode_programs(target, init_draft(target, 0), layout)
+    found = _decode_programs(target, init_draft(target, 0))
     f32 = [p for dt, p in found if dt == ("float32", "float32")]
     assert len(f32) >= 8  # q/k/v/o, gate/up/down, scores, p @ v, lm_head, the head's fc and layer
     assert all(p == HIGHEST for p in f32), [p for p in f32 if p != HIGHEST]
@@ -57,7 +56,7 @@ def test_float32_products_are_highest(layout):
 def test_a_default_precision_set_by_the_user_wins(default):
     target = tiny_target(0)
     with jax.default_matmul_precision(default):
-        found = _decode_programs(target, init_draft(target, 0), "head")
+        found = _decode_programs(target, init_draft(target, 0))
         assert precision(jnp.ones(2), jnp.ones(2)) is None
         (_, plain), = dots(jnp.dot, jnp.ones((2, 2)), jnp.ones((2, 2)))  # what JAX makes of that default
     assert found and all(p == plain for _, p in found), (plain, found)
@@ -69,7 +68,7 @@ def test_other_dtypes_keep_jax_default():
     bf = type(target)(target.name, target.config, params)
     found = dots(lambda t, p, c: bf.forward(t, p, c).logits, jnp.ones((1, 3), jnp.int32),
                  jnp.arange(3, dtype=jnp.int32)[None],
-                 llama.new_cache(bf.config, 1, 8, jnp.bfloat16, layout="head"))
+                 llama.new_cache(bf.config, 1, 8, jnp.bfloat16))
     bf16 = [p for dt, p in found if "bfloat16" in dt]
     assert bf16 and all(p is None for p in bf16)
     assert precision(jnp.ones(2, jnp.float32), jnp.ones(2, jnp.bfloat16)) is None

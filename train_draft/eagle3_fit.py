@@ -45,7 +45,7 @@ import optax
 
 from ddd_jax import eagle, eagle3, layers, llama
 from ddd_jax import io as dio
-from ddd_jax.cache import KVCache
+from ddd_jax.cache import init_cache, with_length
 from ddd_jax.checkpoints.ours import save_draft
 from ddd_jax.config import DraftConfig
 
@@ -157,9 +157,7 @@ def ttt_loss(params, d2t, dcfg: DraftConfig, fcfg: Fit3Config, tparams, tcfg, id
     p_all = jax.lax.stop_gradient(jax.nn.softmax(full[..., d2t], axis=-1))  # [B, L, V'] target_p
     embed = tparams["embed"]
     dp = {**params, "d2t": d2t}
-    cache = KVCache(k=jnp.zeros((1, B, K * L, dcfg.num_key_value_heads, dcfg.head_dim), aux.dtype),
-                    v=jnp.zeros((1, B, K * L, dcfg.num_key_value_heads, dcfg.head_dim), aux.dtype),
-                    length=jnp.zeros((B,), jnp.int32))
+    cache = init_cache(1, B, K * L, dcfg.num_key_value_heads, dcfg.head_dim, aux.dtype)
     eye = jnp.broadcast_to(jnp.eye(L, dtype=bool), (B, L, L))
     h = eagle3.project_features(dp, dcfg, aux)
     denom = None
@@ -170,7 +168,7 @@ def ttt_loss(params, d2t, dcfg: DraftConfig, fcfg: Fit3Config, tparams, tcfg, id
         blocks = [causal_same] + [eye] * k + [jnp.zeros((B, L, L), bool)] * (K - 1 - k)
         kv = jnp.concatenate(blocks, axis=-1)  # [B, L, K*L]: step 0 causal, steps 1..k diagonal
         h, cache = eagle3.head_forward(dp, dcfg, embed, _shift(ids, 1 + k), h, pos + k,
-                                       KVCache(cache.k, cache.v, jnp.full((B,), k * L, jnp.int32)), kv)
+                                       with_length(cache, jnp.full((B,), k * L, jnp.int32)), kv, mask_start=0)
         logq = jax.nn.log_softmax(eagle3.logits(dp, dcfg, h).astype(jnp.float32), axis=-1)
         p = _shift(p_all, 1 + k)
         ce = -jnp.sum(p * logq, axis=-1)

@@ -234,7 +234,7 @@ def loss_sums(params, dcfg: DraftConfig, embed, lm_w, mb: Batch, key, noise: flo
         f_in = f_in + (jax.random.uniform(key, f_in.shape, jnp.float32) - 0.5) * noise
     p = jax.tree.map(lambda w: w.astype(dtype), params)
     g, _ = eagle.head_forward(p, dcfg, embed.astype(dtype), mb.tokens, f_in.astype(dtype), mb.positions,
-                              kv_mask=packed_mask(mb.segments))
+                              attn_mask=packed_mask(mb.segments))
     g = g.astype(jnp.float32)
     tgt = mb.feat_tgt.astype(jnp.float32)
     m = mb.mask

@@ -25,7 +25,7 @@ import numpy as np
 from ddd_jax import llama
 from ddd_jax.cache import with_length
 from ddd_jax.eagle import draft_logits, head_forward, new_cache as new_draft_cache
-from ddd_jax.layers import causal_mask, tree_kv_mask
+from ddd_jax.layers import causal_mask
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -51,8 +51,7 @@ def _target_step(params, cfg, cache, tokens, positions, mask, logits: bool = Fal
 
 @partial(jax.jit, static_argnames=("dcfg", "tcfg"), donate_argnames=("cache",))
 def _draft_step(dparams, dcfg, tparams, tcfg, cache, tokens, feats, positions, mask):
-    h, new = head_forward(dparams, dcfg, tparams["embed"], tokens, feats, positions, cache,
-                          tree_kv_mask(cache.length, cache.capacity, mask))
+    h, new = head_forward(dparams, dcfg, tparams["embed"], tokens, feats, positions, cache, mask)
     return draft_logits(dparams, tparams, tcfg, h, dcfg), with_length(new, cache.length)
 
 

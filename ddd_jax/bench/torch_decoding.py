@@ -61,7 +61,6 @@ from ddd_jax.checkpoints.keytable import export
 from ddd_jax.checkpoints.torch_ref import TorchEagleHead
 from ddd_jax.config import DDDConfig, TreeConfig
 from ddd_jax.decode import GenerateResult, make_plan
-from ddd_jax.llama import output_embedding
 from ddd_jax.backends.cpu.quant import dequantize_tree
 
 METHODS = ("vanilla", "eagle2", "ddd")

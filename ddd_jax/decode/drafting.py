@@ -34,7 +34,6 @@ from jax.experimental import io_callback
 from ..cache import KVCache, with_length
 from ..config import LOOKUP_MAX_NGRAM
 from ..eagle import draft_logits, head_forward, new_cache, project_features
-from ..layers import causal_mask, tree_kv_mask
 from ..tree import Beam, Tree, add_lookup, build_tree, confidence, expand, first_beam, lookup_chain
 
 # (step, confidence [B], active [B], threshold) -> keep drafting [B] bool. Runs on the host (sync="callback").
@@ -84,12 +83,11 @@ class Draft:
 def fill_prefix(dparams, plan, tparams, tokens, hidden, positions, length, capacity: int) -> KVCache:
     """Prefill of the draft cache: pairs (x_{i+1}, f_i) for i < length-1 (the last pair stays pending for the
     first cycle's step 0). tokens, positions [B, T]; hidden [B, T, D] target features. Returns the draft cache."""
-    B, T = tokens.shape
+    B = tokens.shape[0]
     shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
     dcache = new_cache(plan.dcfg, B, capacity, tparams["embed"].dtype)
     hidden = project_features(dparams, plan.dcfg, hidden)  # EAGLE-3: fc over the 3 layers' features
-    _, dcache = head_forward(dparams, plan.dcfg, tparams["embed"], shifted, hidden, positions, dcache,
-                             tree_kv_mask(dcache.length, capacity, causal_mask(B, T)))
+    _, dcache = head_forward(dparams, plan.dcfg, tparams["embed"], shifted, hidden, positions, dcache)
     return with_length(dcache, length - 1)
 
 
@@ -125,11 +123,10 @@ def draft_prefix(dparams, plan, tparams, dcache: KVCache, pend_tok, pend_feat, p
 
 
 def _prefix_forward(dparams, plan, tparams, dcache: KVCache, pend_tok, pend_feat, pend_n):
-    B, M = pend_tok.shape
+    M = pend_tok.shape[1]
     pos = dcache.length[:, None] + jnp.arange(M, dtype=jnp.int32)[None]
-    kv = tree_kv_mask(dcache.length, dcache.capacity, causal_mask(B, M))
     feat = project_features(dparams, plan.dcfg, pend_feat)  # EAGLE-3: fc; beam features stay D wide
-    h, dc = head_forward(dparams, plan.dcfg, tparams["embed"], pend_tok, feat, pos, dcache, kv)
+    h, dc = head_forward(dparams, plan.dcfg, tparams["embed"], pend_tok, feat, pos, dcache)
     last = jnp.take_along_axis(h, (pend_n - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
     return with_length(dc, dcache.length + pend_n), last, draft_logits(dparams, tparams, plan.tcfg, last, plan.dcfg)
 
@@ -137,16 +134,12 @@ def _prefix_forward(dparams, plan, tparams, dcache: KVCache, pend_tok, pend_feat
 def draft_step(dparams, plan, tparams, dcache: KVCache, base, beam: Beam) -> tuple[KVCache, Beam]:
     """One expansion step: the head on the beam (each node sees the prefix [0, base) and its ancestors in the
     scratch area [base, base + max_depth*k)), then `tree.expand`."""
-    k, W = plan.top_k, plan.scratch
+    k = plan.top_k
     B = beam.tok.shape[0]
-    rel = jnp.arange(dcache.capacity)[None, :] - base[:, None]  # [B, S]
-    in_scr = (rel >= 0) & (rel < W)
-    anc = jnp.take_along_axis(beam.anc, jnp.broadcast_to(jnp.clip(rel, 0, W - 1)[:, None, :],
-                                                         (B, k, dcache.capacity)), axis=2)
-    kv = (rel < 0)[:, None, :] | (in_scr[:, None, :] & anc)
     pos = jnp.broadcast_to((base + beam.step)[:, None], (B, k)).astype(jnp.int32)
-    view = with_length(dcache, base + beam.step * k)
-    h, dc = head_forward(dparams, plan.dcfg, tparams["embed"], beam.tok, beam.feat, pos, view, kv)
+    view = with_length(dcache, base + beam.step * k)  # the beam's K/V go to the next k scratch slots
+    h, dc = head_forward(dparams, plan.dcfg, tparams["embed"], beam.tok, beam.feat, pos, view,
+                         attn_mask=beam.anc, mask_start=base)
     logp = draft_logits(dparams, tparams, plan.tcfg, h, plan.dcfg)
     return with_length(dc, dcache.length), expand(beam, h, logp, k, plan.max_depth, dparams.get("d2t"))
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import glob
 import os
 import sys
@@ -484,43 +483,42 @@ def greedy_screened(x, data, n: int, scr, bound, first_max):
 
 
 # ----------------------------------------------------------------------------------------------- attention
-def _attention_call(q, k5, v5, layer, mask, head_major: bool):
+def _attention_call(q, k5, v5, layer, mask):
     B, T, N, H = q.shape
     call = jax.ffi.ffi_call("ddd_attention", jax.ShapeDtypeStruct((B, T, N * H), jnp.float32),
                             vmap_method="sequential")
-    return call(q, k5, v5, layer, mask, head_major=head_major)
+    return call(q, k5, v5, layer, mask)
 
 
-def _attention_impl(q, k5, v5, layer, mask, reference, head_major):
+def _attention_impl(q, k5, v5, layer, mask, reference):
     return jax.lax.platform_dependent(
-        q, k5, v5, layer, mask, cpu=functools.partial(_attention_call, head_major=head_major),
+        q, k5, v5, layer, mask, cpu=_attention_call,
         default=lambda q, k5, v5, layer, mask: reference(q, k5[layer], v5[layer], mask))
 
 
-def _attention_fwd(q, k5, v5, layer, mask, reference, head_major):
-    return _attention_impl(q, k5, v5, layer, mask, reference, head_major), (q, k5, v5, layer, mask)
+def _attention_fwd(q, k5, v5, layer, mask, reference):
+    return _attention_impl(q, k5, v5, layer, mask, reference), (q, k5, v5, layer, mask)
 
 
-def _attention_bwd(reference, head_major, res, g):  # XLA's attention differentiated (training never needs the kernel)
+def _attention_bwd(reference, res, g):  # XLA's attention differentiated (training never needs the kernel)
     q, k5, v5, layer, mask = res
     _, vjp = jax.vjp(lambda q, k5, v5: reference(q, k5[layer], v5[layer], mask), q, k5, v5)
     return (*vjp(g), None, None)
 
 
-_attention = jax.custom_vjp(_attention_impl, nondiff_argnums=(5, 6))
+_attention = jax.custom_vjp(_attention_impl, nondiff_argnums=(5,))
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def attention(q, k, v, mask, layer, reference, head_major: bool = False):
-    """Masked GQA attention through the kernel: q [B, T, N, H]; k, v [L, B, S, K, H] with `layer`
-    (or [B, S, K, H] when layer is None), or head-major [L, B, K, S, H] / [B, K, S, H] with head_major=True;
-    mask [B, T, S] bool. Returns [B, T, N*H] float32. `reference` is the XLA implementation for that layout with
-    the same signature minus layer (used off CPU and for gradients)."""
+def attention(q, k, v, mask, layer, reference):
+    """Masked GQA attention through the kernel: q [B, T, N, H]; k, v [L, B, K, S, H] with `layer` (or [B, K, S, H]
+    when layer is None); mask [B, T, S] bool. Returns [B, T, N*H] float32. `reference` is the XLA implementation
+    with the same signature minus layer (used off CPU and for gradients)."""
     if layer is None:
         k, v, layer = k[None], v[None], 0
     if not available():
         return reference(q, k[layer], v[layer], mask)
-    return _attention(q, k, v, jnp.asarray(layer, jnp.int32), mask, reference, bool(head_major))
+    return _attention(q, k, v, jnp.asarray(layer, jnp.int32), mask, reference)
 
 
 def attention_usable(q, k) -> bool:

@@ -12,8 +12,8 @@
 //   exactly, four rows at a time (eight on AVX-512), into an L1 buffer that the float32 trans kernel reads:
 //   bitwise that kernel's product of the dequantized weight). A 4-bit target reads ~1/6 of its float32 bytes per
 //   forward.
-// ddd_attention: q [B, T, N, H] against layer `layer` of k, v [L, B, Kh, S, H] (head-major caches) or
-//   [L, B, S, Kh, H] (slot-major; attribute head_major) under mask [B, T, S].
+// ddd_attention: q [B, T, N, H] against layer `layer` of k, v [L, B, Kh, S, H] (head-major caches) under
+//   mask [B, T, S].
 //
 // Numerics: float32 products and sums, each output element reduced in one fixed order that depends only on the
 // reduced length (never on M, on how rows are tiled, or on how columns are split between threads):
@@ -2313,17 +2313,16 @@ DDD_AVX2 void attend_rows(const float* q, const float* k, const float* v, const 
     }
 }
 
-// q [B, T, N, H]; k, v [L, B, Kh, S, H] when head_major (a KV head's slots are one run of memory, which a chunk
-// reads start to end), else [L, B, S, Kh, H] (a slot's heads side by side: a chunk reads 256 bytes of every
-// 768 for SmolLM2) -- layer `layer` is used; mask [B, T, S]; out [B, T, N*H]. The same arithmetic either way.
+// q [B, T, N, H]; k, v [L, B, Kh, S, H] (a KV head's slots are one run of memory, which a chunk reads start to
+// end) -- layer `layer` is used; mask [B, T, S]; out [B, T, N*H].
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                      ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::PRED> mask,
-                     ffi::ResultBuffer<ffi::F32> out, bool head_major) {
+                     ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 5) return ffi::Error::InvalidArgument("ddd_attention: bad ranks");
   const int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3];
-  const int64_t L = kd[0], S = head_major ? kd[3] : kd[2], Kh = head_major ? kd[2] : kd[3];
+  const int64_t L = kd[0], S = kd[3], Kh = kd[2];
   if (kd[1] != B || kd[4] != H || Kh == 0 || N % Kh != 0 || mask.element_count() != B * T * S)
     return ffi::Error::InvalidArgument("ddd_attention: shape mismatch");
   const int64_t l = layer_index(layer, L);
@@ -2347,9 +2346,9 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
     const int64_t kh = c % Kh, bg = c / Kh;
     const int64_t n_rg = (T + rows_per - 1) / rows_per;
     const int64_t b = bg / n_rg, t0 = (bg % n_rg) * rows_per, t1 = std::min(T, t0 + rows_per);
-    const int64_t r0 = b * T + t0, off = head_major ? (b * Kh + kh) * S * H : b * S * Kh * H + kh * H;
+    const int64_t r0 = b * T + t0, off = (b * Kh + kh) * S * H;
     attend_rows(qp + r0 * N * H + kh * G * H, kp + off, vp + off, mp + r0 * S, op + r0 * N * H + kh * G * H,
-                t1 - t0, N * H, S, G, head_major ? H : Kh * H, H, scale, rows);
+                t1 - t0, N * H, S, G, H, H, scale, rows);
   });
   return ffi::Error::Success();
 }
@@ -2432,12 +2431,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DddAttention, Attention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q [B, T, N, H]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k [L, B, Kh, S, H] or [L, B, S, Kh, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k [L, B, Kh, S, H]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // v, as k
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // mask [B, T, S]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [B, T, N*H]
-                                  .Attr<bool>("head_major"));     // k, v [L, B, Kh, S, H]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [B, T, N*H]
 
 extern "C" {
 // 1 when this CPU runs the kernels (AVX2 + FMA + F16C).
