@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from . import eagle, llama
+from . import eagle, llama, ops
 from .cache import KVCache
 from .checkpoints.keytable import check_shapes
 
@@ -72,12 +72,10 @@ class LlamaModule(_ParamsModule):
     def from_target(cls, target) -> "LlamaModule":
         """A view of a `ddd_jax.Target`'s weights (shares its arrays; panel-major layer matrices, the CPU default,
         are unpacked into row-major copies: `load_target(..., panels=False)` shares them all)."""
-        from .backends.cpu.panels import unpack_params
-        from .backends.cpu.quant import has_blocks
-        if has_blocks(target.params):
+        if ops.has_blocks(target.params):
             raise ValueError(f"target {target.name!r} keeps GGUF blocks (gguf_blocks=True): nnx modules hold float "
                              "arrays; load it without gguf_blocks to train or compose it as a module")
-        return cls(target.config, unpack_params(target.params))
+        return cls(target.config, ops.unpacked(target.params))
 
     def __call__(self, tokens, positions, cache: KVCache | None = None, attn_mask=None, logit_index=None,
                  return_logits: bool = True) -> llama.Output:
@@ -96,8 +94,7 @@ class EagleHeadModule(_ParamsModule):
     @classmethod
     def from_draft(cls, draft) -> "EagleHeadModule":
         """A view of a `ddd_jax.Draft`'s head weights (shares its arrays; the target stays with the draft)."""
-        from .backends.cpu.quant import has_blocks
-        if has_blocks(draft.params):
+        if ops.has_blocks(draft.params):
             raise ValueError("this head is stored as GGUF blocks (Draft.astype('q8_0'...)): nnx modules hold float "
                              "arrays; use the float head to train or compose it as a module")
         return cls(draft.config, draft.params)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from .backends import Packed, precision
 from .backends.cpu import kernels as _cpu
 from .backends.cpu import pack as _pack
+from .backends.cpu import panels as _panels
 from .backends.cpu import quant as _quant
 
 __all__ = ["Packed", "precision", "matmul", "take_rows", "output_rows", "greedy_head", "greedy_tokens",
@@ -90,7 +91,18 @@ def is_block(x) -> bool:
 
 
 def has_blocks(tree) -> bool:
+    """Whether any weight of `tree` is kept as GGUF blocks."""
     return _quant.has_blocks(tree)
+
+
+def has_panels(tree) -> bool:
+    """Whether any float weight of `tree` is laid out for the backend's products (the CPU's panel-major matrices)."""
+    return _panels.has_panels(tree)
+
+
+def unpacked(tree):
+    """The same pytree with every backend-laid-out float weight as its plain row-major array."""
+    return _panels.unpack_params(tree)
 
 
 def quantize(w, kind: str, transposed: bool = False):

@@ -32,15 +32,13 @@ class Target:
     def __post_init__(self):
         check_shapes(self.params, llama.param_shapes(self.config), f"target {self.name!r}")
         if self.mesh is not None:  # no-op for params a loader already placed tensor by tensor
-            from . import sharding
-            from .backends.cpu.panels import has_panels
-            from .backends.cpu.quant import has_blocks
-            if has_blocks(self.params):
+            from . import ops, sharding
+            if ops.has_blocks(self.params):
                 raise ValueError(f"target {self.name!r}: GGUF blocks (gguf_blocks=True) are not sharded over a mesh "
                                  "yet; load float weights to shard")
-            if has_panels(self.params):
+            if ops.has_panels(self.params):
                 raise ValueError(f"target {self.name!r}: panel-major weights are not sharded over a mesh; "
-                                 "load with panels=False (or panels.unpack_params) to shard")
+                                 "load with panels=False (or ops.unpacked(params)) to shard")
             sharding.check_mesh(self.mesh)
             sharding.check_divisible(self.config, self.mesh, f"target {self.name!r}")
             self.params = sharding.place_params(self.params, llama.param_axes(self.config), self.mesh)
