@@ -71,9 +71,11 @@ def project_features(dparams, dcfg: DraftConfig, feats):
 
 
 def head_forward(dparams, dcfg: DraftConfig, embed, tokens, h, positions, cache=None, attn_mask=None,
-                 mask_start=None):
+                 mask_start=None, attend=None):
     """The layer over (token, hidden) pairs: tokens [B, T], h [B, T, D] (projected target features or the head's
-    own earlier outputs), positions [B, T]. Cache and mask as `eagle.head_forward`. Returns (out [B,T,D], cache)."""
+    own earlier outputs), positions [B, T]. Cache and mask as `eagle.head_forward`; attend replaces the masked
+    attention over the cache (`llama.decoder_stack`: training-time test's `layers.ttt_attention`). Returns
+    (out [B,T,D], cache)."""
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
     table = dparams.get("embed", embed)
@@ -83,8 +85,10 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, h, positions, cache=
     def qkv_input(x, p):  # LlamaDecoderLayeremb: cat((input_layernorm(emb), hidden_norm(h)), -1)
         return jnp.concatenate([rms_norm(e, p["emb_norm"], eps), rms_norm(x, p["hidden_norm"], eps)], axis=-1)
 
-    kv_mask = cache_mask(causal_mask(B, T) if attn_mask is None else attn_mask, cache, mask_start)
-    return decoder_stack(dparams["layers"], dcfg.layer_config(), h, positions, cache, kv_mask, qkv_input=qkv_input)
+    kv_mask = None if attend is not None else cache_mask(causal_mask(B, T) if attn_mask is None else attn_mask,
+                                                         cache, mask_start)
+    return decoder_stack(dparams["layers"], dcfg.layer_config(), h, positions, cache, kv_mask, qkv_input=qkv_input,
+                         attend=attend)
 
 
 def logits(dparams, dcfg: DraftConfig, h):

@@ -151,6 +151,35 @@ def _attention_xla(q, k, v, mask):  # k, v [B, K, S, H]
     return out.reshape(B, T, N * H)
 
 
+def ttt_attention(q, k, v, mask0, steps: int):
+    """Training-time test's attention (EAGLE-3): unrolled step `steps` of a head over T positions, with step s's
+    keys / values in slots [s*T, (s+1)*T) of k, v [B, K, S, H]. Query t attends step 0's slots as mask0 [B, T, T]
+    allows (causal within its packed sequence) and, from each step 1 <= s <= steps, the slot of its own position
+    (s*T + t). `attention` over the equivalent [B, T, S] mask gives the same values (to float rounding) computing
+    T*S scores; this computes T*(T + steps). Softmax in float32. Returns [B, T, N*H]."""
+    B, T, N, H = q.shape
+    K = k.shape[1]
+    G = N // K
+    qg = q.reshape(B, T, K, G, H)
+    scale = 1.0 / math.sqrt(H)
+    k0, v0 = k[:, :, :T], v[:, :, :T]
+    s0 = jnp.einsum("btkgh,bksh->bkgts", qg, k0, precision=ops.precision(qg, k0), preferred_element_type=jnp.float32)
+    logits = jnp.where(mask0[:, None, None], s0 * scale, NEG_INF)  # [B, K, G, T, T]
+    if steps:
+        kd = k[:, :, T:(steps + 1) * T].reshape(B, K, steps, T, H)  # [B, K, steps, T, H]: step s at position t
+        vd = v[:, :, T:(steps + 1) * T].reshape(B, K, steps, T, H)
+        sd = jnp.einsum("btkgh,bksth->bkgts", qg, kd, precision=ops.precision(qg, kd),
+                        preferred_element_type=jnp.float32)  # [B, K, G, T, steps]
+        logits = jnp.concatenate([logits, sd * scale], axis=-1)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    p0 = probs[..., :T]
+    out = jnp.einsum("bkgts,bksh->btkgh", p0, v0, precision=ops.precision(p0, v0))
+    if steps:
+        pd = probs[..., T:]
+        out = out + jnp.einsum("bkgts,bksth->btkgh", pd, vd, precision=ops.precision(pd, vd))
+    return out.reshape(B, T, N * H)
+
+
 def mlp(x, w_gate, w_up, w_down, layer=None):
     """SwiGLU: down(silu(gate(x)) * up(x)). w_gate/w_up: [D, F]; w_down: [F, D] (or stacked, see `linear`)."""
     return linear(jax.nn.silu(linear(x, w_gate, layer)) * linear(x, w_up, layer), w_down, layer)

@@ -124,7 +124,7 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.float32, std: float = 0.02) -> 
 
 
 def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | None, kv_mask,
-                  aux_layers: tuple = (), qkv_input=None):
+                  aux_layers: tuple = (), qkv_input=None, attend=None):
     """Run stacked decoder layers.
 
     lp: stacked layer params (leading L axis); x: [B, T, D]; positions: [B, T].
@@ -133,6 +133,9 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
     aux_layers (static): also return the residual stream *entering* these layers (HF `hidden_states[i]`),
     collected inside the scan. qkv_input: optional (x, p) -> what q/k/v read, replacing the input norm
     (EAGLE-3's layer: cat(norm(embed), hidden_norm(x)) while the residual stream stays x).
+    attend: optional (q, k, v, i) -> [B, T, N*H], with a cache, replacing masked attention over layer i of the
+    stacked caches k, v [L, B, K, S, H] (kv_mask then unused): the training-time test's sparse form,
+    `layers.ttt_attention`.
     Returns (x, cache with k/v written; length unchanged), plus aux [A, B, T, D] when aux_layers is given.
     """
     B, T, _ = x.shape
@@ -192,7 +195,8 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
         at = (i, b_idx, slice(None), dst)
         kall = kall.at[at].set(k.astype(kall.dtype), mode="drop")
         vall = vall.at[at].set(v.astype(vall.dtype), mode="drop")
-        x = rest(x, p, i, L.attention(q, kall, vall, kv_mask, i))
+        a = L.attention(q, kall, vall, kv_mask, i) if attend is None else attend(q, kall, vall, i)
+        x = rest(x, p, i, a)
         return (x, kall, vall, aux), None
 
     (x, kall, vall, aux), _ = jax.lax.scan(body, (x, cache.k, cache.v, aux0), (small, layer_ids))

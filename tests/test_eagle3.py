@@ -202,6 +202,38 @@ def token_data(t: Target, n: int = 24, new: int = 36):
                       [str(i) for i in range(n)], {"source": {"kind": "test"}})
 
 
+@pytest.mark.parametrize("steps", [0, 1, 3])
+def test_ttt_attention_is_the_masked_attention_it_replaces(steps):
+    """Training-time test's sparse attention (step 0's keys under the packed causal mask, then one key per later
+    step at the query's own position) gives the values and gradients of full masked attention over all the
+    unrolled steps' slots, on every row that may attend something (padding rows with nothing to attend differ:
+    uniform over other slots, and the loss never reads them)."""
+    from ddd_jax import layers
+    rng = np.random.default_rng(steps)
+    B, T, N, K, H, KT = 2, 7, 4, 2, 8, 4  # KT unrolled steps' slots in the cache
+    q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((B, K, KT * T, H)), jnp.float32) for _ in range(2))
+    seg = np.array([[1, 1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 0, 0]])  # two packed sequences, then padding
+    mask0 = np.tril(np.ones((T, T), bool))[None] & (seg[:, :, None] == seg[:, None, :]) & (seg > 0)[:, :, None]
+    eye = np.broadcast_to(np.eye(T, dtype=bool), (B, T, T))
+    full = np.concatenate([mask0] + [eye] * steps + [np.zeros((B, T, T), bool)] * (KT - 1 - steps), axis=-1)
+    rows = full.any(-1)  # [B, T]
+
+    def sparse(q, k, v):
+        return layers.ttt_attention(q, k, v, jnp.asarray(mask0), steps)
+
+    def dense(q, k, v):
+        return layers.attention(q, k, v, jnp.asarray(full))
+
+    np.testing.assert_allclose(np.asarray(sparse(q, k, v))[rows], np.asarray(dense(q, k, v))[rows], rtol=1e-5,
+                               atol=1e-6)
+    w = jnp.asarray(rng.standard_normal((B, T, N * H)), jnp.float32) * jnp.asarray(rows)[..., None]
+    gs = jax.grad(lambda *a: jnp.sum(sparse(*a) * w), argnums=(0, 1, 2))(q, k, v)
+    gd = jax.grad(lambda *a: jnp.sum(dense(*a) * w), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(gs, gd):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.slow  # time (test-fast budget); `make test` runs it
 def test_ttt_training_loss_falls_and_resume_is_exact(tmp_path):
     from train_draft.eagle3_fit import Fit3Config, fit_eagle3

@@ -36,6 +36,7 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -158,17 +159,16 @@ def ttt_loss(params, d2t, dcfg: DraftConfig, fcfg: Fit3Config, tparams, tcfg, id
     embed = tparams["embed"]
     dp = {**params, "d2t": d2t}
     cache = init_cache(1, B, K * L, dcfg.num_key_value_heads, dcfg.head_dim, aux.dtype)
-    eye = jnp.broadcast_to(jnp.eye(L, dtype=bool), (B, L, L))
     h = eagle3.project_features(dp, dcfg, aux)
     denom = None
     loss, metrics = 0.0, {}
     for k in range(K):
         valid = _shift(seg, 2 + k) == seg  # x_{c+1+k}, p_{c+1+k} and x_{c+2+k} belong to position c's sequence
         m = _shift(msk, 2 + k) * _shift(top_ok, 1 + k, False) * valid * (seg > 0)  # loss mask of x_{c+2+k}
-        blocks = [causal_same] + [eye] * k + [jnp.zeros((B, L, L), bool)] * (K - 1 - k)
-        kv = jnp.concatenate(blocks, axis=-1)  # [B, L, K*L]: step 0 causal, steps 1..k diagonal
+        # step k's queries attend step 0's keys causally and steps 1..k's at their own position
+        attend = partial(_ttt_attend, mask0=causal_same, steps=k)
         h, cache = eagle3.head_forward(dp, dcfg, embed, _shift(ids, 1 + k), h, pos + k,
-                                       with_length(cache, jnp.full((B,), k * L, jnp.int32)), kv, mask_start=0)
+                                       with_length(cache, jnp.full((B,), k * L, jnp.int32)), attend=attend)
         logq = jax.nn.log_softmax(eagle3.logits(dp, dcfg, h).astype(jnp.float32), axis=-1)
         p = _shift(p_all, 1 + k)
         ce = -jnp.sum(p * logq, axis=-1)
@@ -178,6 +178,11 @@ def ttt_loss(params, d2t, dcfg: DraftConfig, fcfg: Fit3Config, tparams, tcfg, id
         metrics[f"acc{k}"] = jnp.sum(m * (jnp.argmax(logq, -1) == jnp.argmax(p, -1))) / jnp.maximum(jnp.sum(m), 1.0)
     metrics["loss"] = loss
     return loss, metrics
+
+
+def _ttt_attend(q, k, v, i, *, mask0, steps: int):
+    """Layer i of the unrolled head's caches k, v [L, B, K, K*T, H] through `layers.ttt_attention`."""
+    return layers.ttt_attention(q, k[i], v[i], mask0, steps)
 
 
 def make_step(dcfg: DraftConfig, fcfg: Fit3Config, tcfg, tx):
