@@ -1,12 +1,13 @@
-"""How much device memory the recipe's EAGLE-3 fit step holds at its full size, from XLA's buffer assignment, without
-running it: the training-time-test step (B x L packed tokens, K unrolled head steps, the frozen target's forward
-inside) lowered with abstract inputs and compiled for this machine's backend. Run on the CPU, it sizes the step a
-GPU loan would run before the loan is spent finding out (GPU buffer assignment differs in detail, not in scale).
+"""How much device memory the recipe's fit steps hold at their full size, from XLA's buffer assignment, without
+running them: the EAGLE-3 training-time-test step (B x L packed tokens, K unrolled head steps, the frozen target's
+forward inside) and the EAGLE-1/2 step (precomputed features), lowered with abstract inputs and compiled for this
+machine's backend. Run on the CPU, it sizes the steps a GPU loan would run before the loan is spent finding out
+(GPU buffer assignment differs in detail, not in scale).
 
-    python experiments/recipe_memory.py [--target smollm2-135m-instruct] [--batch-size 8] [--seq-len 1024]
-                                        [--ttt-steps 7] [--dtype bfloat16]
+    python experiments/recipe_memory.py [--target smollm2-135m-instruct] [--head eagle3|eagle] [--batch-size B]
+                                        [--seq-len L] [--ttt-steps 7] [--dtype bfloat16]
 
-Prints one JSON line: the sizes and XLA's argument / output / temporary bytes, in GiB.
+Prints one JSON line: the sizes and XLA's argument / output / temporary bytes, in GiB (defaults: the recipe's).
 """
 from __future__ import annotations
 
@@ -23,8 +24,22 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from ddd_jax import eagle3, load_target  # noqa: E402
+from ddd_jax.config import DraftConfig  # noqa: E402
+from train_draft import train  # noqa: E402
 from train_draft.eagle3_fit import _trainable, eagle3_config, make_optimizer, make_step  # noqa: E402
 from train_draft.recipe import RecipeConfig  # noqa: E402
+
+GIB = 2.0 ** -30
+
+
+def _report(compiled, t0: float, **sizes) -> dict:
+    m = compiled.memory_analysis()
+    return {**sizes, "backend": jax.default_backend(), "compile_s": round(time.time() - t0, 1),
+            "argument_gib": round(m.argument_size_in_bytes * GIB, 2),
+            "output_gib": round(m.output_size_in_bytes * GIB, 2),
+            "temp_gib": round(m.temp_size_in_bytes * GIB, 2), "temp_bytes": int(m.temp_size_in_bytes),
+            "peak_gib_upper": round((m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes) * GIB,
+                                    2)}
 
 
 def step_memory(target, cfg) -> dict:
@@ -40,30 +55,52 @@ def step_memory(target, cfg) -> dict:
             tparams, i32, jax.ShapeDtypeStruct((B, L), jnp.float32), i32, i32)
     t0 = time.time()
     compiled = make_step(dcfg, cfg, target.config, tx).lower(*args).compile()
-    m = compiled.memory_analysis()
-    gib = 2.0 ** -30
-    return {"batch_size": B, "seq_len": L, "ttt_steps": cfg.ttt_steps, "dtype": cfg.dtype,
-            "draft_vocab_size": cfg.draft_vocab_size, "backend": jax.default_backend(),
-            "compile_s": round(time.time() - t0, 1),
-            "argument_gib": round(m.argument_size_in_bytes * gib, 2),
-            "output_gib": round(m.output_size_in_bytes * gib, 2),
-            "temp_gib": round(m.temp_size_in_bytes * gib, 2),
-            "peak_gib_upper": round((m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes) * gib, 2)}
+    return _report(compiled, t0, head="eagle3", batch_size=B, seq_len=L, ttt_steps=cfg.ttt_steps, dtype=cfg.dtype,
+                   draft_vocab_size=cfg.draft_vocab_size)
+
+
+def step_memory_eagle1(target, cfg) -> dict:
+    """XLA's memory analysis of one compiled EAGLE-1/2 fit step of `cfg` (a FitConfig) over `target`."""
+    dcfg = DraftConfig.from_target(target.config, target_name=target.name)
+    graphdef, state = train.abstract_train_state(dcfg, cfg)
+    leaves, treedef = jax.tree.flatten(state)
+    A, B, L, D = cfg.accum, cfg.batch_size, cfg.seq_len, target.config.hidden_size
+    V = target.config.vocab_size
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    batch = train.Batch(tokens=sds((A, B, L), jnp.int32), feat_in=sds((A, B, L, D), jnp.float16),
+                        feat_tgt=sds((A, B, L, D), jnp.float16), mask=sds((A, B, L), jnp.float32),
+                        positions=sds((A, B, L), jnp.int32), segments=sds((A, B, L), jnp.int32))
+    t0 = time.time()
+    step = train.make_train_step(graphdef, treedef, dcfg, cfg)
+    compiled = step.lower(leaves, sds((V, D), jnp.float32), sds((D, V), jnp.float32), batch,
+                          jax.eval_shape(lambda: jax.random.PRNGKey(0))).compile()
+    return _report(compiled, t0, head="eagle", batch_size=B, seq_len=L, accum=A, dtype=cfg.dtype,
+                   ce_positions=cfg.ce_positions)
 
 
 def main(argv=None) -> int:
-    base = RecipeConfig().eagle3
+    rc = RecipeConfig()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m-instruct")
-    ap.add_argument("--batch-size", type=int, default=base.batch_size)
-    ap.add_argument("--seq-len", type=int, default=base.seq_len)
-    ap.add_argument("--ttt-steps", type=int, default=base.ttt_steps)
-    ap.add_argument("--dtype", default=base.dtype)
+    ap.add_argument("--head", choices=("eagle3", "eagle"), default="eagle3")
+    ap.add_argument("--batch-size", type=int)
+    ap.add_argument("--seq-len", type=int)
+    ap.add_argument("--ttt-steps", type=int, default=rc.eagle3.ttt_steps)
+    ap.add_argument("--dtype")
     a = ap.parse_args(argv)
     os.environ.setdefault("DDD_JAX_NO_KERNELS", "1")  # the GPU run's path: XLA's products, no CPU kernels
     target = load_target(a.target, panels=False)
-    cfg = dataclasses.replace(base, batch_size=a.batch_size, seq_len=a.seq_len, ttt_steps=a.ttt_steps, dtype=a.dtype)
-    print(json.dumps({"target": target.name, **step_memory(target, cfg)}))
+    base = rc.eagle3 if a.head == "eagle3" else rc.eagle1
+    cfg = dataclasses.replace(base, batch_size=a.batch_size or base.batch_size, seq_len=a.seq_len or base.seq_len,
+                              dtype=a.dtype or base.dtype)
+    if a.head == "eagle3":
+        res = step_memory(target, dataclasses.replace(cfg, ttt_steps=a.ttt_steps))
+    else:
+        res = step_memory_eagle1(target, cfg)
+    print(json.dumps({"target": target.name, **res}))
     return 0
 
 

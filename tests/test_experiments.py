@@ -1,5 +1,5 @@
-"""The one-off A/B harnesses of experiments/ (kernel_ab, attention_ab and its C++ harness): bad input is refused,
-and the harness built from this checkout runs the kernel."""
+"""The one-off harnesses of experiments/ (kernel_ab, attention_ab and its C++ harness, recipe_memory): bad input is
+refused, the harness built from this checkout runs the kernel, the fit steps' memory is sized."""
 from __future__ import annotations
 
 import sys
@@ -55,3 +55,19 @@ def test_attention_harness_runs_the_kernel_and_its_bits_follow_the_rows(tmp_path
         assert one["us"] > 0 and two["us"] > 0
         assert one["checksum"] == two["checksum"]
     assert attention_ab.run(exe, 7, "l2", 1, 1)["checksum"] != two["checksum"]  # other layers' keys and values
+
+
+def test_recipe_memory_sizes_both_fit_steps_and_grows_with_the_batch():
+    """The fit steps compile from abstract inputs alone, and what XLA holds for them grows with the batch."""
+    import dataclasses
+    import recipe_memory
+    from test_eagle3 import tiny3
+    from train_draft.eagle3_fit import Fit3Config
+    from train_draft.train import FitConfig
+    t = tiny3()
+    e3 = Fit3Config(batch_size=1, seq_len=64, ttt_steps=3, draft_vocab_size=32)
+    one, two = (recipe_memory.step_memory(t, dataclasses.replace(e3, batch_size=b)) for b in (1, 2))
+    assert one["head"] == "eagle3" and one["ttt_steps"] == 3
+    assert 0 < one["temp_bytes"] < two["temp_bytes"]
+    e1 = recipe_memory.step_memory_eagle1(t, FitConfig(batch_size=2, seq_len=64))
+    assert e1["head"] == "eagle" and e1["temp_bytes"] > 0
