@@ -48,6 +48,17 @@ def test_max_records_and_bad_arguments(target, tmp_path):
         regenerate(target, _prompts(2), out, batch_size=0, progress=False)
 
 
+def test_a_spent_time_limit_still_takes_min_batches(target, tmp_path):
+    """With no time left, nothing is generated, unless the caller asks for a first batch anyway (the recipe's
+    training replies, which the later stages cannot do without)."""
+    r0 = regenerate(target, _prompts(5), tmp_path / "a.jsonl", max_new_tokens=4, batch_size=2, time_limit_s=0.0,
+                    progress=False)
+    assert r0["records"] == 0
+    r1 = regenerate(target, _prompts(5), tmp_path / "b.jsonl", max_new_tokens=4, batch_size=2, time_limit_s=0.0,
+                    min_batches=1, progress=False)
+    assert r1["records"] == 2 and len(load_records(tmp_path / "b.jsonl")) == 2
+
+
 def test_example_masks_only_the_reply_and_bad_files(tmp_path):
     ex = example_from_record({"id": "a", "prompt_len": 3, "ids": [5, 6, 7, 8, 9]}, max_len=4)
     assert ex["ids"].tolist() == [5, 6, 7, 8] and ex["mask"].tolist() == [0, 0, 0, 1]

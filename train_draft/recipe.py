@@ -309,7 +309,8 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     heads_dir = out / "heads"
     max_len = max(len(p) for _, p in inputs["train"] + inputs["holdout"]) + cfg.regen_max_new + 1
 
-    # (a) the target's own replies: the held-out ones first (few), then the training ones until the deadline
+    # (a) the target's own replies: the held-out ones first (few), then the training ones until the deadline, at
+    # least one batch of them even when the held-out ones took the whole share (later stages need training data)
     def regen():
         r = {}
         for part, n, path in (("holdout", cfg.holdout_prompts, out / "regen" / "holdout.jsonl"),
@@ -318,7 +319,7 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
             limit = left(at(cfg.regen_until)) if part == "train" else None
             r[part] = regenerate(target, prompts, path, max_new_tokens=cfg.regen_max_new,
                                  batch_size=min(cfg.regen_batch, len(prompts)), time_limit_s=limit,
-                                 progress=progress)
+                                 min_batches=1 if part == "train" else 0, progress=progress)
             r[part]["gen_tokens_per_s"] = round(r[part]["new_reply_tokens"] / max(r[part]["seconds"], 1e-9), 1)
         return r
 

@@ -83,13 +83,14 @@ def first_turn_prompts(target, items: list, max_prompt_len: int) -> tuple[list, 
 
 
 def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, batch_size: int = 16,
-               time_limit_s: float | None = None, max_records: int | None = None, progress: bool = True) -> dict:
+               time_limit_s: float | None = None, max_records: int | None = None, min_batches: int = 0,
+               progress: bool = True) -> dict:
     """Append the target's greedy replies to `prompts` ((id, token ids) pairs) to `out_path`, skipping ids there.
 
     Batches are formed from prompts of similar length (sorted within windows of 8 batches) so the batched
     prefill pads little; every batch has `batch_size` rows (a short last one is padded), so decoding compiles
-    once per prompt bucket. Stops at the first batch boundary after `time_limit_s`, or once the file holds
-    `max_records` records. Returns a summary.
+    once per prompt bucket. Stops at the first batch boundary after `time_limit_s` (but not before `min_batches`
+    batches of this call), or once the file holds `max_records` records. Returns a summary.
     """
     from ddd_jax import generate
     if batch_size < 1 or max_new_tokens < 1:
@@ -113,8 +114,8 @@ def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, ba
         from tqdm import tqdm
         bar = tqdm(total=len(todo), desc="regenerate", unit="conv", initial=0)
     with open(out_path, "a", encoding="utf-8") as f:
-        for batch in batches:
-            if time_limit_s is not None and time.time() - t0 > time_limit_s:
+        for b, batch in enumerate(batches):
+            if time_limit_s is not None and b >= min_batches and time.time() - t0 > time_limit_s:
                 break
             # a short last batch is padded with copies of its last prompt (results dropped): one batch shape
             prompts_b = [ids for _, ids in batch] + [batch[-1][1]] * (batch_size - len(batch))
