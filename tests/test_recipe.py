@@ -95,23 +95,27 @@ def test_every_stage_runs_and_records_itself(tmp_path):
     assert r2["stages"]["eagle3"]["started_utc"] == st["eagle3"]["started_utc"]
 
 
-def test_a_fit_out_of_device_memory_halves_its_batch():
+def test_a_fit_out_of_device_memory_or_data_halves_its_batch():
     from train_draft.eagle3_fit import Fit3Config
-    from train_draft.recipe import halving_on_oom
+    from train_draft.recipe import halving_batch
     seen = []
 
     def run(cfg):
         seen.append(cfg.batch_size)
-        if cfg.batch_size > 2:
+        if cfg.batch_size > 4:
             raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.4GiB")
+        if cfg.batch_size > 2:
+            raise ValueError("not enough data for one step: 3 packed rows of 1024 tokens, a step needs 4")
         return "ok"
 
-    out, retries = halving_on_oom(run, Fit3Config(batch_size=8))
-    assert out == "ok" and seen == [8, 4, 2] and [r["batch_size"] for r in retries] == [8, 4]
+    out, used, retries = halving_batch(run, Fit3Config(batch_size=16))
+    assert out == "ok" and used.batch_size == 2 and seen == [16, 8, 4, 2]
+    assert [(r["batch_size"], r["reason"]) for r in retries] == [(16, "out of memory"), (8, "out of memory"),
+                                                                  (4, "not enough data")]
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):  # one row still too many
-        halving_on_oom(lambda cfg: run(Fit3Config(batch_size=3)), Fit3Config(batch_size=1))
+        halving_batch(lambda cfg: run(Fit3Config(batch_size=8)), Fit3Config(batch_size=1))
     with pytest.raises(ValueError, match="other"):  # any other error is not retried
-        halving_on_oom(lambda cfg: (_ for _ in ()).throw(ValueError("other")), Fit3Config(batch_size=8))
+        halving_batch(lambda cfg: (_ for _ in ()).throw(ValueError("other")), Fit3Config(batch_size=8))
 
 
 def test_eagle3_fit_sizes_itself_to_a_budget(tmp_path):
@@ -137,3 +141,29 @@ def test_cli_smoke_on_smollm2(smollm2_by_name, tmp_path, capsys):
     assert (tmp_path / "r" / "heads" / "smollm2-135m-instruct-eagle3" / "model.safetensors").is_file()
     assert (tmp_path / "r" / "heads" / "smollm2-135m-instruct-eagle" / "model.safetensors").is_file()
     assert r["stages"]["acceptance"]["results"]["smollm2-135m-instruct-eagle3/eagle2-default"]["identical"] == 2
+
+
+@pytest.mark.slow  # two tiny recipe runs; `make test` runs it
+def test_a_rerun_fits_what_failed_and_measures_the_new_head(tmp_path, monkeypatch):
+    """A stage that failed runs again on a rerun, its old error gone, and the head it exports is evaluated and
+    measured then, while what was measured before is kept."""
+    import train_draft.recipe as recipe
+    t = tiny_target()
+    real = recipe._fit_eagle1
+
+    def broken(*a, **k):
+        raise RuntimeError("a fit that failed")
+
+    monkeypatch.setattr(recipe, "_fit_eagle1", broken)
+    st = run_recipe(t, fake_inputs(t), tmp_path / "run", TINY, smoke=True, progress=False)["stages"]
+    assert st["eagle1"]["status"] == "failed" and "a fit that failed" in st["eagle1"]["error"]
+    assert set(st["heldout"]["heads"]) == {"tiny4-eagle3"}
+    first = json.loads(json.dumps(st["acceptance"]["results"]))  # as recipe.json holds it
+    assert first and all(k.startswith("tiny4-eagle3/") for k in first)
+    monkeypatch.setattr(recipe, "_fit_eagle1", real)
+    st2 = run_recipe(t, fake_inputs(t), tmp_path / "run", TINY, smoke=True, progress=False)["stages"]
+    assert st2["eagle1"]["status"] == "done" and "error" not in st2["eagle1"]
+    assert set(st2["heldout"]["heads"]) == {"tiny4-eagle3", "tiny4-eagle"}
+    res = st2["acceptance"]["results"]
+    assert any(k.startswith("tiny4-eagle/") for k in res)
+    assert all(res[k] == v for k, v in first.items())  # kept, not measured again

@@ -214,6 +214,11 @@ class Record:
         self.data["stages"][name] = {**self.data["stages"].get(name, {}), **fields}
         self.write()
 
+    def start(self, name: str) -> None:
+        """A stage (re)starts: what an earlier attempt recorded (its error) goes."""
+        self.data["stages"][name] = {"status": "running", "started_utc": dio.utc_now()}
+        self.write()
+
     def write(self) -> None:
         dio.atomic_write_text(self.path, json.dumps(self.data, indent=1))
 
@@ -253,7 +258,7 @@ def _fresh(path: Path) -> Path:
 def _stage(rec: Record, name: str, fn, *, fatal: bool = False):
     """Run one stage, recording its status, seconds and result (or its error)."""
     t = time.time()
-    rec.set(name, status="running", started_utc=dio.utc_now())
+    rec.start(name)
     try:
         result = fn() or {}
     except Exception as e:  # noqa: BLE001 -- recorded; later stages may still run
@@ -334,13 +339,13 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     f3 = cfg.eagle3
 
     def fit3():
-        r, retries = halving_on_oom(lambda fc: eagle3_fit.fit_eagle3(
+        r, _, retries = halving_batch(lambda fc: eagle3_fit.fit_eagle3(
             target, train, _fresh(out / "eagle3"), fc, time_budget_s=left(at(cfg.eagle3_until)),
             probe_steps=cfg.probe_steps, ckpt_every=10 ** 9, log_every=10, export_dir=heads_dir / e3_name,
             progress=progress), f3)
         return {"steps": r["step"], "fit_config": r["fit_config"].to_dict(), "last_metrics": r["last_metrics"],
                 "head": str(heads_dir / e3_name), "export": _head_files(heads_dir / e3_name),
-                "out_of_memory_retries": retries}
+                "batch_retries": retries}
 
     if not rec.done("eagle3"):
         _stage(rec, "eagle3", fit3)
@@ -373,7 +378,8 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
             r[e1_name] = _eval_eagle1(target, heads[e1_name], held, cfg)
         return {"heads": r}
 
-    if heads and not rec.done("heldout"):
+    # a rerun measures again when a head came after the last measurement (a fit that failed before succeeded now)
+    if heads and set((rec.done("heldout") or {}).get("heads", {})) != set(heads):
         _stage(rec, "heldout", heldout)
 
     # (f) acceptance over the MT-bench first turns, while the budget lasts
@@ -381,7 +387,8 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
         from ddd_jax.bench.acceptance import measure_runs
         prompts = [ids for _, ids in inputs["mtbench"][:cfg.tau_prompts]]
         runs = acceptance_runs(heads)
-        results = {}
+        results = dict(measured)  # a rerun keeps what was measured and measures the rest
+        rec.set("acceptance", results=results)
 
         def keep(label, res):
             results[label] = {k: v for k, v in res.items() if k != "per_prompt"}
@@ -393,13 +400,15 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
                 results[label]["past_first_check"] = sum(v for k, v in dh.items() if k > first) / sum(dh.values())
             rec.set("acceptance", results=results)
 
-        measure_runs(target, prompts, runs, max_new_tokens=cfg.tau_max_new, batch_size=min(cfg.tau_batch, len(prompts)),
-                     progress=progress, on_result=keep, deadline=t0 + cfg.budget_s)
+        measure_runs(target, prompts, {k: r for k, r in runs.items() if k not in results}, max_new_tokens=cfg.tau_max_new,
+                     batch_size=min(cfg.tau_batch, len(prompts)), progress=progress, on_result=keep,
+                     deadline=t0 + cfg.budget_s)
         remaining = [k for k in runs if k not in results]
         return {"results": results, "not_measured": list(remaining), "prompts": len(prompts),
                 "max_new_tokens": cfg.tau_max_new}
 
-    if heads and not rec.done("acceptance"):
+    measured = (rec.done("acceptance") or {}).get("results", {})
+    if heads and any(k not in measured for k in acceptance_runs(heads)):
         _stage(rec, "acceptance", acceptance)
     rec.data["total_s"] = round(time.time() - t0, 1)
     rec.data["finished_utc"] = dio.utc_now()
@@ -407,17 +416,25 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     return rec.data
 
 
-def halving_on_oom(run, cfg):
-    """(run(cfg), retries): on a device out of memory, run again with half the packed rows a step, while there is a
-    row to halve; any other error, or one row still too many, is raised."""
+def halving_batch(run, cfg):
+    """(run(cfg), the cfg it ran with, retries): when a step's packed rows do not fit -- a device out of memory, or
+    fewer packed rows of data than one step takes (a short regeneration) -- run again with half the rows a step,
+    while there is a row to halve; any other error, or one row still too many, is raised."""
     retries = []
     while True:
         try:
-            return run(cfg), retries
+            return run(cfg), cfg, retries
         except Exception as e:  # noqa: BLE001 -- XLA reports OOM as a runtime error naming RESOURCE_EXHAUSTED
-            if not ("RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()) or cfg.batch_size == 1:
+            msg = str(e)
+            if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower():
+                reason = "out of memory"
+            elif "not enough data for one step" in msg:
+                reason = "not enough data"
+            else:
                 raise
-            retries.append({"batch_size": cfg.batch_size, "error": str(e)[:300]})
+            if cfg.batch_size == 1:
+                raise
+            retries.append({"batch_size": cfg.batch_size, "reason": reason, "error": msg[:300]})
             cfg = dataclasses.replace(cfg, batch_size=cfg.batch_size // 2)
 
 
@@ -434,9 +451,10 @@ def _fit_eagle1(target, train, out: Path, head_dir: Path, cfg: RecipeConfig, bud
     from .vocab import coverage, frequent_tokens
     t = time.time()
     fs = _with_features(target, train, cfg, cfg.e1_max_tokens, progress)
-    base = dataclasses.replace(cfg.eagle1, steps=cfg.probe_steps + 1, warmup=1)
-    probe = fit(target, fs, _fresh(out / "eagle1-probe"), base, ckpt_every=10 ** 9, log_every=1, eval_every=0,
-                progress=False)
+    probe, base, retries = halving_batch(
+        lambda fc: fit(target, fs, _fresh(out / "eagle1-probe"), fc, ckpt_every=10 ** 9, log_every=1, eval_every=0,
+                       progress=False),
+        dataclasses.replace(cfg.eagle1, steps=cfg.probe_steps + 1, warmup=1))
     ms = [json.loads(x) for x in (out / "eagle1-probe" / "metrics.jsonl").read_text().splitlines()]
     per_step = (ms[-1]["elapsed_s"] - ms[0]["elapsed_s"]) / max(len(ms) - 1, 1)
     shutil.rmtree(out / "eagle1-probe")
@@ -456,7 +474,7 @@ def _fit_eagle1(target, train, out: Path, head_dir: Path, cfg: RecipeConfig, bud
     save_draft(draft, head_dir, dtype=np.float16, extra=extra)
     return {"steps": r["step"], "fit_config": fcfg.to_dict(), "features_tokens": fs.n_tokens,
             "probe_s_per_step": per_step, "last_metrics": r["last_metrics"], "head": str(head_dir),
-            "export": _head_files(head_dir)}
+            "export": _head_files(head_dir), "batch_retries": retries}
 
 
 def _eval_eagle1(target, draft, held, cfg: RecipeConfig) -> dict:
