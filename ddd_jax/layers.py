@@ -105,8 +105,6 @@ def cache_mask(attn_mask, cache, start=None):
     are made."""
     if cache is None:
         return attn_mask
-    if isinstance(start, int) and start == 0 and attn_mask.shape[-1] == cache.capacity:
-        return attn_mask  # already over every slot (training-time test's unrolled steps)
     return tree_kv_mask(cache.length if start is None else start, cache.capacity, attn_mask)
 
 

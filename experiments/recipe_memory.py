@@ -47,7 +47,8 @@ def step_memory(target, cfg) -> dict:
     dcfg = eagle3_config(target, cfg.draft_vocab_size)
     tx = make_optimizer(cfg)
     params = jax.eval_shape(lambda: _trainable(eagle3.init_params(dcfg, jax.random.PRNGKey(0), jnp.float32)))
-    state = {"params": params, "opt_state": jax.eval_shape(tx.init, params), "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    state = {"params": params, "opt_state": jax.eval_shape(tx.init, params),
+             "step": jax.ShapeDtypeStruct((), jnp.int32)}
     tparams = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), target.params)
     B, L = cfg.batch_size, cfg.seq_len
     i32 = jax.ShapeDtypeStruct((B, L), jnp.int32)

@@ -400,9 +400,9 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
                 results[label]["past_first_check"] = sum(v for k, v in dh.items() if k > first) / sum(dh.values())
             rec.set("acceptance", results=results)
 
-        measure_runs(target, prompts, {k: r for k, r in runs.items() if k not in results}, max_new_tokens=cfg.tau_max_new,
-                     batch_size=min(cfg.tau_batch, len(prompts)), progress=progress, on_result=keep,
-                     deadline=t0 + cfg.budget_s)
+        todo = {k: r for k, r in runs.items() if k not in results}
+        measure_runs(target, prompts, todo, max_new_tokens=cfg.tau_max_new, batch_size=min(cfg.tau_batch, len(prompts)),
+                     progress=progress, on_result=keep, deadline=t0 + cfg.budget_s)
         remaining = [k for k in runs if k not in results]
         return {"results": results, "not_measured": list(remaining), "prompts": len(prompts),
                 "max_new_tokens": cfg.tau_max_new}
