@@ -101,8 +101,8 @@ def tree_kv_mask(length, capacity: int, attn_mask):
 def cache_mask(attn_mask, cache, start=None):
     """What a model's new tokens attend, from their mask attn_mask [B, T, W]. Without a cache attn_mask itself
     ([B, T, T]); with one, [B, T, S] over its slots: every slot before start [B] (default cache.length, where the
-    new K/V are written) and the W slots from start as attn_mask allows. The one place the models' attention masks
-    are made."""
+    new K/V are written) and the W slots from start as attn_mask allows. The one place the models turn their new
+    tokens' mask into a mask over cache slots."""
     if cache is None:
         return attn_mask
     return tree_kv_mask(cache.length if start is None else start, cache.capacity, attn_mask)

@@ -386,7 +386,6 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     def acceptance():
         from ddd_jax.bench.acceptance import measure_runs
         prompts = [ids for _, ids in inputs["mtbench"][:cfg.tau_prompts]]
-        runs = acceptance_runs(heads)
         results = dict(measured)  # a rerun keeps what was measured and measures the rest
         rec.set("acceptance", results=results)
 
@@ -407,8 +406,9 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
         return {"results": results, "not_measured": list(remaining), "prompts": len(prompts),
                 "max_new_tokens": cfg.tau_max_new}
 
+    runs = acceptance_runs(heads)
     measured = (rec.done("acceptance") or {}).get("results", {})
-    if heads and any(k not in measured for k in acceptance_runs(heads)):
+    if heads and any(k not in measured for k in runs):
         _stage(rec, "acceptance", acceptance)
     rec.data["total_s"] = round(time.time() - t0, 1)
     rec.data["finished_utc"] = dio.utc_now()
