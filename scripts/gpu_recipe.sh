@@ -2,6 +2,7 @@
 # The head-training recipe on a lent GPU machine that has no network and takes at most ~64 MiB per call.
 #
 #   here:            bash scripts/gpu_recipe.sh prepare   # .device/: inputs, the GGUF in two pieces, the gguf reader
+#                                                         #   (each call's carry with the work tree within 64 MiB)
 #   GPU, call 1:     bash scripts/gpu_recipe.sh stash     # carry .device/gguf.part0: kept outside the work tree
 #   GPU, call 2:     bash scripts/gpu_recipe.sh train     # carry .device/gguf.part1 .device/recipe_inputs.npz
 #                                                         #       .device/gguf.sha256 .device/pylib
@@ -18,17 +19,28 @@ case "${1:-}" in
 prepare)
   PY=${PY:-.venv/bin/python}
   mkdir -p "$DEV"
-  "$PY" -m ddd_jax.cli train-draft recipe-inputs --out "$DEV/recipe_inputs.npz"
+  "$PY" -m ddd_jax.cli train-draft recipe-inputs --out "$DEV/recipe_inputs.npz" ${INPUTS_EXTRA:-}
   GGUF=$("$PY" -c "from ddd_jax.checkpoints.registry import named_source; print(named_source('smollm2-135m-instruct'))")
+  # A call carries at most 64 MiB together with the work tree: call 1 takes as much of the GGUF as fits beside the
+  # tree, call 2 the rest with the inputs and the reader.
+  limit=67108864
+  tree=$(git ls-files -co --exclude-standard -z | xargs -0 du -cb | tail -1 | cut -f1)
   size=$(stat -c %s "$GGUF")
-  half=$(( (size + 1) / 2 ))
-  head -c "$half" "$GGUF" > "$DEV/gguf.part0"
-  tail -c +"$(( half + 1 ))" "$GGUF" > "$DEV/gguf.part1"
+  first=$(( limit - tree - 1048576 ))
+  [ "$first" -lt "$size" ] || first=$(( (size + 1) / 2 ))
+  head -c "$first" "$GGUF" > "$DEV/gguf.part0"
+  tail -c +"$(( first + 1 ))" "$GGUF" > "$DEV/gguf.part1"
   sha256sum "$GGUF" | cut -d' ' -f1 > "$DEV/gguf.sha256"
   rm -rf "$DEV/pylib" && mkdir -p "$DEV/pylib"
   cp -r "$("$PY" -c 'import gguf, os; print(os.path.dirname(gguf.__file__))')" "$DEV/pylib/"
   find "$DEV/pylib" -name __pycache__ -prune -exec rm -rf {} +
-  du -sh "$DEV"/* ;;
+  du -sh "$DEV"/*
+  call1=$(( tree + $(stat -c %s "$DEV/gguf.part0") ))
+  rest=$(du -cb "$DEV/gguf.part1" "$DEV/gguf.sha256" "$DEV/recipe_inputs.npz" "$DEV/pylib" | tail -1 | cut -f1)
+  call2=$(( tree + rest ))
+  echo "with the work tree ($tree bytes), call 1 carries $call1 bytes and call 2 $call2 (at most $limit each)"
+  [ "$call2" -le "$limit" ] || { echo "prepare: call 2 would carry over 64 MiB: make the inputs smaller" \
+    "(INPUTS_EXTRA='--max-context-len 384')" >&2; exit 2; } ;;
 stash)
   mkdir -p "$STAGE"
   cp "$DEV/gguf.part0" "$STAGE/gguf.part0"

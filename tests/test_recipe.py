@@ -64,6 +64,62 @@ def test_inputs_round_trip_and_errors(tmp_path):
         save_inputs(big, tmp_path / "big.npz")
 
 
+class CharChat:
+    """A stand-in target for tokenizing: a character per token, a header token per role, 1 ends a turn."""
+    name = "chars"
+    config = ModelConfig(vocab_size=256, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1, head_dim=8)
+
+    def encode(self, text):
+        return [2 + ord(c) % 250 for c in text]
+
+    def encode_chat(self, msgs, add_generation_prompt=True):
+        ids = []
+        for m in msgs:
+            ids += [252 if m["role"] == "user" else 253] + self.encode(m["content"]) + [1]
+        return ids + [253] * add_generation_prompt
+
+
+def test_inputs_take_short_first_turns_first_then_longer_and_later_turns(tmp_path):
+    from train_draft.data import mtbench_questions
+    from train_draft.recipe import prepare_inputs
+
+    def conv(cid, *turns):
+        return {"id": cid, "conversations": [{"from": "human" if k % 2 == 0 else "gpt", "value": t}
+                                             for k, t in enumerate(turns)]}
+    mt_turn = sorted(mtbench_questions())[0]
+    convs = [conv("a", "hi", "hello there", "and then?", "more", "last one", "ok"),   # 3 user turns, all short
+             conv("b", "x" * 30, "long first turn"),                                  # first turn over 24 tokens
+             conv("c", "q", "y" * 40, "follow-up", "sure"),                           # second turn over 48
+             conv("d", "short", "reply", mt_turn, "no"),                              # repeats MT-bench: dropped
+             conv("e", "z" * 60, "too long for anything")]                            # over 48: skipped
+    sg = tmp_path / "sharegpt.json"
+    sg.write_text(json.dumps(convs))
+    qs = tmp_path / "question.jsonl"
+    qs.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Write a poem."]}) + "\n")
+    t = CharChat()
+    inputs = prepare_inputs(t, max_prompt_len=24, max_context_len=48, holdout_percent=0, sharegpt=sg,
+                            questions=qs, progress=False)
+    meta, train = inputs["meta"], dict(inputs["train"])
+    msgs_a = [{"role": "user" if k % 2 == 0 else "assistant", "content": x}
+              for k, x in enumerate(["hi", "hello there", "and then?", "more", "last one", "ok"])]
+    assert train["a#2"] == t.encode_chat(msgs_a[:3]) and train["a#3"] == t.encode_chat(msgs_a[:5])
+    assert train["a"] == t.encode_chat(msgs_a[:1]) and train["c"] == t.encode_chat([{"role": "user", "content": "q"}])
+    assert len(train["b"]) > 24
+    assert not any(k.startswith("d") for k in train)                       # no turn of it trains
+    assert sorted(train) == ["a", "a#2", "a#3", "b", "c"]
+    keys = [k for k, _ in inputs["train"]]
+    assert sorted(keys[:2]) == ["a", "c"] and sorted(keys[2:]) == ["a#2", "a#3", "b"]  # short first turns first
+    assert meta["train_order"] == {"short_first_turns": 2, "long_first_turns": 1, "later_turns": 2}
+    assert meta["skipped_long"]["train_first_turns"] == 1 and meta["skipped_long"]["train_later_turns"] == 1
+    assert inputs["mtbench"] == [("81", t.encode_chat([{"role": "user", "content": "Write a poem."}]))]
+    firsts = prepare_inputs(t, max_prompt_len=24, max_context_len=0, holdout_percent=0, sharegpt=sg, questions=qs,
+                            progress=False)
+    assert sorted(k for k, _ in firsts["train"]) == ["a", "c"]
+    with pytest.raises(ValueError, match="max_context_len"):
+        prepare_inputs(t, max_prompt_len=24, max_context_len=12, sharegpt=sg, questions=qs, progress=False)
+
+
 @pytest.mark.slow  # ~1 minute of compiles; `make test` runs it
 def test_every_stage_runs_and_records_itself(tmp_path):
     t = tiny_target()

@@ -194,8 +194,8 @@ def _recipe_target(args, inputs):
 def cmd_recipe_inputs(args) -> int:
     from .recipe import prepare_inputs, save_inputs
     target = _load_target(args.target)
-    inputs = prepare_inputs(target, max_prompt_len=args.max_prompt_len, holdout_percent=args.holdout_percent,
-                            max_train=args.max_train, seed=args.seed)
+    inputs = prepare_inputs(target, max_prompt_len=args.max_prompt_len, max_context_len=args.max_context_len,
+                            holdout_percent=args.holdout_percent, max_train=args.max_train, seed=args.seed)
     path = save_inputs(inputs, args.out)
     print(json.dumps({"out": str(path), "bytes": path.stat().st_size, **inputs["meta"]["counts"]}), flush=True)
     return 0
@@ -343,7 +343,11 @@ def add_parser(subparsers) -> None:
                                               "to a machine without the asset packages")
     ri.add_argument("--out", required=True, help="output .npz")
     ri.add_argument("--target", default="smollm2-135m-instruct")
-    ri.add_argument("--max-prompt-len", type=int, default=192, help="skip longer rendered first turns (tokens)")
+    ri.add_argument("--max-prompt-len", type=int, default=192,
+                    help="the first turns regenerated first, and the held-out ones: at most this many tokens")
+    ri.add_argument("--max-context-len", type=int, default=512,
+                    help="after them: longer first turns and later user turns with the conversation before them, "
+                         "at most this many tokens (0: first turns only)")
     ri.add_argument("--holdout-percent", type=float, default=2.0)
     ri.add_argument("--max-train", type=int, default=0, help="keep the first N shuffled training conversations")
     ri.add_argument("--seed", type=int, default=0)

@@ -17,8 +17,10 @@ run cut off early still leaves what it finished:
                      EAGLE-2's default tree, at DDD's paper settings (with its depth histogram) and at the
                      shipped tuned trees, most important first, while the budget lasts
 
-Inputs: token ids only (`prepare_inputs`: ShareGPT first user turns and the MT-bench first turns, rendered with
-the target's chat template), so a machine without the asset packages or a network can run it from one .npz.
+Inputs: token ids only (`prepare_inputs`: ShareGPT user turns, the short first turns first, then the longer ones
+and the later turns with their conversation before them; the held-out first turns; the MT-bench first turns; all
+rendered with the target's chat template), so a machine without the asset packages or a network can run it from
+one .npz.
 MT-bench never enters training (ShareGPT conversations that repeat an MT-bench turn are dropped, as in
 `data.load_sharegpt`). A rerun with the same DIR skips the stages recorded as done and restarts the others.
 """
@@ -95,33 +97,49 @@ SMOKE = RecipeConfig(budget_s=300.0, train_prompts=12, holdout_prompts=4, regen_
 # ----------------------------------------------------------------------------------------------- inputs
 
 
-def prepare_inputs(target, *, max_prompt_len: int = 192, holdout_percent: float = 2.0, max_train: int = 0,
-                   seed: int = 0, sharegpt=None, questions=None, progress: bool = True) -> dict:
+def prepare_inputs(target, *, max_prompt_len: int = 192, max_context_len: int = 512, holdout_percent: float = 2.0,
+                   max_train: int = 0, seed: int = 0, sharegpt=None, questions=None, progress: bool = True) -> dict:
     """Token ids of the recipe's prompts: {"meta", "train", "holdout", "mtbench"}, each part [(key, ids)].
 
-    train / holdout: the first user turn of ShareGPT conversations (by `data.is_holdout`, MT-bench overlaps
-    dropped), chat-rendered with the generation prompt, at most `max_prompt_len` tokens, in the shuffled order of
-    `seed`; mtbench: the MT-bench first turns as `ddd-jax bench` renders them."""
+    train: first the first user turns of ShareGPT training conversations of at most `max_prompt_len` tokens, in the
+    shuffled order of `seed`; then, shuffled together, the longer first turns and the later user turns with the
+    conversation before them (`regen.later_turn_prompts`, keys "<id>#<k>"), of at most `max_context_len` tokens
+    (0: first turns only). Regeneration takes them in this order, so a short run trains on the short first turns
+    alone, and a fast device that has answered them all goes on with the rest.
+    holdout: the held-out conversations' first turns of at most `max_prompt_len` tokens (ShareGPT's split by
+    `data.is_holdout`; conversations repeating an MT-bench turn are dropped from both).
+    mtbench: the MT-bench first turns as `ddd-jax bench` renders them. Everything is chat-rendered with the
+    target's template, generation prompt appended."""
     from ddd_jax.bench.mtbench import load_questions
     from ddd_jax.bench.run import build_prompt
 
     from .data import load_sharegpt, shuffled
-    from .regen import first_turn_prompts
+    from .regen import first_turn_prompts, later_turn_prompts
+    if max_context_len and max_context_len < max_prompt_len:
+        raise ValueError(f"max_context_len ({max_context_len}) must be 0 or at least max_prompt_len "
+                         f"({max_prompt_len})")
     sg = load_sharegpt(sharegpt, holdout_percent=holdout_percent, exclude_mtbench=True)
     train_items = shuffled(sg.train, seed)
     if max_train:
         train_items = train_items[:max_train]
-    parts = {}
-    for name, items in (("train", train_items), ("holdout", shuffled(sg.holdout, seed))):
-        if progress:
-            print(f"recipe inputs: tokenizing {len(items)} {name} conversations", flush=True)
-        parts[name], skipped = first_turn_prompts(target, items, max_prompt_len)
-        parts[name + "_skipped"] = skipped
-    parts["mtbench"] = [(str(q["id"]), build_prompt(target, q, 0, [])) for q in load_questions(questions)]
+    say = (lambda msg: print(f"recipe inputs: {msg}", flush=True)) if progress else (lambda msg: None)
+    say(f"tokenizing {len(train_items)} training and {len(sg.holdout)} held-out conversations")
+    firsts, skipped_first = first_turn_prompts(target, train_items, max(max_prompt_len, max_context_len))
+    short = [(k, ids) for k, ids in firsts if len(ids) <= max_prompt_len]
+    long_first = [(k, ids) for k, ids in firsts if len(ids) > max_prompt_len]
+    later, skipped_later = later_turn_prompts(target, train_items, max_context_len) if max_context_len else ([], 0)
+    more = shuffled(long_first + later, seed + 1)
+    holdout, skipped_hold = first_turn_prompts(target, shuffled(sg.holdout, seed), max_prompt_len)
+    mtbench = [(str(q["id"]), build_prompt(target, q, 0, [])) for q in load_questions(questions)]
+    parts = {"train": short + more, "holdout": holdout, "mtbench": mtbench}
     meta = {"format": INPUTS_FORMAT, "version": 1, "target": target.name, "vocab_size": target.config.vocab_size,
             "hidden_size": target.config.hidden_size, "probe_ids": target.encode(PROBE_TEXT),
-            "max_prompt_len": max_prompt_len, "holdout_percent": holdout_percent, "seed": seed,
-            "sharegpt": sg.stats, "skipped_long": {k: parts.pop(k + "_skipped") for k in ("train", "holdout")},
+            "max_prompt_len": max_prompt_len, "max_context_len": max_context_len, "holdout_percent": holdout_percent,
+            "seed": seed, "sharegpt": sg.stats,
+            "train_order": {"short_first_turns": len(short), "long_first_turns": len(long_first),
+                            "later_turns": len(later)},
+            "skipped_long": {"train_first_turns": skipped_first, "train_later_turns": skipped_later,
+                             "holdout": skipped_hold},
             "counts": {k: len(parts[k]) for k in PARTS}}
     return {"meta": meta, **parts}
 
@@ -308,7 +326,8 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     at = lambda frac: t0 + frac * cfg.budget_s  # noqa: E731
     left = lambda until: max(0.0, until - time.time())  # noqa: E731
     rec = Record(out, {"format": RECIPE_FORMAT, "version": 1, "smoke": smoke, "config": cfg.to_dict(),
-                       "device": device_info(), "target": target.name, "inputs": inputs["meta"]["counts"],
+                       "device": device_info(), "target": target.name,
+                       "inputs": {**inputs["meta"]["counts"], "train_order": inputs["meta"].get("train_order")},
                        "started_utc": dio.utc_now()})
     e3_name, e1_name = f"{target.name}-eagle3", f"{target.name}-eagle"
     heads_dir = out / "heads"

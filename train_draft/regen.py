@@ -82,6 +82,22 @@ def first_turn_prompts(target, items: list, max_prompt_len: int) -> tuple[list, 
     return out, skipped
 
 
+def later_turn_prompts(target, items: list, max_prompt_len: int) -> tuple[list, int]:
+    """[(id + "#" + k, the conversation up to its k-th user turn, chat-rendered + generation prompt)] for every user
+    turn k >= 2 of `items` ((id, messages) pairs) that renders to at most `max_prompt_len` tokens, and how many were
+    skipped for exceeding it. The earlier replies in the context are the conversation's own (ShareGPT's)."""
+    out, skipped = [], 0
+    for conv_id, msgs in items:
+        users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+        for k, i in enumerate(users[1:], start=2):
+            ids = target.encode_chat(msgs[:i + 1], add_generation_prompt=True)
+            if len(ids) > max_prompt_len:  # a longer context holds every later turn: none of them fits either
+                skipped += len(users) - k + 1
+                break
+            out.append((f"{conv_id}#{k}", list(ids)))
+    return out, skipped
+
+
 def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, batch_size: int = 16,
                time_limit_s: float | None = None, max_records: int | None = None, min_batches: int = 0,
                progress: bool = True) -> dict:
