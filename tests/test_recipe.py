@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -12,7 +13,8 @@ import pytest
 from ddd_jax import generate, llama, load_draft
 from ddd_jax.config import ModelConfig
 from ddd_jax.target import Target
-from train_draft.recipe import (SMOKE, check_inputs_for, load_inputs, run_recipe, save_inputs)
+from train_draft.recipe import (SMOKE, RecipeConfig, check_inputs_for, load_inputs, run_recipe, save_inputs,
+                                 with_overrides)
 
 V = 96
 
@@ -62,6 +64,20 @@ def test_inputs_round_trip_and_errors(tmp_path):
     big = {**inputs, "meta": {**inputs["meta"], "vocab_size": 70000}}
     with pytest.raises(ValueError, match="uint16"):
         save_inputs(big, tmp_path / "big.npz")
+
+
+def test_overrides_reach_the_fits_configs_and_are_checked():
+    cfg = with_overrides(RecipeConfig(), ["eagle3.batch_size=16", "regen_max_new = 128", "eagle1.lr=1e-3",
+                                          "eagle3.dtype=float32", "budget_s=900"])
+    assert (cfg.eagle3.batch_size, cfg.regen_max_new, cfg.eagle1.lr, cfg.eagle3.dtype, cfg.budget_s) == \
+        (16, 128, 1e-3, "float32", 900.0)
+    assert cfg.eagle3.ttt_steps == RecipeConfig().eagle3.ttt_steps and with_overrides(cfg, []) == cfg
+    for bad, msg in [("eagle3.batch=4", "Fit3Config has no field 'batch'.*batch_size"),
+                     ("eagle3.batch_size=lots", "'lots' is not a valid int"), ("eagle3=4", "is a config"),
+                     ("regen_batch.size=2", "not a config with fields"), ("budget_s", "expected FIELD=VALUE"),
+                     ("regen_until=0.9", "regen_until < eagle3_until"), ("eagle3.dtype=float16", "dtype must be")]:
+        with pytest.raises(ValueError, match=msg):
+            with_overrides(RecipeConfig(), [bad])
 
 
 class CharChat:
@@ -137,6 +153,7 @@ def test_every_stage_runs_and_records_itself(tmp_path):
     assert "tiny4-eagle3/eagle2-default" in res and "tiny4-eagle/ddd-paper" in res
     assert all(v["identical"] == v["prompts"] == 2 for v in res.values())  # lossless, every run
     assert "past_first_check" in res["tiny4-eagle3/ddd-paper"]
+    assert r["reference"] == {"head": None, "reason": "no packaged head 'tiny4-eagle'"}
     # the exported heads load, carry a draft vocabulary, and decode vanilla's tokens
     for name, kind in (("tiny4-eagle3", "eagle3"), ("tiny4-eagle", "eagle1")):
         d = load_draft(tmp_path / "run" / "heads" / name, t)
@@ -197,7 +214,11 @@ def test_cli_smoke_on_smollm2(smollm2_by_name, tmp_path, capsys):
     assert all(v["status"] == "done" for v in r["stages"].values())
     assert (tmp_path / "r" / "heads" / "smollm2-135m-instruct-eagle3" / "model.safetensors").is_file()
     assert (tmp_path / "r" / "heads" / "smollm2-135m-instruct-eagle" / "model.safetensors").is_file()
-    assert r["stages"]["acceptance"]["results"]["smollm2-135m-instruct-eagle3/eagle2-default"]["identical"] == 2
+    res = r["stages"]["acceptance"]["results"]
+    assert res["smollm2-135m-instruct-eagle3/eagle2-default"]["identical"] == 2
+    # the shipped head, measured beside the new ones on the same prompts
+    assert r["reference"]["head"] == "smollm2-135m-instruct-eagle" and r["reference"]["step"] >= 1
+    assert res["reference-smollm2-135m-instruct-eagle/eagle2-default"]["identical"] == 2
 
 
 @pytest.mark.slow  # two tiny recipe runs; `make test` runs it
@@ -218,7 +239,14 @@ def test_a_rerun_fits_what_failed_and_measures_the_new_head(tmp_path, monkeypatc
     first = json.loads(json.dumps(st["acceptance"]["results"]))  # as recipe.json holds it
     assert first and all(k.startswith("tiny4-eagle3/") for k in first)
     monkeypatch.setattr(recipe, "_fit_eagle1", real)
-    st2 = run_recipe(t, fake_inputs(t), tmp_path / "run", TINY, smoke=True, progress=False)["stages"]
+    # the rerun also measures a reference head (a directory) beside the new ones
+    ref = tmp_path / "ref"
+    shutil.copytree(tmp_path / "run" / "heads" / "tiny4-eagle3", ref)
+    r2 = run_recipe(t, fake_inputs(t), tmp_path / "run", dataclasses.replace(TINY, reference_head=str(ref)),
+                    smoke=True, progress=False)
+    st2 = r2["stages"]
+    assert r2["reference"]["head"] == str(ref) and r2["reference"]["head_type"] == "eagle3"
+    assert st2["acceptance"]["results"]["reference-ref/eagle2-default"]["identical"] == 2
     assert st2["eagle1"]["status"] == "done" and "error" not in st2["eagle1"]
     assert set(st2["heldout"]["heads"]) == {"tiny4-eagle3", "tiny4-eagle"}
     res = st2["acceptance"]["results"]

@@ -203,10 +203,11 @@ def cmd_recipe_inputs(args) -> int:
 
 def cmd_recipe(args) -> int:
     import dataclasses
-    from .recipe import SMOKE, RecipeConfig, load_inputs, prepare_inputs, run_recipe
+    from .recipe import SMOKE, RecipeConfig, load_inputs, prepare_inputs, run_recipe, with_overrides
     cfg = SMOKE if args.smoke else RecipeConfig()
     if args.budget_s is not None:
         cfg = dataclasses.replace(cfg, budget_s=args.budget_s)
+    cfg = with_overrides(cfg, args.set)
     inputs = load_inputs(args.inputs) if args.inputs else None
     target = _recipe_target(args, inputs)
     if inputs is None:
@@ -337,6 +338,9 @@ def add_parser(subparsers) -> None:
                    help="target name or path, e.g. the GGUF file on a machine without the asset packages")
     r.add_argument("--budget-s", type=float, default=None,
                    help="wall-time budget of the stages in seconds (default 500; --smoke 300)")
+    r.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="change one of the recipe's sizes (RecipeConfig), dotted into the fits' configs: "
+                        "--set eagle3.batch_size=16 --set regen_max_new=128 (repeatable; recorded in recipe.json)")
     r.set_defaults(func=cmd_recipe)
 
     ri = sub.add_parser("recipe-inputs", help="tokenize the recipe's prompts into one .npz (uint16 ids) to carry "

@@ -15,7 +15,8 @@ run cut off early still leaves what it finished:
                      for EAGLE-1
     (f) acceptance   τ over the MT-bench first turns (acceptance only, every output checked against vanilla) at
                      EAGLE-2's default tree, at DDD's paper settings (with its depth histogram) and at the
-                     shipped tuned trees, most important first, while the budget lasts
+                     shipped tuned trees, most important first, while the budget lasts; the shipped head
+                     (`reference_head`) is measured beside them, label by label
 
 Inputs: token ids only (`prepare_inputs`: ShareGPT user turns, the short first turns first, then the longer ones
 and the later turns with their conversation before them; the held-out first turns; the MT-bench first turns; all
@@ -72,6 +73,8 @@ class RecipeConfig:
     tau_max_new: int = 128
     tau_batch: int = 80
     probe_steps: int = 3
+    reference_head: str = "shipped"  # measured beside the new heads in (f): a head name or directory; "shipped":
+    # the packaged "<target>-eagle" when there is one; "": none
 
     def __post_init__(self):
         if not 0 < self.regen_until < self.eagle3_until <= self.eagle1_until <= 1:
@@ -92,6 +95,41 @@ SMOKE = RecipeConfig(budget_s=300.0, train_prompts=12, holdout_prompts=4, regen_
                                        warmup=8),
                      eagle1=FitConfig(steps=4, batch_size=1, seq_len=128), e1_max_tokens=4096, feature_batch=4,
                      eval_batches=2, tau_prompts=2, tau_max_new=16, tau_batch=2, probe_steps=2)
+
+
+def with_overrides(cfg: RecipeConfig, assignments) -> RecipeConfig:
+    """`cfg` with "field=value" assignments applied, dotted into the fits' configs ("eagle3.batch_size=16",
+    "regen_max_new=128"). A value takes the type of the field it replaces; the configs' own checks run again."""
+
+    def assign(obj, path: list[str], text: str, where: str):
+        names = [f.name for f in dataclasses.fields(obj)]
+        if path[0] not in names:
+            raise ValueError(f"--set {where}: {type(obj).__name__} has no field {path[0]!r} (fields: "
+                             f"{', '.join(names)})")
+        old = getattr(obj, path[0])
+        if len(path) > 1:
+            if not dataclasses.is_dataclass(old):
+                raise ValueError(f"--set {where}: {path[0]!r} is a {type(old).__name__}, not a config with fields")
+            return dataclasses.replace(obj, **{path[0]: assign(old, path[1:], text, where)})
+        if dataclasses.is_dataclass(old):
+            raise ValueError(f"--set {where}: {path[0]!r} is a config; set one of its fields ({path[0]}.<field>=...)")
+        try:
+            if isinstance(old, bool):
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(text)
+                value = text.lower() in ("true", "1")
+            else:
+                value = type(old)(text)
+        except ValueError:
+            raise ValueError(f"--set {where}: {text!r} is not a valid {type(old).__name__}") from None
+        return dataclasses.replace(obj, **{path[0]: value})
+
+    for a in assignments:
+        key, eq, text = a.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--set {a!r}: expected FIELD=VALUE, e.g. eagle3.batch_size=16")
+        cfg = assign(cfg, key.strip().split("."), text.strip(), a)
+    return cfg
 
 
 # ----------------------------------------------------------------------------------------------- inputs
@@ -425,7 +463,8 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
         return {"results": results, "not_measured": list(remaining), "prompts": len(prompts),
                 "max_new_tokens": cfg.tau_max_new}
 
-    runs = acceptance_runs(heads)
+    reference = _reference_head(rec, target, cfg.reference_head, e1_name) if heads else {}
+    runs = acceptance_runs({**heads, **reference})
     measured = (rec.done("acceptance") or {}).get("results", {})
     if heads and any(k not in measured for k in runs):
         _stage(rec, "acceptance", acceptance)
@@ -433,6 +472,28 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     rec.data["finished_utc"] = dio.utc_now()
     rec.write()
     return rec.data
+
+
+def _reference_head(rec: Record, target, name: str, shipped: str) -> dict:
+    """{"reference-<name>": Draft} for stage (f), so a new head is compared with the one it would replace in the
+    same run (same prompts, device and settings); recorded under "reference" in recipe.json."""
+    from ddd_jax import load_draft
+    from ddd_jax.checkpoints import registry
+    if not name:
+        return {}
+    if name == "shipped":
+        if shipped not in registry.NAMED_DRAFTS:
+            rec.data["reference"] = {"head": None, "reason": f"no packaged head {shipped!r}"}
+            return {}
+        name = shipped
+    draft = load_draft(name, target)
+    info = {"head": name, "head_type": draft.config.head_type}
+    cfg_path = registry.named_draft_dir(name) / "config.json" if name in registry.NAMED_DRAFTS else \
+        Path(name) / "config.json"
+    if cfg_path.is_file():
+        info["step"] = dio.read_json(cfg_path).get("extra", {}).get("step")
+    rec.data["reference"] = info
+    return {f"reference-{Path(name).name}": draft}
 
 
 def halving_batch(run, cfg):
