@@ -154,6 +154,10 @@ def test_every_stage_runs_and_records_itself(tmp_path):
     assert all(v["identical"] == v["prompts"] == 2 for v in res.values())  # lossless, every run
     assert "past_first_check" in res["tiny4-eagle3/ddd-paper"]
     assert r["reference"] == {"head": None, "reason": "no packaged head 'tiny4-eagle'"}
+    from train_draft.recipe import Record, _reference_head
+    rec = Record(tmp_path / "ref", {})
+    assert _reference_head(rec, t, str(tmp_path / "nowhere"), "tiny4-eagle") == {}  # recorded, not raised
+    assert "FileNotFoundError" in rec.data["reference"]["reason"] and "nowhere" in rec.data["reference"]["reason"]
     # the exported heads load, carry a draft vocabulary, and decode vanilla's tokens
     for name, kind in (("tiny4-eagle3", "eagle3"), ("tiny4-eagle", "eagle1")):
         d = load_draft(tmp_path / "run" / "heads" / name, t)

@@ -486,7 +486,11 @@ def _reference_head(rec: Record, target, name: str, shipped: str) -> dict:
             rec.data["reference"] = {"head": None, "reason": f"no packaged head {shipped!r}"}
             return {}
         name = shipped
-    draft = load_draft(name, target)
+    try:
+        draft = load_draft(name, target)
+    except (OSError, ValueError, KeyError) as e:  # a reference that cannot load costs the new heads nothing
+        rec.data["reference"] = {"head": name, "reason": f"{type(e).__name__}: {e}"[:300]}
+        return {}
     info = {"head": name, "head_type": draft.config.head_type}
     cfg_path = registry.named_draft_dir(name) / "config.json" if name in registry.NAMED_DRAFTS else \
         Path(name) / "config.json"
