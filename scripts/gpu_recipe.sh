@@ -22,8 +22,9 @@ prepare)
   "$PY" -m ddd_jax.cli train-draft recipe-inputs --out "$DEV/recipe_inputs.npz" ${INPUTS_EXTRA:-}
   GGUF=$("$PY" -c "from ddd_jax.checkpoints.registry import named_source; print(named_source('smollm2-135m-instruct'))")
   # A call carries at most 64 MiB together with the work tree: call 1 takes as much of the GGUF as fits beside the
-  # tree, call 2 the rest with the inputs and the reader.
-  limit=67108864
+  # tree, call 2 the rest with the inputs and the reader; each keeps 1-2 MiB spare for the transfer's own overhead
+  # and files added to the tree later. Run `prepare` again after adding files.
+  limit=$(( 67108864 - 1048576 ))
   tree=$(git ls-files -co --exclude-standard -z | xargs -0 du -cb | tail -1 | cut -f1)
   size=$(stat -c %s "$GGUF")
   first=$(( limit - tree - 1048576 ))
@@ -38,7 +39,7 @@ prepare)
   call1=$(( tree + $(stat -c %s "$DEV/gguf.part0") ))
   rest=$(du -cb "$DEV/gguf.part1" "$DEV/gguf.sha256" "$DEV/recipe_inputs.npz" "$DEV/pylib" | tail -1 | cut -f1)
   call2=$(( tree + rest ))
-  echo "with the work tree ($tree bytes), call 1 carries $call1 bytes and call 2 $call2 (at most $limit each)"
+  echo "with the work tree ($tree bytes), call 1 carries $call1 bytes and call 2 $call2 (64 MiB less 1 MiB: $limit)"
   [ "$call2" -le "$limit" ] || { echo "prepare: call 2 would carry over 64 MiB: make the inputs smaller" \
     "(INPUTS_EXTRA='--max-context-len 384')" >&2; exit 2; } ;;
 stash)
