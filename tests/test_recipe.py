@@ -80,6 +80,19 @@ def test_overrides_reach_the_fits_configs_and_are_checked():
             with_overrides(RecipeConfig(), [bad])
 
 
+def test_acceptance_measures_the_reference_at_the_default_tree_right_after_the_new_heads():
+    from train_draft.recipe import acceptance_runs
+    runs = acceptance_runs({"e3": "d3", "e1": "d1"}, {"ref": "dr"})
+    keys = list(runs)
+    assert keys[:5] == ["e3/eagle2-default", "e1/eagle2-default", "ref/eagle2-default", "e3/ddd-paper",
+                        "e1/ddd-paper"]
+    assert runs["ref/eagle2-default"]["draft"] == "dr" and runs["ref/eagle2-default"]["tree"].total_tokens == 60
+    assert {k.split("/")[1] for k in keys if k.startswith("ref/")} == {k.split("/")[1] for k in keys
+                                                                         if k.startswith("e3/")}
+    assert all(k.startswith("ref/") for k in keys[len(keys) - (len(keys) // 3 - 1):])  # the rest of it last
+    assert list(acceptance_runs({"e3": "d3"})) == [k for k in keys if k.startswith("e3/")]
+
+
 class CharChat:
     """A stand-in target for tokenizing: a character per token, a header token per role, 1 ends a turn."""
     name = "chars"

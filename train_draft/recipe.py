@@ -327,9 +327,10 @@ def _stage(rec: Record, name: str, fn, *, fatal: bool = False):
     return result
 
 
-def acceptance_runs(heads: dict) -> dict:
+def acceptance_runs(heads: dict, reference: dict | None = None) -> dict:
     """{label: run} of stage (f), most important first: for each head EAGLE-2's default tree, DDD at the paper's
-    settings, then the shipped tuned CPU and GPU trees (EAGLE-2 and DDD)."""
+    settings, then the shipped tuned CPU and GPU trees (EAGLE-2 and DDD). The `reference` head's default-tree run
+    comes right after the new heads' (the comparison that decides what ships), its other runs last."""
     from ddd_jax.config import DDDConfig, TreeConfig
     from ddd_jax.settings import load_settings, settings_dir, to_configs
     tuned = {}
@@ -341,8 +342,11 @@ def acceptance_runs(heads: dict) -> dict:
              ("ddd-paper", "ddd", TreeConfig(), DDDConfig())]
     for backend, (tree, ddd) in tuned.items():
         order += [(f"eagle2-{backend}", "eagle2", tree, ddd), (f"ddd-{backend}", "ddd", tree, ddd)]
-    return {f"{hname}/{label}": {"draft": draft, "method": method, "tree": tree, "ddd": ddd}
-            for label, method, tree, ddd in order for hname, draft in heads.items()}
+    new = [(f"{hname}/{label}", {"draft": draft, "method": method, "tree": tree, "ddd": ddd})
+           for label, method, tree, ddd in order for hname, draft in heads.items()]
+    ref = [(f"{hname}/{label}", {"draft": draft, "method": method, "tree": tree, "ddd": ddd})
+           for label, method, tree, ddd in order for hname, draft in (reference or {}).items()]
+    return dict(new[:len(heads)] + ref[:1] + new[len(heads):] + ref[1:])
 
 
 def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig(), *, smoke: bool = False,
@@ -464,7 +468,7 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
                 "max_new_tokens": cfg.tau_max_new}
 
     reference = _reference_head(rec, target, cfg.reference_head, e1_name) if heads else {}
-    runs = acceptance_runs({**heads, **reference})
+    runs = acceptance_runs(heads, reference)
     measured = (rec.done("acceptance") or {}).get("results", {})
     if heads and any(k not in measured for k in runs):
         _stage(rec, "acceptance", acceptance)
