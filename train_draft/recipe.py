@@ -342,10 +342,11 @@ def acceptance_runs(heads: dict, reference: dict | None = None) -> dict:
              ("ddd-paper", "ddd", TreeConfig(), DDDConfig())]
     for backend, (tree, ddd) in tuned.items():
         order += [(f"eagle2-{backend}", "eagle2", tree, ddd), (f"ddd-{backend}", "ddd", tree, ddd)]
-    new = [(f"{hname}/{label}", {"draft": draft, "method": method, "tree": tree, "ddd": ddd})
-           for label, method, tree, ddd in order for hname, draft in heads.items()]
-    ref = [(f"{hname}/{label}", {"draft": draft, "method": method, "tree": tree, "ddd": ddd})
-           for label, method, tree, ddd in order for hname, draft in (reference or {}).items()]
+    def runs(hs: dict) -> list:
+        return [(f"{hname}/{label}", {"draft": draft, "method": method, "tree": tree, "ddd": ddd})
+                for label, method, tree, ddd in order for hname, draft in hs.items()]
+
+    new, ref = runs(heads), runs(reference or {})
     return dict(new[:len(heads)] + ref[:1] + new[len(heads):] + ref[1:])
 
 
