@@ -243,19 +243,23 @@ def _manager(ckpt_dir: Path, keep: int):
 
 def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: bool = False, ckpt_every: int = 200,
                keep: int = 3, log_every: int = 10, export_dir=None, stop_after: int | None = None,
-               time_budget_s: float | None = None, probe_steps: int = 3, progress: bool = False) -> dict:
+               time_budget_s: float | None = None, probe_steps: int = 3, progress: bool = False,
+               vocab=None) -> dict:
     """Train an EAGLE-3 head on the token ids of `train`; checkpoints, metrics.jsonl and fit.json go to out_dir.
 
     time_budget_s (a fresh run): after the first step (the compile) and `probe_steps` timed steps, `cfg.steps`
     becomes the number of steps that fit the budget (never more than given); fit.json and the schedule follow it.
     The probe runs inside the warmup (warmup > probe_steps + 1 keeps its learning rates independent of the final
     count). The budget is also a hard stop: a step that starts past it is not taken.
+    vocab: the draft vocabulary (target token ids) to use instead of `draft_vocab(train, ...)`, e.g. one shared
+    by heads fitted on different data.
     Returns {"params" (with d2t), "step", "last_metrics", "draft_config", "fit_config"}."""
     import orbax.checkpoint as ocp
     t0 = time.time()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ids_vocab = draft_vocab(train, cfg.draft_vocab_size, target.config.vocab_size, always=target.eos_token_ids)
+    ids_vocab = (draft_vocab(train, cfg.draft_vocab_size, target.config.vocab_size, always=target.eos_token_ids)
+                 if vocab is None else np.unique(np.asarray(vocab, np.int32)))
     dcfg = eagle3_config(target, len(ids_vocab))
     meta = {"head_type": "eagle3", "draft_config": dcfg.to_dict(), "fit_config": cfg.to_dict(),
             "target": target.name, "train_tokens": train.n_tokens, "train_seqs": train.n_seqs,
