@@ -21,7 +21,7 @@ def _batched(prompt_ids) -> bool:
     return len(prompt_ids) > 0 and isinstance(prompt_ids[0], (list, tuple, np.ndarray))
 
 
-def _prepare_prompts(target, prompt_ids, plan: Plan, capacity: int | None):
+def _prepare_prompts(target, prompt_ids, plan: Plan, capacity: int | None, prompt_len: int | None = None):
     if len(prompt_ids) == 0:
         raise ValueError("prompt_ids is empty")
     batched = _batched(prompt_ids)
@@ -34,7 +34,9 @@ def _prepare_prompts(target, prompt_ids, plan: Plan, capacity: int | None):
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {V})")
     P = max(len(p) for p in prompts)
-    T = bucket_length(P)
+    if prompt_len is not None and prompt_len < P:
+        raise ValueError(f"prompt_len={prompt_len} is shorter than the longest prompt ({P} tokens)")
+    T = bucket_length(P) if prompt_len is None else int(prompt_len)
     need = max(T, P + plan.max_new_tokens + cache_slack(plan))
     if capacity is None:
         capacity = cache_capacity(P, plan)
@@ -54,7 +56,7 @@ def _prepare_prompts(target, prompt_ids, plan: Plan, capacity: int | None):
 def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str = "vanilla", sync: str = "device",
              tree: TreeConfig | None = None, ddd: DDDConfig | None = None, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, loop: str | None = None, profile: bool = False,
-             policy=None, capacity: int | None = None, stream=None) -> GenerateResult:
+             policy=None, capacity: int | None = None, stream=None, prompt_len: int | None = None) -> GenerateResult:
     """Generate new tokens for `prompt_ids` (list[int], or a list of lists for a batch).
 
     method: "vanilla" (baseline), "eagle2" (fixed-depth EAGLE-2 tree), "ddd" (Dynamic Depth Decoding).
@@ -66,10 +68,14 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
     sync="host", profile=True or stream. policy: host function for sync="host" or "callback"
     ((step, confidence, active, threshold) -> keep-drafting mask; default: DDD's threshold rule). It is part of
     the static plan, so each distinct policy compiles once. stream: callable(new_token_ids) invoked after each
-    cycle (forces loop="host"; `stream()` is the same as an iterator).
+    cycle (forces loop="host"; `stream()` is the same as an iterator). capacity: the KV cache's slots (default
+    `cache_capacity` of the longest prompt). prompt_len: the prefill's padded prompt length (>= the longest prompt;
+    default `bucket_length` of it). Calls with the same batch size, prompt_len and capacity run the same programs
+    whatever their prompts (what `train_draft.regen` does to compile once per stage); the tokens do not depend on
+    either.
     """
     run = _decode(target, draft, prompt_ids, max_new_tokens, method, sync, tree, ddd, temperature, top_p, seed,
-                  loop, profile, policy, capacity, streaming=stream is not None)
+                  loop, profile, policy, capacity, streaming=stream is not None, prompt_len=prompt_len)
     while True:
         try:
             new = next(run)
@@ -98,7 +104,7 @@ def stream(target, draft, prompt_ids, max_new_tokens: int = 128, method: str = "
 
 
 def _decode(target, draft, prompt_ids, max_new_tokens, method, sync, tree, ddd, temperature, top_p, seed, loop,
-            profile, policy, capacity, *, streaming: bool):
+            profile, policy, capacity, *, streaming: bool, prompt_len: int | None = None):
     """generate's body as a generator: yields each cycle's new tokens when streaming, returns the GenerateResult."""
     if method == "vanilla":
         tree, ddd, source = tree or TreeConfig(), ddd or DDDConfig(), None
@@ -113,7 +119,7 @@ def _decode(target, draft, prompt_ids, max_new_tokens, method, sync, tree, ddd, 
         raise ValueError(f"loop must be 'host' or 'device', got {loop!r}")
     if plan.host_checks and loop == "device":
         raise ValueError("sync='host' reads the confidence on the host each check: it needs loop='host'")
-    batched, toks, plen, capacity = _prepare_prompts(target, prompt_ids, plan, capacity)
+    batched, toks, plen, capacity = _prepare_prompts(target, prompt_ids, plan, capacity, prompt_len)
     n_rows = toks.shape[0]
     mesh = getattr(target, "mesh", None)
     if mesh is not None:  # batch over "data": pad with copies of the last prompt (dropped from the results)
