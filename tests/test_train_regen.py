@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
 from ddd_jax import generate
-from train_draft.regen import example_from_record, load_records, regenerate
+from train_draft.regen import CompileCounter, choose_buckets, example_from_record, load_records, regen_plan, regenerate
 from test_train_fit import tiny_target
 
 
@@ -40,12 +41,49 @@ def test_records_are_the_targets_greedy_replies_and_resume(target, tmp_path):
         assert rec["finished"] == (len(alone) < 4)
 
 
+def test_one_plan_compiles_once_for_every_mix_and_keeps_the_greedy_replies(target, tmp_path):
+    """Two parts (a held-out one, then a training one) of prompts from 3 to 300 tokens share one plan: few buckets,
+    one cache capacity, fixed rows. The first part compiles a bounded set of programs, the second none, and every
+    reply is what the target gives the prompt decoded alone."""
+    rng = np.random.default_rng(1)
+    lengths = [3, 40, 300, 90, 7, 150, 260, 12, 64, 33, 200, 5, 120, 70, 9, 290]  # spread over 5 decoder buckets
+    parts = [[(f"{name}{i}", [int(x) for x in rng.integers(1, 60, size=n)]) for i, n in enumerate(lengths[k::2])]
+             for k, name in enumerate("ht")]
+    plan = regen_plan(target, parts, batch_size=3, max_new_tokens=8)
+    assert plan["batch_size"] == 3 and len(plan["buckets"]) <= 3 and plan["buckets"][-1] == 512
+    assert plan["buckets"] == choose_buckets(lengths) and plan["capacity"] >= 512 + 8
+    r1 = regenerate(target, parts[0], tmp_path / "h.jsonl", max_new_tokens=8, progress=False, **plan)
+    r2 = regenerate(target, parts[1], tmp_path / "t.jsonl", max_new_tokens=8, progress=False, **plan)
+    assert r1["records"] == r2["records"] == 8
+    assert r1["compiles"] <= 3 * len(plan["buckets"]) + 4  # a prefill per bucket and one decoding loop, not per batch
+    assert r2["compiles"] == 0  # a different mix of prompts, the same programs
+    for r in (r1, r2):
+        assert (r["rows"], r["buckets"], r["capacity"]) == (3, list(plan["buckets"]), plan["capacity"])
+        assert r["new_tokens_per_s"] > 0 and r["new_reply_tokens"] > 0
+    recs = load_records(tmp_path / "h.jsonl") + load_records(tmp_path / "t.jsonl")
+    prompts = dict(parts[0] + parts[1])
+    for rec in recs:
+        ids = prompts[rec["id"]]
+        assert rec["ids"][:len(ids)] == ids and rec["ids"][len(ids):] == generate(target, None, ids,
+                                                                                  max_new_tokens=8).tokens
+    with CompileCounter() as cc:  # nested counters both see a compile
+        with CompileCounter() as inner:
+            jax.jit(lambda x: x * 3 + 1)(np.arange(5))
+    assert cc.compiles == inner.compiles >= 1 and cc.seconds > 0
+
+
 def test_max_records_and_bad_arguments(target, tmp_path):
     out = tmp_path / "r.jsonl"
     r = regenerate(target, _prompts(5), out, max_new_tokens=4, batch_size=3, max_records=4, progress=False)
     assert r["records"] == 4 and len(load_records(out)) == 4
     with pytest.raises(ValueError, match="batch_size"):
         regenerate(target, _prompts(2), out, batch_size=0, progress=False)
+    with pytest.raises(ValueError, match="largest bucket"):
+        regenerate(target, [("x", [1] * 40)], out, buckets=[32], progress=False)
+    with pytest.raises(ValueError, match="capacity=64"):
+        regenerate(target, _prompts(2), out, max_new_tokens=40, buckets=[32], capacity=64, progress=False)
+    with pytest.raises(ValueError, match="prompt_len=8"):
+        generate(target, None, [[1] * 9, [2]], max_new_tokens=2, prompt_len=8)
 
 
 def test_a_spent_time_limit_still_takes_min_batches(target, tmp_path):

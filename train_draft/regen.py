@@ -12,6 +12,11 @@ training distribution to the test one. `regenerate` decodes the first user turn 
 the stop token when the reply ended before `max_new_tokens`: ``finished``). The loss counts the reply only
 (`example_from_record`). The file is appended batch by batch and flushed; a rerun with the same file skips
 conversations already there (a torn last line from an interrupted run is dropped first), so generation resumes.
+
+Every batch of a call runs the same decoding programs: a fixed number of rows, its prompts padded to one of a few
+prompt buckets, and one KV-cache capacity for the whole call (`regen_plan` picks them, and passes the same ones to
+several calls -- a held-out part and a training part -- so the second call compiles nothing). `CompileCounter`
+counts the XLA compiles a call did.
 """
 from __future__ import annotations
 
@@ -21,8 +26,55 @@ import time
 from pathlib import Path
 
 import numpy as np
+from jax import monitoring
 
 from ddd_jax import io as dio
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax/_src/dispatch.py BACKEND_COMPILE_EVENT
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # jax/_src/compiler.py: a persistent-cache load
+_counting: list = []  # the CompileCounters now active (one pair of jax listeners, registered once, feeds them)
+
+
+def _on_duration(event: str, seconds: float, **_) -> None:
+    if event == _COMPILE_EVENT:
+        for c in _counting:
+            c.built += 1
+            c.seconds += seconds
+
+
+def _on_event(event: str, **_) -> None:
+    if event == _CACHE_HIT_EVENT:
+        for c in _counting:
+            c.cache_hits += 1
+
+
+class CompileCounter:
+    """Counts the XLA executables jax builds while active: `with CompileCounter() as cc: ...; cc.compiles`.
+
+    `built`: executables jax had to make (its backend-compile event: a jit, or an eager op, on shapes, dtypes or
+    static arguments it had not seen in this process); `cache_hits`: those of them loaded from jax's persistent
+    compilation cache instead of compiled; `compiles` = built - cache_hits, the real XLA compiles; `seconds`: the
+    time spent building all of them. Programs already in jax's in-memory caches count nothing. The listeners are
+    process-wide: compiles by other threads while the counter is active are counted too.
+    """
+
+    _listening = False
+
+    def __enter__(self) -> "CompileCounter":
+        if not CompileCounter._listening:
+            monitoring.register_event_duration_secs_listener(_on_duration)
+            monitoring.register_event_listener(_on_event)
+            CompileCounter._listening = True
+        self.built, self.cache_hits, self.seconds = 0, 0, 0.0
+        _counting.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _counting.remove(self)
+
+    @property
+    def compiles(self) -> int:
+        return self.built - self.cache_hits
 
 
 def _read_records(path: Path, repair: bool = False) -> list[dict]:
@@ -98,19 +150,92 @@ def later_turn_prompts(target, items: list, max_prompt_len: int) -> tuple[list, 
     return out, skipped
 
 
-def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, batch_size: int = 16,
-               time_limit_s: float | None = None, max_records: int | None = None, min_batches: int = 0,
-               progress: bool = True) -> dict:
-    """Append the target's greedy replies to `prompts` ((id, token ids) pairs) to `out_path`, skipping ids there.
+def choose_buckets(lengths, max_buckets: int = 3) -> tuple:
+    """At most `max_buckets` padded prompt lengths covering `lengths`: values of `bucket_length` (the decoder's
+    standard prompt buckets), the largest the longest prompt's, chosen to pad the prompts' sum of lengths least
+    (each prompt padded to the smallest chosen bucket that holds it)."""
+    from ddd_jax.decode.state import bucket_length
+    if max_buckets < 1:
+        raise ValueError(f"max_buckets must be >= 1, got {max_buckets}")
+    lengths = [int(n) for n in lengths]
+    if not lengths:
+        return (bucket_length(1),)
+    vals, counts = np.unique([bucket_length(n) for n in lengths], return_counts=True)
+    vals, below = [int(v) for v in vals], [0] + np.cumsum(counts).tolist()  # below[j]: prompts under vals[j]
 
-    Batches are formed from prompts of similar length (sorted within windows of 8 batches) so the batched
-    prefill pads little; every batch has `batch_size` rows (a short last one is padded), so decoding compiles
-    once per prompt bucket. Stops at the first batch boundary after `time_limit_s` (but not before `min_batches`
-    batches of this call), or once the file holds `max_records` records. Returns a summary.
-    """
-    from ddd_jax import generate
+    def padded(i: int, j: int) -> int:  # the prompts of vals[i + 1] .. vals[j], padded to vals[j]
+        return vals[j] * (below[j + 1] - below[i + 1])
+
+    # best[j]: (padded tokens, buckets) for the prompts up to vals[j], vals[j] the largest bucket; each round
+    # allows one more bucket (on a tie, the fewer buckets)
+    best = [(padded(-1, j), (vals[j],)) for j in range(len(vals))]
+    for _ in range(max_buckets - 1):
+        best = [min([best[j]] + [(best[i][0] + padded(i, j), best[i][1] + (vals[j],)) for i in range(j)],
+                    key=lambda r: r[0]) for j in range(len(vals))]
+    return best[-1][1]
+
+
+def _vanilla_plan(target, max_new_tokens: int):
+    """The static plan of `generate(target, None, ..., max_new_tokens=max_new_tokens)` (vanilla, greedy)."""
+    from ddd_jax.config import DDDConfig, TreeConfig
+    from ddd_jax.decode.state import make_plan
+    return make_plan(target, None, method="vanilla", sync="device", tree=TreeConfig(), ddd=DDDConfig(),
+                     temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens)
+
+
+def regen_plan(target, prompt_lists: list, batch_size: int, max_new_tokens: int, max_buckets: int = 3) -> dict:
+    """One set of decoding shapes for several `regenerate` calls (e.g. a held-out part, then a training part):
+    `{"batch_size": rows, "buckets": (padded prompt lengths), "capacity": KV-cache slots}`, to pass as keywords
+    (`regenerate(target, part, out, max_new_tokens=max_new_tokens, **plan)`) so every call runs the programs the
+    first one compiled. rows: `batch_size`, or the longest list's length when every list is shorter; buckets:
+    `choose_buckets` of all the prompts' lengths; capacity: the largest bucket's `cache_capacity`."""
+    from ddd_jax.decode.state import cache_capacity
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
+    buckets = choose_buckets([len(ids) for prompts in prompt_lists for _, ids in prompts], max_buckets)
+    rows = min(batch_size, max([len(prompts) for prompts in prompt_lists] + [1]))
+    return {"batch_size": rows, "buckets": buckets,
+            "capacity": cache_capacity(buckets[-1], _vanilla_plan(target, max_new_tokens))}
+
+
+def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, batch_size: int = 16,
+               time_limit_s: float | None = None, max_records: int | None = None, min_batches: int = 0,
+               progress: bool = True, buckets=None, capacity: int | None = None, max_buckets: int = 3) -> dict:
+    """Append the target's greedy replies to `prompts` ((id, token ids) pairs) to `out_path`, skipping ids there.
+
+    Batches are formed from prompts of similar length (sorted within windows of 8 batches); every batch has
+    `batch_size` rows (a short last one is padded with copies of its last prompt), its prompts padded to the
+    smallest of `buckets` that holds its longest, and one KV cache of `capacity` slots serves the whole call: the
+    call compiles one prefill per bucket and one decoding loop, whatever the mix of prompts, and a later call with
+    the same batch_size, buckets and capacity (`regen_plan`) compiles nothing. buckets: ascending padded prompt
+    lengths, None = `choose_buckets` of the prompts' lengths (at most `max_buckets`); capacity: None = the largest
+    bucket's `cache_capacity`. Stops at the first batch boundary after `time_limit_s` (but not before
+    `min_batches` batches of this call), or once the file holds `max_records` records.
+
+    Returns a summary: out, records (in the file), new_records, new_reply_tokens (stop tokens included),
+    remaining, seconds (the whole call), new_tokens_per_s (new_reply_tokens / seconds, compiles included),
+    compiles (real XLA compiles during the call: `CompileCounter`), compile_s, rows, buckets, capacity.
+    """
+    from ddd_jax import generate
+    t0 = time.time()
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
+    buckets = tuple(int(b) for b in (choose_buckets([len(ids) for _, ids in prompts], max_buckets)
+                                     if buckets is None else buckets))
+    if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+        raise ValueError(f"buckets must be ascending positive lengths, got {buckets}")
+    too_long = [i for i, ids in prompts if len(ids) > buckets[-1]]
+    if too_long:
+        raise ValueError(f"{len(too_long)} prompts (e.g. {too_long[0]!r}) are longer than the largest bucket, "
+                         f"{buckets[-1]} tokens")
+    from ddd_jax.decode.state import cache_capacity, cache_slack
+    vplan = _vanilla_plan(target, max_new_tokens)
+    need = buckets[-1] + max_new_tokens + cache_slack(vplan)
+    if capacity is None:
+        capacity = cache_capacity(buckets[-1], vplan)
+    elif capacity < need:
+        raise ValueError(f"capacity={capacity} is under the {need} slots a {buckets[-1]}-token bucket + "
+                         f"max_new_tokens={max_new_tokens} needs")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in _read_records(out_path, repair=True)}
@@ -123,19 +248,20 @@ def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, ba
         chunk = sorted(todo[w:w + window], key=lambda x: len(x[1]))
         batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
     stops = set(target.eos_token_ids)
-    t0 = time.time()
     n_new = n_tok = 0
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(todo), desc="regenerate", unit="conv", initial=0)
-    with open(out_path, "a", encoding="utf-8") as f:
+    with open(out_path, "a", encoding="utf-8") as f, CompileCounter() as cc:
         for b, batch in enumerate(batches):
             if time_limit_s is not None and b >= min_batches and time.time() - t0 > time_limit_s:
                 break
             # a short last batch is padded with copies of its last prompt (results dropped): one batch shape
             prompts_b = [ids for _, ids in batch] + [batch[-1][1]] * (batch_size - len(batch))
-            res = generate(target, None, prompts_b, max_new_tokens=max_new_tokens)
+            longest = max(len(ids) for _, ids in batch)
+            res = generate(target, None, prompts_b, max_new_tokens=max_new_tokens, capacity=capacity,
+                           prompt_len=next(n for n in buckets if n >= longest))
             lines = []
             for (conv_id, ids), toks in zip(batch, res.tokens):
                 finished = bool(toks) and toks[-1] in stops
@@ -148,9 +274,11 @@ def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, ba
             n_new += len(batch)
             if bar is not None:
                 bar.update(len(batch))
-                bar.set_postfix(gen_tok_s=f"{n_tok / max(time.time() - t0, 1e-9):.0f}")
+                bar.set_postfix(gen_tok_s=f"{n_tok / max(time.time() - t0, 1e-9):.0f}", compiles=cc.compiles)
     if bar is not None:
         bar.close()
+    seconds = time.time() - t0
     return {"out": str(out_path), "records": len(done) + n_new, "new_records": n_new, "new_reply_tokens": n_tok,
-            "remaining": len(todo) - n_new,
-            "seconds": round(time.time() - t0, 1)}
+            "remaining": len(todo) - n_new, "seconds": round(seconds, 1),
+            "new_tokens_per_s": round(n_tok / max(seconds, 1e-9), 1), "compiles": cc.compiles,
+            "compile_s": round(cc.seconds, 1), "rows": batch_size, "buckets": list(buckets), "capacity": capacity}
