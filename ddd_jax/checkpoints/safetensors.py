@@ -17,19 +17,29 @@ _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfl
 _ST_CODES = {v: k for k, v in _ST_DTYPES.items()}
 
 
-def safetensors_sources(path) -> list[SourceTensor]:
-    """The tensors of one .safetensors file, memory-mapped (nothing is read until `.load()`)."""
+def safetensors_sources(path, offset: int = 0, size: int | None = None, where: str | None = None
+                        ) -> list[SourceTensor]:
+    """The tensors of one .safetensors file, memory-mapped (nothing is read until `.load()`).
+
+    offset / size: the safetensors bytes lie at `offset` in `path`, `size` of them (default: to the end of the file),
+    e.g. a member of an uncompressed tar; where: how errors name them (default `path`)."""
     path = Path(path)
+    where = where or str(path)
+    total = path.stat().st_size
+    size = total - offset if size is None else size
+    if size < 8 or offset + 8 > total:
+        raise ValueError(f"{where}: not a safetensors file (too short)")
     with open(path, "rb") as f:
+        f.seek(offset)
         head = f.read(8)
-        if len(head) != 8:
-            raise ValueError(f"{path}: not a safetensors file (too short)")
         (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise ValueError(f"{where}: not a safetensors file (its header claims {n} bytes, the file has {size})")
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: not a safetensors file ({e})") from None
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
+            raise ValueError(f"{where}: not a safetensors file ({e})") from None
+    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(min(size, total - offset),))
     start = 8 + n
     have = len(mm) - start  # bytes of tensor data in the file
     out = []
@@ -37,16 +47,16 @@ def safetensors_sources(path) -> list[SourceTensor]:
         if name == "__metadata__":
             continue
         if info["dtype"] not in _ST_DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+            raise ValueError(f"{where}: tensor {name!r} has unsupported dtype {info['dtype']}")
         dt = np_dtype(_ST_DTYPES[info["dtype"]])
         b, e = info["data_offsets"]
         shape = tuple(info["shape"])
         need = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         if e - b != need:
-            raise ValueError(f"{path}: tensor {name!r} of shape {list(shape)} {dt} needs {need} bytes, its header "
+            raise ValueError(f"{where}: tensor {name!r} of shape {list(shape)} {dt} needs {need} bytes, its header "
                              f"gives it {e - b} (a corrupt file)")
         if e > have:
-            raise ValueError(f"{path}: tensor {name!r} ends at byte {start + e} but the file has {len(mm)} bytes "
+            raise ValueError(f"{where}: tensor {name!r} ends at byte {start + e} but the file has {len(mm)} bytes "
                              "(a truncated file: copy or download it again)")
 
         def load(b=b, e=e, dt=dt, shape=shape):
