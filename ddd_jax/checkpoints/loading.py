@@ -2,7 +2,7 @@
 
 Targets: a known name (`registry.NAMED_TARGETS`, cached in our format), our target format, an HF directory
 (Llama, Mistral, Qwen2, Qwen3: `hf.read_hf_config` dispatches on `model_type`), or a llama / qwen2 / qwen3
-architecture .gguf file. Draft heads: a packaged name, our head format, or an official
+architecture .gguf file. Draft heads: a packaged name, our head format (a directory or one .tar), or an official
 EAGLE-1/2 or EAGLE-3 PyTorch head directory (converted on the fly).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from . import registry
 from .eagle_official import convert_official_head
 from .gguf import load_gguf_target
 from .hf import load_hf_dir
-from .ours import HEAD_FORMAT, TARGET_FORMAT, load_draft_dir, load_target_dir, save_target
+from .ours import HEAD_FORMAT, TARGET_FORMAT, load_draft_dir, load_draft_tar, load_target_dir, save_target
 from .registry import NAMED_TARGETS, named_source
 
 
@@ -141,8 +141,9 @@ def load_draft(path_or_name, target: Target, dtype=None) -> Draft:
     """A draft head bound to `target`.
 
     path_or_name: a packaged name ("smollm2-135m-instruct-eagle"), a directory in our head format
-    (`save_draft`), or an official EAGLE-1/2 or EAGLE-3 PyTorch head (config.json + pytorch_model.bin /
-    model.safetensors), converted on the fly. dtype defaults to the target's parameter dtype.
+    (`save_draft`) or one `<name>.tar` of it (read in place, not extracted), or an official EAGLE-1/2 or EAGLE-3
+    PyTorch head (config.json + pytorch_model.bin / model.safetensors), converted on the fly. dtype defaults to the
+    target's parameter dtype.
     """
     s = str(path_or_name)
     dtype = dtype or target.params["embed"].dtype
@@ -154,8 +155,11 @@ def load_draft(path_or_name, target: Target, dtype=None) -> Draft:
             raise ValueError(f"unknown draft head name {s!r} (and no such path); known names: "
                              f"{sorted(registry.NAMED_DRAFTS)}")
         raise FileNotFoundError(f"no draft head at {path}")
+    if path.is_file() and path.suffix == ".tar":
+        return dataclasses.replace(load_draft_tar(path, target, dtype=dtype), name=s)
     if not path.is_dir() or not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: a draft head is a directory with a config.json")
+        raise FileNotFoundError(f"{path}: a draft head is a directory with a config.json, or a .tar of our head "
+                                "format")
     fmt = dio.read_json(path / "config.json").get("format")
     if fmt is not None and fmt != HEAD_FORMAT:
         raise ValueError(f"{path} holds a {fmt!r} checkpoint, not a draft head")

@@ -7,14 +7,19 @@ Target (`TARGET_FORMAT`), a directory:
     tokenizer_config.json  (optional) {"chat_template": ..., "bos_token": ..., "eos_token": ...}
 Draft head (`HEAD_FORMAT`), a directory:
     config.json            {"format": "ddd-jax-eagle-head", "format_version", "draft_config": {...}, "extra"?}
-    model.safetensors      flat keys of `eagle.param_shapes` (the target's embed / lm_head are not stored)
-Both are written atomically: a directory exists whole or not at all.
+    model.safetensors      flat keys of `eagle.param_shapes` (the target's embed / lm_head are not stored; a
+                           reduced draft vocabulary's `d2t` is one of them)
+or the same two files as the members of one uncompressed `<name>.tar` (`save_draft` to a path ending in ".tar";
+`load_draft_tar` reads the tensors in place, memory-mapped from the tar, without extracting it): one file to copy.
+All are written atomically: a directory or tar exists whole or not at all.
 """
 from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
+import tarfile
+import tempfile
+from pathlib import Path, PurePosixPath
 
 import jax
 import jax.numpy as jnp
@@ -100,29 +105,122 @@ def load_target_dir(path, dtype=None, name: str | None = None, mesh=None) -> Tar
 # Draft heads
 
 
+HEAD_FILES = ("config.json", "model.safetensors")  # a head directory's files, a head tar's members
+
+
 def save_draft(draft: Draft, path, dtype=None, extra: dict | None = None) -> None:
-    """Write our head format (config.json + model.safetensors) atomically: a directory that either exists whole or not at all."""
+    """Write our head format (config.json + model.safetensors) atomically: a directory that either exists whole or
+    not at all, or with `path` ending in ".tar" one uncompressed tar file holding the same two files."""
     params = quant.dequantize_tree(dict(draft.params))  # a head stored as GGUF blocks: saved as its float values
     if dtype is not None:
         params = {k: jax.tree.map(lambda x: np.asarray(x).astype(np.int32 if k == "d2t" else dtype), v)
                   for k, v in params.items()}
+    cfg = {"format": HEAD_FORMAT, "format_version": HEAD_FORMAT_VERSION, "draft_config": draft.config.to_dict()}
+    if extra:
+        cfg["extra"] = extra
+    params = jax.tree.map(np.asarray, params)
+    if str(path).endswith(".tar"):
+        with dio.atomic_file(path) as tmp, tempfile.TemporaryDirectory(dir=Path(tmp).parent,
+                                                                       prefix=f".{Path(path).name}.") as d:
+            (Path(d) / "config.json").write_text(json.dumps(cfg, indent=2))
+            save_safetensors(params, Path(d) / "model.safetensors")
+            with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+                for name in HEAD_FILES:
+                    tar.add(Path(d) / name, arcname=name, filter=_plain_member)
+        return
     with dio.atomic_dir(path) as tmp:
-        cfg = {"format": HEAD_FORMAT, "format_version": HEAD_FORMAT_VERSION, "draft_config": draft.config.to_dict()}
-        if extra:
-            cfg["extra"] = extra
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        save_safetensors(jax.tree.map(np.asarray, params), tmp / "model.safetensors")
+        save_safetensors(params, tmp / "model.safetensors")
+
+
+def _plain_member(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    """A tar member readable by anyone, naming no user."""
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.mode = 0o644
+    return info
 
 
 def load_draft_dir(path, target, dtype=None) -> Draft:
     """A Draft bound to `target` from a directory in our head format (dtype defaults to the target's)."""
     path = Path(path)
     meta = dio.read_json(path / "config.json")
+    return _draft_from(meta, lambda: load_safetensors(path / "model.safetensors"), str(path), f"{path}/config.json",
+                       target, dtype)
+
+
+def load_draft_tar(path, target, dtype=None) -> Draft:
+    """A Draft bound to `target` from a `<name>.tar` in our head format (`save_draft(..., "<name>.tar")`). The
+    tensors are memory-mapped from the tar itself (nothing is extracted); a truncated tar, one without config.json or
+    model.safetensors, or one holding another format fails with an error naming the file."""
+    path = Path(path)
+    meta, sources = read_head_tar(path)
+    return _draft_from(meta, lambda: dio.unflatten({s.name: np.array(s.load()) for s in sources}),
+                       str(path), f"{path} (its config.json)", target, dtype)
+
+
+def read_head_tar(path) -> tuple[dict, list]:
+    """(config.json's content, model.safetensors' `SourceTensor`s, memory-mapped) of a head tar. Members may sit at
+    the top of the tar or in one folder ("head/config.json", as `tar cf head.tar head/` makes them)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no draft head tar at {path}")
+    try:
+        with tarfile.open(path, "r:") as tar:
+            members = tar.getmembers()  # reads every header: a truncated tar fails here
+            found = {want: _member(path, members, want) for want in HEAD_FILES}
+            config = tar.extractfile(found["config.json"]).read()
+    except (tarfile.TarError, EOFError) as e:
+        kind = _compressed(path)
+        why = (f"a {kind}-compressed tar: a head tar must be uncompressed (save_draft writes one)" if kind else
+               f"{e}: a truncated or damaged copy, or not a tar file")
+        raise ValueError(f"{path}: cannot read this draft head tar ({why})") from None
+    try:
+        meta = json.loads(config)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: its config.json is not JSON ({e})") from None
+    st = found["model.safetensors"]
+    if st.offset_data + st.size > path.stat().st_size:  # a tar cut inside its last member's data
+        raise ValueError(f"{path}: model.safetensors needs bytes up to {st.offset_data + st.size}, the file has "
+                         f"{path.stat().st_size} (a truncated tar: copy it again)")
+    return meta, safetensors_sources(path, offset=st.offset_data, size=st.size, where=f"{path} ({st.name})")
+
+
+def _member(path: Path, members: list, want: str) -> tarfile.TarInfo:
+    """The one regular-file member named `want` at the top of the tar or in one folder (clear errors otherwise)."""
+    hits = [m for m in members if m.isreg() and PurePosixPath(m.name).name == want
+            and len(PurePosixPath(m.name.removeprefix("./")).parts) <= 2]
+    top = [m for m in hits if PurePosixPath(m.name.removeprefix("./")).parts == (want,)]
+    if len(top) == 1 or len(hits) == 1:
+        return (top or hits)[0]
+    names = sorted(m.name for m in members)[:8]
+    if not hits:
+        raise ValueError(f"{path}: no {want} in this tar (a draft head tar holds {' and '.join(HEAD_FILES)}; it "
+                         f"holds {names})")
+    raise ValueError(f"{path}: several {want} in this tar ({sorted(m.name for m in hits)}): which head is it?")
+
+
+def _compressed(path: Path) -> str | None:
+    """"gzip", "bz2", "xz" when `path` starts like such a file, else None."""
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    for kind, sig in (("gzip", b"\x1f\x8b"), ("bz2", b"BZh"), ("xz", b"\xfd7zXZ\x00")):
+        if magic.startswith(sig):
+            return kind
+    return None
+
+
+def _draft_from(meta: dict, load_params, where: str, config_where: str, target, dtype) -> Draft:
+    """A Draft from a head's config.json content and a loader of its params; errors name `where` (the head) or
+    `config_where` (its config.json)."""
     if meta.get("format") != HEAD_FORMAT:
-        raise ValueError(f"{path}/config.json is not a {HEAD_FORMAT} head (format={meta.get('format')!r})")
+        raise ValueError(f"{config_where} is not a {HEAD_FORMAT} head (format={meta.get('format')!r})")
     dcfg = DraftConfig.from_dict(meta["draft_config"])
-    dcfg.check_target(target.config)
-    params = load_safetensors(path / "model.safetensors")
+    try:
+        dcfg.check_target(target.config)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    params = load_params()
     dtype = dtype or target.params["embed"].dtype
     params = {k: jax.tree.map(lambda x: jnp.asarray(x, jnp.int32 if k == "d2t" else dtype), v)
               for k, v in params.items()}
