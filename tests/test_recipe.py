@@ -139,7 +139,8 @@ def test_inputs_take_short_first_turns_first_then_longer_and_later_turns(tmp_pat
     assert sorted(train) == ["a", "a#2", "a#3", "b", "c"]
     keys = [k for k, _ in inputs["train"]]
     assert sorted(keys[:2]) == ["a", "c"] and sorted(keys[2:]) == ["a#2", "a#3", "b"]  # short first turns first
-    assert meta["train_order"] == {"short_first_turns": 2, "long_first_turns": 1, "later_turns": 2}
+    assert meta["train_order"] == {"short_first_turns": 2, "long_first_turns": 1, "later_turns": 2,
+                                   "answered_by_prior_regen": 0}
     assert meta["skipped_long"]["train_first_turns"] == 1 and meta["skipped_long"]["train_later_turns"] == 1
     assert inputs["mtbench"] == [("81", t.encode_chat([{"role": "user", "content": "Write a poem."}]))]
     firsts = prepare_inputs(t, max_prompt_len=24, max_context_len=0, holdout_percent=0, sharegpt=sg, questions=qs,

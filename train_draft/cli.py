@@ -180,7 +180,7 @@ def cmd_vocab(args) -> int:
 def _recipe_target(args, inputs):
     """The target named by --target; a file target takes the inputs' name once the inputs check out for it."""
     import dataclasses
-    from .recipe import check_inputs_for
+    from .recipe_inputs import check_inputs_for
     target = _load_target(args.target)
     if inputs is not None:
         check_inputs_for(target, inputs, f"recipe inputs {args.inputs}")
@@ -192,18 +192,30 @@ def _recipe_target(args, inputs):
 
 
 def cmd_recipe_inputs(args) -> int:
-    from .recipe import prepare_inputs, save_inputs
+    from .recipe_inputs import prepare_inputs, save_inputs
     target = _load_target(args.target)
+    text_tokens = args.sharegpt_text_tokens
+    if text_tokens is None:  # with a size limit, as much ShareGPT text as fits (trimmed by save_inputs)
+        text_tokens = max(0, args.max_bytes) if args.max_bytes else 0
     inputs = prepare_inputs(target, max_prompt_len=args.max_prompt_len, max_context_len=args.max_context_len,
-                            holdout_percent=args.holdout_percent, max_train=args.max_train, seed=args.seed)
-    path = save_inputs(inputs, args.out)
-    print(json.dumps({"out": str(path), "bytes": path.stat().st_size, **inputs["meta"]["counts"]}), flush=True)
+                            holdout_percent=args.holdout_percent, max_train=args.max_train, seed=args.seed,
+                            prior_regen=args.prior_regen, sharegpt_text_tokens=text_tokens)
+    path = save_inputs(inputs, args.out, max_bytes=args.max_bytes)
+    from .recipe_inputs import load_inputs
+    meta = load_inputs(path)["meta"]
+    print(json.dumps({"out": str(path), "bytes": path.stat().st_size, **meta["counts"],
+                      "text_tokens": meta["text_tokens"], "text": meta["text"]}), flush=True)
     return 0
 
 
 def cmd_recipe(args) -> int:
     import dataclasses
-    from .recipe import SMOKE, RecipeConfig, load_inputs, prepare_inputs, run_recipe, with_overrides
+    from .recipe import SMOKE, RecipeConfig, load_inputs, prepare_inputs, process_start, run_recipe, with_overrides
+    deadline = None
+    if args.deadline_s is not None:
+        if args.deadline_s <= 0:
+            raise ValueError(f"--deadline-s must be > 0, got {args.deadline_s}")
+        deadline = process_start() + args.deadline_s
     cfg = SMOKE if args.smoke else RecipeConfig()
     if args.budget_s is not None:
         cfg = dataclasses.replace(cfg, budget_s=args.budget_s)
@@ -211,14 +223,28 @@ def cmd_recipe(args) -> int:
     inputs = load_inputs(args.inputs) if args.inputs else None
     target = _recipe_target(args, inputs)
     if inputs is None:
-        inputs = prepare_inputs(target, max_train=cfg.train_prompts * 4 if args.smoke else 0)
+        inputs = prepare_inputs(target, max_train=cfg.train_prompts * 4 if args.smoke else 0,
+                                sharegpt_text_tokens=2000 if args.smoke else 0)
     if args.smoke:  # toy scale: a few prompts of each part
         inputs = {**inputs, "holdout": inputs["holdout"][:cfg.holdout_prompts],
                   "mtbench": inputs["mtbench"][:cfg.tau_prompts]}
-    r = run_recipe(target, inputs, args.out, cfg, smoke=args.smoke)
+    r = run_recipe(target, inputs, args.out, cfg, smoke=args.smoke, export_dir=args.export_dir, deadline=deadline,
+                   init=args.init)
     print(json.dumps({"out": args.out, "total_s": r.get("total_s"),
                       "stages": {k: v.get("status") for k, v in r["stages"].items()}}), flush=True)
     return 0 if all(v.get("status") in ("done", "skipped") for v in r["stages"].values()) else 1
+
+
+def cmd_accept(args) -> int:
+    from .accept import accept_heads
+    labels = [x.strip() for x in args.labels.split(",") if x.strip()] if args.labels else None
+    target = _load_target(args.target)
+    r = accept_heads(target, args.heads, args.out, reference=args.reference, limit=args.limit,
+                     max_new_tokens=args.max_new_tokens, batch_size=args.batch, labels=labels)
+    print(json.dumps({"out": args.out, "heads": list(r["heads"]), "measured_now": len(r["measured_now"]),
+                      "results": {k: round(v["tau"], 3) for k, v in r["results"].items()},
+                      "not_measured": r["not_measured"], "errors": r["errors"]}), flush=True)
+    return 0 if r["results"] and not (r["not_measured"] or r["errors"]) else 1
 
 
 def add_parser(subparsers) -> None:
@@ -338,6 +364,16 @@ def add_parser(subparsers) -> None:
                    help="target name or path, e.g. the GGUF file on a machine without the asset packages")
     r.add_argument("--budget-s", type=float, default=None,
                    help="wall-time budget of the stages in seconds (default 500; --smoke 300)")
+    r.add_argument("--export-dir", default=None, metavar="DIR",
+                   help="copy each stage's product here as soon as the stage ends (recipe.json after every stage, "
+                        "each head as one <name>.tar, the regenerated replies as regen.npz): at most 8 files of at "
+                        "most 16 MiB, what a remote GPU run hands back")
+    r.add_argument("--deadline-s", type=float, default=None, metavar="S",
+                   help="the run's wall time from process start, loading and compiling included: the stages fit "
+                        "inside it and the process exits by itself (default: --budget-s from the first stage)")
+    r.add_argument("--init", default=None, metavar="HEAD",
+                   help="continue the EAGLE-3 fit from this head (a name, directory or .tar), e.g. the best one "
+                        "an earlier run exported")
     r.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="change one of the recipe's sizes (RecipeConfig), dotted into the fits' configs: "
                         "--set eagle3.batch_size=16 --set regen_max_new=128 (repeatable; recorded in recipe.json)")
@@ -355,6 +391,14 @@ def add_parser(subparsers) -> None:
     ri.add_argument("--holdout-percent", type=float, default=2.0)
     ri.add_argument("--max-train", type=int, default=0, help="keep the first N shuffled training conversations")
     ri.add_argument("--seed", type=int, default=0)
+    ri.add_argument("--prior-regen", nargs="*", default=[], metavar="FILE",
+                    help="replies regenerated by earlier runs (regen.npz, .jsonl or .jsonl.gz): the EAGLE-3 fit "
+                         "learns from them, and their prompts are not regenerated again")
+    ri.add_argument("--sharegpt-text-tokens", type=int, default=None, metavar="N",
+                    help="add ShareGPT conversations (training split, assistant turns counted) as text for the "
+                         "EAGLE-3 fit, up to N tokens (default: 0, or as many as --max-bytes leaves room for)")
+    ri.add_argument("--max-bytes", type=int, default=None, metavar="B",
+                    help="the .npz at most B bytes: ShareGPT text fills what the prompts and earlier replies leave")
     ri.set_defaults(func=cmd_recipe_inputs)
 
     v = sub.add_parser("draft-vocab", help="give a head a reduced draft vocabulary (most frequent training tokens)")

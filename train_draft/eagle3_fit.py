@@ -63,12 +63,15 @@ class Fit3Config(TrainConfig):
     ttt_steps: int = 7  # K: unrolled draft steps (official: 7)
     step_decay: float = 0.8  # weight of step k: step_decay**k
     draft_vocab_size: int = 8192
+    max_epochs: float = 2.0  # steps are capped at this many passes over the training rows (0: no cap)
 
     def __post_init__(self):
         super().__post_init__()
         for name in ("ttt_steps", "draft_vocab_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Fit3Config.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_epochs < 0:
+            raise ValueError(f"Fit3Config.max_epochs must be >= 0 (0: no cap), got {self.max_epochs}")
 
 
 def schedule(cfg: Fit3Config):
@@ -198,22 +201,24 @@ def make_step(dcfg: DraftConfig, fcfg: Fit3Config, tcfg, tx):
     return jax.jit(step, donate_argnums=(0,))
 
 
-def evaluate(target, params: dict, eval_set: FeatureSet, cfg: Fit3Config, max_batches: int = 8) -> dict:
-    """Held-out TTT metrics of a trained head (`params` with d2t): top-1 agreement with the target (acc{k}) and
-    soft CE (ploss{k}) at each unrolled step k, averaged over up to `max_batches` packed batches of `eval_set`
-    (sequences in order, no shuffle), weighted by each batch's step-0 loss tokens."""
-    d2t = jnp.asarray(params["d2t"], jnp.int32)
-    dcfg = eagle3_config(target, len(params["d2t"]))
-    tparams = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target.params)
-    loss = jax.jit(lambda p, d2t, tparams, *a: ttt_loss(p, d2t, dcfg, cfg, tparams, target.config, *a)[1])
+def eval_batches(eval_set: FeatureSet, cfg: Fit3Config, max_batches: int = 8) -> list:
+    """Up to `max_batches` packed batches [B, L] of `eval_set` (sequences in order, no shuffle): (ids, msk, pos, seg)."""
     lengths = np.diff(eval_set.offsets)
     rows = pack_rows(lengths, np.arange(len(lengths)), cfg.seq_len)
     B = cfg.batch_size
-    sums, weight = {}, 0.0
+    out = []
     for i in range(0, min(len(rows), B * max_batches), B):
         chunk = rows[i:i + B] + [[]] * max(0, B - len(rows[i:i + B]))
-        ids, msk, pos, seg = make_batch(eval_set, chunk, cfg.seq_len)
-        m = jax.device_get(loss(_trainable(params), d2t, tparams, ids, msk, pos, seg))
+        out.append(make_batch(eval_set, chunk, cfg.seq_len))
+    return out
+
+
+def eval_metrics(loss_fn, params: dict, d2t, tparams, batches: list) -> dict:
+    """Held-out TTT metrics averaged over `batches`, weighted by each batch's loss tokens; `loss_fn(params, d2t,
+    tparams, ids, msk, pos, seg)` returns `ttt_loss`'s metrics."""
+    sums, weight = {}, 0.0
+    for ids, msk, pos, seg in batches:
+        m = jax.device_get(loss_fn(params, d2t, tparams, ids, msk, pos, seg))
         w = float(msk.sum())
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + w * float(v)
@@ -223,6 +228,17 @@ def evaluate(target, params: dict, eval_set: FeatureSet, cfg: Fit3Config, max_ba
     out = {k: v / weight for k, v in sums.items()}
     out["tokens"] = int(weight)
     return out
+
+
+def evaluate(target, params: dict, eval_set: FeatureSet, cfg: Fit3Config, max_batches: int = 8) -> dict:
+    """Held-out TTT metrics of a trained head (`params` with d2t): top-1 agreement with the target (acc{k}) and
+    soft CE (ploss{k}) at each unrolled step k, averaged over up to `max_batches` packed batches of `eval_set`
+    (sequences in order, no shuffle), weighted by each batch's step-0 loss tokens."""
+    d2t = jnp.asarray(params["d2t"], jnp.int32)
+    dcfg = eagle3_config(target, len(params["d2t"]))
+    tparams = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target.params)
+    loss = jax.jit(lambda p, d2t, tparams, *a: ttt_loss(p, d2t, dcfg, cfg, tparams, target.config, *a)[1])
+    return eval_metrics(loss, _trainable(params), d2t, tparams, eval_batches(eval_set, cfg, max_batches))
 
 
 def eagle3_config(target, draft_vocab_size: int) -> DraftConfig:
@@ -244,26 +260,41 @@ def _manager(ckpt_dir: Path, keep: int):
 def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: bool = False, ckpt_every: int = 200,
                keep: int = 3, log_every: int = 10, export_dir=None, stop_after: int | None = None,
                time_budget_s: float | None = None, probe_steps: int = 3, progress: bool = False,
-               vocab=None) -> dict:
+               vocab=None, init: dict | None = None, eval_set: FeatureSet | None = None, eval_every: int = 0,
+               eval_max_batches: int = 8, on_best=None) -> dict:
     """Train an EAGLE-3 head on the token ids of `train`; checkpoints, metrics.jsonl and fit.json go to out_dir.
 
-    time_budget_s (a fresh run): after the first step (the compile) and `probe_steps` timed steps, `cfg.steps`
-    becomes the number of steps that fit the budget (never more than given); fit.json and the schedule follow it.
-    The probe runs inside the warmup (warmup > probe_steps + 1 keeps its learning rates independent of the final
-    count). The budget is also a hard stop: a step that starts past it is not taken.
+    Steps: at most `cfg.steps`, and at most `cfg.max_epochs` passes over the packed training rows (fit.json's
+    `epoch_cap`; every metrics line has its `epoch`). time_budget_s (a fresh run): after the first step (the
+    compile) and `probe_steps` timed steps, `cfg.steps` becomes the number of steps that fit the budget (never more
+    than given); fit.json and the schedule follow it. The probe runs inside the warmup (warmup > probe_steps + 1
+    keeps its learning rates independent of the final count). The budget is also a hard stop: a step that starts
+    past it is not taken.
     vocab: the draft vocabulary (target token ids) to use instead of `draft_vocab(train, ...)`, e.g. one shared
-    by heads fitted on different data.
-    Returns {"params" (with d2t), "step", "last_metrics", "draft_config", "fit_config"}."""
+    by heads fitted on different data. init: a head's params (with d2t, e.g. `load_draft(...).params`) to start
+    from instead of a random head; its d2t is the draft vocabulary.
+    eval_set / eval_every: held-out TTT metrics every `eval_every` steps and at the end (metrics lines with
+    "split": "eval", in the fit's dtype, the same `eval_max_batches` batches each time); the params with the lowest
+    held-out loss are the ones returned and exported, and `on_best(params, step, metrics)` sees each new best.
+    Returns {"params" (with d2t), "step", "epochs", "last_metrics", "best", "draft_config", "fit_config"}."""
     import orbax.checkpoint as ocp
     t0 = time.time()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if init is not None:
+        vocab = init["d2t"]
     ids_vocab = (draft_vocab(train, cfg.draft_vocab_size, target.config.vocab_size, always=target.eos_token_ids)
                  if vocab is None else np.unique(np.asarray(vocab, np.int32)))
     dcfg = eagle3_config(target, len(ids_vocab))
+    plan = RowPlan(train, cfg)
+    cap = int(cfg.max_epochs * plan.steps_per_epoch) if cfg.max_epochs else cfg.steps
+    cfg = dataclasses.replace(cfg, steps=max(1, min(cfg.steps, cap)))
+    plan.cfg = cfg
     meta = {"head_type": "eagle3", "draft_config": dcfg.to_dict(), "fit_config": cfg.to_dict(),
             "target": target.name, "train_tokens": train.n_tokens, "train_seqs": train.n_seqs,
-            "draft_vocab": ids_vocab.tolist()}
+            "train_loss_tokens": int(train.mask.sum()), "draft_vocab": ids_vocab.tolist(),
+            "epoch_cap": {"max_epochs": cfg.max_epochs, "steps_per_epoch": plan.steps_per_epoch, "steps": cap},
+            "init": None if init is None else "given"}
     fit_json, ckpt_dir, metrics_path = out_dir / "fit.json", out_dir / "checkpoints", out_dir / "metrics.jsonl"
     if resume and fit_json.exists():
         old = dio.read_json(fit_json)
@@ -274,13 +305,18 @@ def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: b
         raise ValueError(f"{ckpt_dir} already holds checkpoints: pass --resume or use a new output directory")
     dio.atomic_write_text(fit_json, json.dumps(meta, indent=1))
 
-    plan = RowPlan(train, cfg)
     tx, sched = make_optimizer(cfg), schedule(cfg)
     tparams = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target.params)
     d2t = jnp.asarray(ids_vocab, jnp.int32)
     step_fn = make_step(dcfg, cfg, target.config, tx)
     mgr = _manager(ckpt_dir, keep)
-    params = _trainable(eagle3.init_params(dcfg, jax.random.PRNGKey(cfg.seed), jnp.float32))
+    if init is not None:
+        params = {k: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), v) for k, v in _trainable(init).items()}
+        want = jax.eval_shape(lambda: _trainable(eagle3.init_params(dcfg, jax.random.PRNGKey(0), jnp.float32)))
+        if jax.tree.map(lambda x: x.shape, params) != jax.tree.map(lambda x: x.shape, want):
+            raise ValueError("init: the head's weights do not have this target's EAGLE-3 head shapes")
+    else:
+        params = _trainable(eagle3.init_params(dcfg, jax.random.PRNGKey(cfg.seed), jnp.float32))
     if resume and mgr.latest_step() is not None:
         abstract = {"params": jax.eval_shape(lambda: params), "opt_state": jax.eval_shape(tx.init, params),
                     "step": jax.ShapeDtypeStruct((), jnp.int32)}
@@ -293,6 +329,8 @@ def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: b
         state = {"params": params, "opt_state": tx.init(params), "step": jnp.asarray(0, jnp.int32)}
         if metrics_path.exists():
             metrics_path.unlink()
+    held = _HeldOut(dcfg, cfg, target, tparams, d2t, eval_set, eval_max_batches, ids_vocab, on_best) \
+        if eval_set is not None and eval_every > 0 else None
     start = int(state["step"])
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     sized = time_budget_s is None or resume
@@ -302,6 +340,10 @@ def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: b
     def save(step):
         mgr.save(step, args=ocp.args.StandardSave(state), force=True)
         mgr.wait_until_finished()
+
+    def log(rec):
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
 
     step = start
     while step < end:
@@ -326,22 +368,54 @@ def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: b
                 dio.atomic_write_text(fit_json, json.dumps(meta, indent=1))
         if done % log_every == 0 or done == end:
             ms = jax.device_get(pending)
-            last = {"step": done, "lr": float(sched(done - 1)),
+            last = {"step": done, "epoch": round(done / plan.steps_per_epoch, 4), "lr": float(sched(done - 1)),
                     **{k: float(np.mean([x[k] for x in ms])) for k in ms[0]}, "elapsed_s": time.time() - t0}
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(last) + "\n")
+            log(last)
             if progress:
-                print(f"fit-eagle3 step {done}/{end}: loss {last['loss']:.4f} acc0 {last['acc0']:.3f}", flush=True)
+                print(f"fit-eagle3 step {done}/{end} (epoch {last['epoch']:.2f}): loss {last['loss']:.4f} "
+                      f"acc0 {last['acc0']:.3f}", flush=True)
             pending = []
+        if held is not None and (done % eval_every == 0 or done == end):
+            log({"split": "eval", "step": done, "epoch": round(done / plan.steps_per_epoch, 4),
+                 **held.score(state["params"], done), "elapsed_s": time.time() - t0})
         if done % ckpt_every == 0 or done == end:
             save(done)
+    if held is not None and held.last_step != int(state["step"]):  # a deadline ended the loop between scores
+        log({"split": "eval", "step": int(state["step"]), "epoch": round(int(state["step"]) / plan.steps_per_epoch, 4),
+             **held.score(state["params"], int(state["step"])), "elapsed_s": time.time() - t0})
     if mgr.latest_step() != int(state["step"]):
         save(int(state["step"]))
     mgr.close()
-    full = {**jax.tree.map(np.asarray, state["params"]), "d2t": np.asarray(ids_vocab, np.int32)}
+    final_step = int(state["step"])
+    if held is not None:
+        full, out_step = held.best["params"], held.best["step"]
+    else:
+        full, out_step = {**jax.tree.map(np.asarray, state["params"]), "d2t": np.asarray(ids_vocab, np.int32)}, final_step
+    best = None if held is None else {"step": held.best["step"], "eval": held.best["metrics"]}
     if export_dir is not None:
         save_draft(eagle.Draft(dcfg, full, target), export_dir, dtype=np.float16,
-                   extra={"trained_for": target.name, "step": int(state["step"]), "fit_config": cfg.to_dict(),
-                          "train_tokens": train.n_tokens, "train_metrics": last})
-    return {"params": full, "step": int(state["step"]), "last_metrics": last, "draft_config": dcfg,
-            "fit_config": cfg}
+                   extra={"trained_for": target.name, "step": out_step, "fit_config": cfg.to_dict(),
+                          "train_tokens": train.n_tokens, "epochs": round(final_step / plan.steps_per_epoch, 4),
+                          "train_metrics": last, "heldout": best})
+    return {"params": full, "step": final_step, "epochs": round(final_step / plan.steps_per_epoch, 4),
+            "last_metrics": last, "best": best, "draft_config": dcfg, "fit_config": cfg}
+
+
+class _HeldOut:
+    """The fit's held-out scoring: one jitted loss over fixed batches, and the best params so far (by loss)."""
+
+    def __init__(self, dcfg, cfg, target, tparams, d2t, eval_set, max_batches, ids_vocab, on_best):
+        self.fn = jax.jit(lambda p, d2t, tparams, *a: ttt_loss(p, d2t, dcfg, cfg, tparams, target.config, *a)[1])
+        self.batches = eval_batches(eval_set, cfg, max_batches)
+        self.tparams, self.d2t, self.vocab, self.on_best = tparams, d2t, np.asarray(ids_vocab, np.int32), on_best
+        self.best, self.last_step = None, None
+
+    def score(self, params, step: int) -> dict:
+        m = eval_metrics(self.fn, params, self.d2t, self.tparams, self.batches)
+        self.last_step = step
+        if self.best is None or m["loss"] < self.best["metrics"]["loss"]:
+            full = {**jax.tree.map(np.asarray, jax.device_get(params)), "d2t": self.vocab}
+            self.best = {"params": full, "step": step, "metrics": m}
+            if self.on_best is not None:
+                self.on_best(full, step, m)
+        return {**m, "best_step": self.best["step"]}

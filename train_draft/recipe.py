@@ -1,29 +1,27 @@
-"""The head-training recipe: self-distilled replies, an EAGLE-3 head (TTT), an EAGLE-1/2 head, export, held-out
-top-1 and acceptance, in one run sized to a wall-time budget (`ddd-jax train-draft recipe`).
+"""The head-training recipe: self-distilled replies, an EAGLE-3 head (TTT), optionally an EAGLE-1/2 head, export,
+held-out top-1 and acceptance, in one run that ends by itself before a deadline (`ddd-jax train-draft recipe`).
 
-Stages, in order; each writes its result as soon as it finishes and records itself in `DIR/recipe.json`, so a
-run cut off early still leaves what it finished:
+Stages, in order, each a named function with explicit inputs and outputs; `run_recipe` runs them, records each in
+`DIR/recipe.json` as it starts and ends, and copies each stage's product to `export_dir` as soon as the stage
+finishes (`export_dir.ExportDir`: at most 8 files, 16 MiB each, what a remote run hands back), so a run cut off
+early still leaves what it finished:
 
-    (a) regenerate   the target's own greedy replies to the training prompts (and to a few held-out ones),
-                     decoded in large batches (`regen.regenerate`), until `regen_until` of the budget
-    (b) eagle3       an EAGLE-3 head with training-time test, target features computed on the fly
-                     (`eagle3_fit.fit_eagle3`, sized to end at `eagle3_until`), exported at once (d)
-    (c) eagle1       with the time left, an EAGLE-1/2 head on the same replies (`train.fit` over final-normed
-                     features computed in batches), with the same draft vocabulary size, exported at once (d)
-    (d) export       each head as config + float16 safetensors + draft vocabulary under DIR/heads/<name>
-    (e) heldout      top-1 agreement with the target on the held-out replies: per TTT step for EAGLE-3, step 0
-                     for EAGLE-1
-    (f) acceptance   τ over the MT-bench first turns (acceptance only, every output checked against vanilla) at
-                     EAGLE-2's default tree, at DDD's paper settings (with its depth histogram) and at the
-                     shipped tuned trees, most important first, while the budget lasts; the shipped head
-                     (`reference_head`) is measured beside them, label by label
+    (a) regenerate   `regenerate_stage`: the target's own greedy replies to the held-out prompts, then to the
+                     training prompts until `regen_until`; exported as `regen.npz` (token ids)
+    (b) eagle3       `eagle3_stage`: an EAGLE-3 head with training-time test on this run's replies plus the inputs'
+                     text (`cfg.data`), at most `eagle3.max_epochs` passes, held-out loss every `eval_every` steps,
+                     the best exported as `<target>-eagle3.tar` each time it improves; `init` continues a head
+    (c) eagle1       `eagle1_stage` (CPU only by default, `train_eagle1`): an EAGLE-1/2 head on the same replies
+    (e) heldout      `heldout_stage`: top-1 agreement with the target on the held-out replies (per TTT step for
+                     EAGLE-3: the fit's best held-out score; step 0 for EAGLE-1)
+    (f) acceptance   `acceptance_stage` (CPU only by default, `acceptance`): τ over the MT-bench first turns at
+                     EAGLE-2's default tree, DDD's paper settings and the shipped tuned trees, beside the shipped
+                     head; on a GPU, `ddd-jax train-draft accept` measures τ afterwards on the CPU
 
-Inputs: token ids only (`prepare_inputs`: ShareGPT user turns, the short first turns first, then the longer ones
-and the later turns with their conversation before them; the held-out first turns; the MT-bench first turns; all
-rendered with the target's chat template), so a machine without the asset packages or a network can run it from
-one .npz.
-MT-bench never enters training (ShareGPT conversations that repeat an MT-bench turn are dropped, as in
-`data.load_sharegpt`). A rerun with the same DIR skips the stages recorded as done and restarts the others.
+Time: stage ends are fractions of the budget, which is the time left before `deadline` (wall time from process
+start, `--deadline-s`), or `budget_s` from the start of stage (a) without one. A rerun with the same DIR skips the
+stages recorded as done and restarts the others. Inputs: token ids only (`recipe_inputs`), so a machine without
+the asset packages or a network can run it from one .npz. MT-bench never enters training.
 """
 from __future__ import annotations
 
@@ -41,30 +39,37 @@ import numpy as np
 from ddd_jax import io as dio
 
 from .eagle3_fit import Fit3Config
+from .recipe_inputs import (INPUTS_FORMAT, PARTS, PROBE_TEXT, TEXT, check_inputs_for, load_inputs,  # noqa: F401
+                            prepare_inputs, save_inputs)
 from .train import FitConfig
 
-INPUTS_FORMAT = "ddd-jax-recipe-inputs"
 RECIPE_FORMAT = "ddd-jax-recipe"
-PROBE_TEXT = "Hello! Compose a haiku about speculative decoding, then explain it in two sentences."
-PARTS = ("train", "holdout", "mtbench")
+MODES = ("auto", "on", "off")
+DATA = ("regen", "all")
 
 
 @dataclass(frozen=True)
 class RecipeConfig:
-    """Sizes of one recipe run. The defaults fit one H100/H200 in 9 minutes (500 s of stages after loading the target
-    and compiling its first programs); `SMOKE` is the CPU check. The two
-    fits' own configs are `eagle3` and `eagle1`; their `steps` are upper bounds (the budget decides)."""
+    """Sizes of one recipe run. The defaults fit one H100/H200 in a 600 s remote run; `SMOKE` is the CPU check.
+    The two fits' own configs are `eagle3` and `eagle1`; their `steps` are upper bounds (the time and
+    `eagle3.max_epochs` decide)."""
 
-    budget_s: float = 500.0  # wall time from the start of stage (a); loading the target comes before it
-    regen_until: float = 0.28  # stage ends, as fractions of the budget
-    eagle3_until: float = 0.70
+    budget_s: float = 500.0  # wall time from the start of stage (a), when no deadline is given
+    regen_until: float = 0.35  # stage ends, as fractions of the budget
+    eagle3_until: float = 0.70  # when a later stage runs; else the fit may run until last_until
     eagle1_until: float = 0.82
+    last_until: float = 0.97  # the last stage that runs ends here (the rest: held-out scores, final writes)
+    train_eagle1: str = "auto"  # "auto": on the CPU only (on a GPU its share goes to the EAGLE-3 fit)
+    acceptance: str = "auto"  # "auto": on the CPU only (GPU heads: `train-draft accept` afterwards, on the CPU)
+    data: str = "all"  # the EAGLE-3 fit learns from "regen" (replies regenerated here and in earlier runs) or
+    # "all" (also the inputs' ShareGPT conversations, labelled by the target in the fit)
     train_prompts: int = 0  # 0: every training prompt of the inputs (the time limit stops regeneration)
     holdout_prompts: int = 256
-    regen_batch: int = 256
+    regen_batch: int = 512  # rows of every regeneration batch (one compile per prompt bucket)
     regen_max_new: int = 256
     eagle3: Fit3Config = Fit3Config(steps=100_000, batch_size=8, seq_len=1024, ttt_steps=7, draft_vocab_size=8192,
-                                    lr=5e-4, warmup=40, dtype="bfloat16")
+                                    lr=5e-4, warmup=40, dtype="bfloat16", max_epochs=2.0)
+    eval_every: int = 100  # EAGLE-3 held-out loss every N steps (the best is exported)
     eagle1: FitConfig = FitConfig(steps=100_000, batch_size=16, seq_len=1024, lr=5e-4, dtype="bfloat16")
     e1_max_tokens: int = 8_000_000  # replies' tokens featurised for EAGLE-1 (host memory: 1.2 KB a token)
     feature_batch: int = 64
@@ -77,11 +82,16 @@ class RecipeConfig:
     # the packaged "<target>-eagle" when there is one; "": none
 
     def __post_init__(self):
-        if not 0 < self.regen_until < self.eagle3_until <= self.eagle1_until <= 1:
-            raise ValueError("RecipeConfig: need 0 < regen_until < eagle3_until <= eagle1_until <= 1, got "
-                             f"{self.regen_until}, {self.eagle3_until}, {self.eagle1_until}")
+        if not 0 < self.regen_until < self.eagle3_until <= self.eagle1_until <= self.last_until <= 1:
+            raise ValueError("RecipeConfig: need 0 < regen_until < eagle3_until <= eagle1_until <= last_until <= 1, "
+                             f"got {self.regen_until}, {self.eagle3_until}, {self.eagle1_until}, {self.last_until}")
         if self.budget_s <= 0:
             raise ValueError(f"RecipeConfig.budget_s must be > 0, got {self.budget_s}")
+        for name in ("train_eagle1", "acceptance"):
+            if getattr(self, name) not in MODES:
+                raise ValueError(f"RecipeConfig.{name} must be one of {MODES}, got {getattr(self, name)!r}")
+        if self.data not in DATA:
+            raise ValueError(f"RecipeConfig.data must be one of {DATA}, got {self.data!r}")
         if self.eagle3.warmup <= self.probe_steps + 1:
             raise ValueError(f"RecipeConfig: eagle3.warmup ({self.eagle3.warmup}) must exceed probe_steps + 1 "
                              f"({self.probe_steps + 1}): the probe's learning rates must not depend on the step count")
@@ -89,12 +99,17 @@ class RecipeConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def runs(self, name: str, backend: str) -> bool:
+        """Whether the optional stage `name` ("train_eagle1", "acceptance") runs on `backend`."""
+        mode = getattr(self, name)
+        return mode == "on" or (mode == "auto" and backend == "cpu")
+
 
 SMOKE = RecipeConfig(budget_s=300.0, train_prompts=12, holdout_prompts=4, regen_batch=4, regen_max_new=24,
                      eagle3=Fit3Config(steps=4, batch_size=1, seq_len=128, ttt_steps=2, draft_vocab_size=512,
-                                       warmup=8),
-                     eagle1=FitConfig(steps=4, batch_size=1, seq_len=128), e1_max_tokens=4096, feature_batch=4,
-                     eval_batches=2, tau_prompts=2, tau_max_new=16, tau_batch=2, probe_steps=2)
+                                       warmup=8, max_epochs=0.0),
+                     eval_every=2, eagle1=FitConfig(steps=4, batch_size=1, seq_len=128), e1_max_tokens=4096,
+                     feature_batch=4, eval_batches=2, tau_prompts=2, tau_max_new=16, tau_batch=2, probe_steps=2)
 
 
 def with_overrides(cfg: RecipeConfig, assignments) -> RecipeConfig:
@@ -132,115 +147,6 @@ def with_overrides(cfg: RecipeConfig, assignments) -> RecipeConfig:
     return cfg
 
 
-# ----------------------------------------------------------------------------------------------- inputs
-
-
-def prepare_inputs(target, *, max_prompt_len: int = 192, max_context_len: int = 512, holdout_percent: float = 2.0,
-                   max_train: int = 0, seed: int = 0, sharegpt=None, questions=None, progress: bool = True) -> dict:
-    """Token ids of the recipe's prompts: {"meta", "train", "holdout", "mtbench"}, each part [(key, ids)].
-
-    train: first the first user turns of ShareGPT training conversations of at most `max_prompt_len` tokens, in the
-    shuffled order of `seed`; then, shuffled together, the longer first turns and the later user turns with the
-    conversation before them (`regen.later_turn_prompts`, keys "<id>#<k>"), of at most `max_context_len` tokens
-    (0: first turns only). Regeneration takes them in this order, so a short run trains on the short first turns
-    alone, and a fast device that has answered them all goes on with the rest.
-    holdout: the held-out conversations' first turns of at most `max_prompt_len` tokens (ShareGPT's split by
-    `data.is_holdout`; conversations repeating an MT-bench turn are dropped from both).
-    mtbench: the MT-bench first turns as `ddd-jax bench` renders them. Everything is chat-rendered with the
-    target's template, generation prompt appended."""
-    from ddd_jax.bench.mtbench import load_questions
-    from ddd_jax.bench.run import build_prompt
-
-    from .data import load_sharegpt, shuffled
-    from .regen import first_turn_prompts, later_turn_prompts
-    if max_context_len and max_context_len < max_prompt_len:
-        raise ValueError(f"max_context_len ({max_context_len}) must be 0 or at least max_prompt_len "
-                         f"({max_prompt_len})")
-    sg = load_sharegpt(sharegpt, holdout_percent=holdout_percent, exclude_mtbench=True)
-    train_items = shuffled(sg.train, seed)
-    if max_train:
-        train_items = train_items[:max_train]
-    say = (lambda msg: print(f"recipe inputs: {msg}", flush=True)) if progress else (lambda msg: None)
-    say(f"tokenizing {len(train_items)} training and {len(sg.holdout)} held-out conversations")
-    firsts, skipped_first = first_turn_prompts(target, train_items, max(max_prompt_len, max_context_len))
-    short = [(k, ids) for k, ids in firsts if len(ids) <= max_prompt_len]
-    long_first = [(k, ids) for k, ids in firsts if len(ids) > max_prompt_len]
-    later, skipped_later = later_turn_prompts(target, train_items, max_context_len) if max_context_len else ([], 0)
-    more = shuffled(long_first + later, seed + 1)
-    holdout, skipped_hold = first_turn_prompts(target, shuffled(sg.holdout, seed), max_prompt_len)
-    mtbench = [(str(q["id"]), build_prompt(target, q, 0, [])) for q in load_questions(questions)]
-    parts = {"train": short + more, "holdout": holdout, "mtbench": mtbench}
-    meta = {"format": INPUTS_FORMAT, "version": 1, "target": target.name, "vocab_size": target.config.vocab_size,
-            "hidden_size": target.config.hidden_size, "probe_ids": target.encode(PROBE_TEXT),
-            "max_prompt_len": max_prompt_len, "max_context_len": max_context_len, "holdout_percent": holdout_percent,
-            "seed": seed, "sharegpt": sg.stats,
-            "train_order": {"short_first_turns": len(short), "long_first_turns": len(long_first),
-                            "later_turns": len(later)},
-            "skipped_long": {"train_first_turns": skipped_first, "train_later_turns": skipped_later,
-                             "holdout": skipped_hold},
-            "counts": {k: len(parts[k]) for k in PARTS}}
-    return {"meta": meta, **parts}
-
-
-def save_inputs(inputs: dict, path) -> Path:
-    """Write `prepare_inputs`' result as one .npz (uint16 ids, int64 offsets), atomically."""
-    path = Path(path)
-    if inputs["meta"]["vocab_size"] > 65536:
-        raise ValueError(f"vocabulary of {inputs['meta']['vocab_size']} tokens does not fit uint16 ids")
-    arrays = {"meta": np.asarray(json.dumps(inputs["meta"]))}
-    for name in PARTS:
-        seqs = [np.asarray(ids, np.uint16) for _, ids in inputs[name]]
-        arrays[f"{name}_ids"] = np.concatenate(seqs) if seqs else np.zeros(0, np.uint16)
-        arrays[f"{name}_offsets"] = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
-        arrays[f"{name}_keys"] = np.asarray([k for k, _ in inputs[name]], dtype=str)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with dio.atomic_file(path) as tmp:
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-    return path
-
-
-def load_inputs(path) -> dict:
-    """Read `save_inputs`' file, checking it is whole and ours (errors name the file and the problem)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"recipe inputs {path} do not exist (make them with `ddd-jax train-draft "
-                                "recipe-inputs --out FILE`)")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            data = {k: z[k] for k in z.files}
-    except Exception as e:  # zipfile / numpy errors for truncated or foreign files
-        raise ValueError(f"recipe inputs {path}: not a readable .npz ({type(e).__name__}: {e})") from e
-    try:
-        meta = json.loads(str(data["meta"]))
-    except (KeyError, json.JSONDecodeError) as e:
-        raise ValueError(f"recipe inputs {path}: no valid 'meta' record") from e
-    if meta.get("format") != INPUTS_FORMAT:
-        raise ValueError(f"recipe inputs {path}: format {meta.get('format')!r}, expected {INPUTS_FORMAT!r}")
-    out = {"meta": meta}
-    for name in PARTS:
-        try:
-            ids, offs, keys = data[f"{name}_ids"], data[f"{name}_offsets"], data[f"{name}_keys"]
-        except KeyError as e:
-            raise ValueError(f"recipe inputs {path}: missing array {e.args[0]!r}") from e
-        if len(offs) != len(keys) + 1 or offs[0] != 0 or offs[-1] != len(ids) or np.any(np.diff(offs) <= 0):
-            raise ValueError(f"recipe inputs {path}: the {name} offsets do not delimit {len(keys)} non-empty prompts "
-                             f"in {len(ids)} ids")
-        out[name] = [(str(k), ids[a:b].astype(np.int32).tolist()) for k, a, b in zip(keys, offs[:-1], offs[1:])]
-    return out
-
-
-def check_inputs_for(target, inputs: dict, where: str = "recipe inputs") -> None:
-    """The inputs must come from this target's tokenizer and vocabulary."""
-    m = inputs["meta"]
-    if (m["vocab_size"], m["hidden_size"]) != (target.config.vocab_size, target.config.hidden_size):
-        raise ValueError(f"{where} were made for {m['target']!r} (vocab_size={m['vocab_size']}, hidden_size="
-                         f"{m['hidden_size']}), not for this target (vocab_size={target.config.vocab_size}, "
-                         f"hidden_size={target.config.hidden_size})")
-    if target.tokenizer is not None and target.encode(PROBE_TEXT) != m["probe_ids"]:
-        raise ValueError(f"{where}: this target's tokenizer encodes a probe text differently from {m['target']!r}'s")
-
-
 # ----------------------------------------------------------------------------------------------- the run
 
 
@@ -253,11 +159,28 @@ def device_info() -> dict:
             "device_count": jax.device_count(), "host_cpu": cpu or platform.processor(), "jax": jax.__version__}
 
 
-class Record:
-    """DIR/recipe.json, rewritten atomically whenever a stage starts or ends."""
+def process_start() -> float:
+    """When this process started (time.time() scale): from /proc on Linux, else when this module was imported."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # starttime, field 22: clock ticks after boot
+        import os
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED
 
-    def __init__(self, out: Path, header: dict):
+
+_IMPORTED = time.time()
+
+
+class Record:
+    """DIR/recipe.json, rewritten atomically whenever a stage starts or ends (and copied to the export folder)."""
+
+    def __init__(self, out: Path, header: dict, export=None):
         self.path = out / "recipe.json"
+        self.export = export
         old = dio.read_json(self.path) if self.path.is_file() else {}
         self.data = {**header, "stages": old.get("stages", {})}
         self.write()
@@ -276,19 +199,63 @@ class Record:
         self.write()
 
     def write(self) -> None:
-        dio.atomic_write_text(self.path, json.dumps(self.data, indent=1))
+        text = json.dumps(self.data, indent=1)
+        dio.atomic_write_text(self.path, text)
+        if self.export is not None:
+            self.export.put_bytes("recipe.json", text.encode())
 
 
-def _token_set(records: list, max_len: int):
-    """FeatureSet of the regenerated records' ids and loss masks (replies count), no features."""
+class Clock:
+    """The run's stage ends: fractions of the budget after `t0`, never past the deadline."""
+
+    def __init__(self, cfg: RecipeConfig, deadline: float | None, t0: float | None = None):
+        self.t0 = time.time() if t0 is None else t0
+        self.budget = cfg.budget_s if deadline is None else max(0.0, deadline - self.t0)
+        self.end = self.t0 + self.budget
+
+    def at(self, frac: float) -> float:
+        return self.t0 + frac * self.budget
+
+    def left(self, frac: float) -> float:
+        return max(0.0, self.at(frac) - time.time())
+
+
+def _stage(rec: Record, name: str, fn, *args, fatal: bool = False, **kwargs):
+    """Run one stage, recording its status, seconds and result (or its error)."""
+    t = time.time()
+    rec.start(name)
+    try:
+        result = fn(*args, **kwargs) or {}
+    except Exception as e:  # noqa: BLE001 -- recorded; later stages may still run
+        rec.set(name, status="failed", seconds=round(time.time() - t, 1), error=f"{type(e).__name__}: {e}",
+                traceback=traceback.format_exc()[-3000:])
+        if fatal:
+            raise
+        return None
+    rec.set(name, status="done", seconds=round(time.time() - t, 1), **result)
+    return result
+
+
+def _token_set(records: list, max_len: int, text: list = ()):
+    """FeatureSet of the regenerated records' ids and loss masks (replies count), then of the `text` entries
+    ((key, ids, mask)), no features."""
     from .extract import FeatureSet
     from .regen import example_from_record
     exs = [e for e in (example_from_record(r, max_len) for r in records) if e is not None]
+    for key, ids, mask in text:
+        ids, mask = np.asarray(ids[:max_len], np.int32), np.asarray(mask[:max_len], np.uint8)
+        if len(ids) >= 2 and mask[1:].sum() > 0:
+            exs.append({"id": key, "ids": ids, "mask": mask})
     if not exs:
         raise ValueError("no regenerated reply to train on")
     offs = np.concatenate([[0], np.cumsum([len(e["ids"]) for e in exs])]).astype(np.int64)
     return FeatureSet(np.concatenate([e["ids"] for e in exs]), None, np.concatenate([e["mask"] for e in exs]),
                       offs, [e["id"] for e in exs], {"source": {"kind": "regenerated"}})
+
+
+def fit_text(inputs: dict, data: str) -> list:
+    """The inputs' text entries the EAGLE-3 fit learns from with `RecipeConfig.data`."""
+    return [e for e in inputs.get(TEXT, []) if data == "all" or e[0].startswith("regen:")]
 
 
 def _with_features(target, fs, cfg: RecipeConfig, max_tokens: int | None, progress: bool):
@@ -311,20 +278,102 @@ def _fresh(path: Path) -> Path:
     return path
 
 
-def _stage(rec: Record, name: str, fn, *, fatal: bool = False):
-    """Run one stage, recording its status, seconds and result (or its error)."""
+# ---------------------------------------------------------------------------------------------- the stages
+
+
+def regenerate_stage(target, inputs: dict, cfg: RecipeConfig, regen_dir: Path, time_limit_s: float,
+                     progress: bool) -> dict:
+    """(a) The target's replies: the held-out prompts first (few), then the training prompts until `time_limit_s`
+    after the stage starts, at least one batch of them (later stages need training data). Every batch has
+    `cfg.regen_batch` rows, over one plan of prompt buckets and cache capacity for both parts."""
+    from .regen import regen_plan, regenerate
     t = time.time()
-    rec.start(name)
-    try:
-        result = fn() or {}
-    except Exception as e:  # noqa: BLE001 -- recorded; later stages may still run
-        rec.set(name, status="failed", seconds=round(time.time() - t, 1), error=f"{type(e).__name__}: {e}",
-                traceback=traceback.format_exc()[-3000:])
-        if fatal:
-            raise
-        return None
-    rec.set(name, status="done", seconds=round(time.time() - t, 1), **result)
-    return result
+    parts = {"holdout": inputs["holdout"][:cfg.holdout_prompts] if cfg.holdout_prompts else inputs["holdout"],
+             "train": inputs["train"][:cfg.train_prompts] if cfg.train_prompts else inputs["train"]}
+    plan = regen_plan(target, list(parts.values()), cfg.regen_batch, cfg.regen_max_new)
+    out = {}
+    for part, prompts in parts.items():
+        limit = max(0.0, time_limit_s - (time.time() - t)) if part == "train" else None
+        out[part] = regenerate(target, prompts, regen_dir / f"{part}.jsonl", max_new_tokens=cfg.regen_max_new,
+                               time_limit_s=limit, min_batches=int(part == "train"), progress=progress, **plan)
+    new = sum(r["new_reply_tokens"] for r in out.values())
+    seconds = time.time() - t
+    return {**out, "compiles": sum(r["compiles"] for r in out.values()), "new_reply_tokens": new,
+            "new_tokens_per_s": round(new / max(seconds, 1e-9), 1), "rows": plan["batch_size"],
+            "buckets": list(plan["buckets"]), "capacity": plan["capacity"]}
+
+
+def eagle3_stage(target, train, held, cfg: RecipeConfig, run_dir: Path, head_dir: Path, budget_s: float,
+                 init: dict | None, on_best, progress: bool) -> dict:
+    """(b) The EAGLE-3 fit, sized to `budget_s` and to `cfg.eagle3.max_epochs`, held-out loss every
+    `cfg.eval_every` steps; the best head is written to `head_dir` at the end and passed to `on_best` as it comes."""
+    from .eagle3_fit import fit_eagle3
+    r, _, retries = halving_batch(lambda fc: fit_eagle3(
+        target, train, _fresh(run_dir), fc, time_budget_s=budget_s, probe_steps=cfg.probe_steps,
+        ckpt_every=10 ** 9, log_every=10, export_dir=head_dir, progress=progress, init=init, eval_set=held,
+        eval_every=cfg.eval_every, eval_max_batches=cfg.eval_batches, on_best=on_best), cfg.eagle3)
+    return {"steps": r["step"], "epochs": r["epochs"], "fit_config": r["fit_config"].to_dict(),
+            "train_tokens": train.n_tokens, "train_loss_tokens": int(train.mask.sum()),
+            "last_metrics": r["last_metrics"], "best": r["best"], "init": init is not None,
+            "head": str(head_dir), "export": _head_files(head_dir), "batch_retries": retries}
+
+
+def eagle1_stage(target, train, cfg: RecipeConfig, out: Path, head_dir: Path, budget_s: float,
+                 progress: bool) -> dict:
+    """(c) The EAGLE-1/2 fit on the same replies (`_fit_eagle1`)."""
+    return _fit_eagle1(target, train, out, head_dir, cfg, budget_s, progress)
+
+
+def heldout_stage(target, heads: dict, held, cfg: RecipeConfig, fit3: dict | None) -> dict:
+    """(e) Held-out top-1 per head: EAGLE-3's is the fit's best held-out score (per TTT step, in the fit's dtype)
+    when the fit scored one, else measured here in float32; EAGLE-1/2's at step 0."""
+    import jax
+
+    from . import eagle3_fit
+    r = {}
+    for name, draft in heads.items():
+        if draft.config.head_type == "eagle3":
+            if fit3 and fit3.get("best"):
+                r[name] = {**fit3["best"]["eval"], "step": fit3["best"]["step"], "dtype": cfg.eagle3.dtype}
+                continue
+            p = jax.tree.map(lambda x: np.asarray(x, np.float32) if x.dtype.kind == "f" else np.asarray(x),
+                             draft.params)
+            r[name] = eagle3_fit.evaluate(target, p, held, dataclasses.replace(cfg.eagle3, dtype="float32"),
+                                          cfg.eval_batches)
+        else:
+            r[name] = _eval_eagle1(target, draft, held, cfg)
+    return {"heads": r}
+
+
+def acceptance_stage(target, runs: dict, prompts: list, cfg: RecipeConfig, measured: dict, deadline: float,
+                     on_update, progress: bool) -> dict:
+    """(f) τ of `runs` ({label: run}, `acceptance_runs`) over `prompts`, keeping what `measured` already holds;
+    `on_update(results)` sees the results after each run."""
+    from ddd_jax.bench.acceptance import measure_runs
+    results = dict(measured)
+    on_update(results)
+
+    def keep(label, res):
+        results[label] = acceptance_result(runs[label], res)
+        on_update(results)
+
+    todo = {k: r for k, r in runs.items() if k not in results}
+    measure_runs(target, prompts, todo, max_new_tokens=cfg.tau_max_new, batch_size=min(cfg.tau_batch, len(prompts)),
+                 progress=progress, on_result=keep, deadline=deadline)
+    return {"results": results, "not_measured": [k for k in runs if k not in results], "prompts": len(prompts),
+            "max_new_tokens": cfg.tau_max_new}
+
+
+def acceptance_result(run: dict, res: dict) -> dict:
+    """One run's acceptance record: `measure_runs`' result without per-prompt lists, its settings, and for DDD the
+    share of cycles that drafted past the first check step."""
+    out = {k: v for k, v in res.items() if k != "per_prompt"}
+    out["settings"] = {"method": run["method"], "tree": run["tree"].to_dict(), "ddd": dataclasses.asdict(run["ddd"])}
+    dh = res["depth_hist"]
+    if run["method"] == "ddd" and dh:
+        first = run["ddd"].check_steps[0]
+        out["past_first_check"] = sum(v for k, v in dh.items() if k > first) / sum(dh.values())
+    return out
 
 
 def acceptance_runs(heads: dict, reference: dict | None = None) -> dict:
@@ -342,6 +391,7 @@ def acceptance_runs(heads: dict, reference: dict | None = None) -> dict:
              ("ddd-paper", "ddd", TreeConfig(), DDDConfig())]
     for backend, (tree, ddd) in tuned.items():
         order += [(f"eagle2-{backend}", "eagle2", tree, ddd), (f"ddd-{backend}", "ddd", tree, ddd)]
+
     def runs(hs: dict) -> list:
         return [(f"{hname}/{label}", {"draft": draft, "method": method, "tree": tree, "ddd": ddd})
                 for label, method, tree, ddd in order for hname, draft in hs.items()]
@@ -350,74 +400,94 @@ def acceptance_runs(heads: dict, reference: dict | None = None) -> dict:
     return dict(new[:len(heads)] + ref[:1] + new[len(heads):] + ref[1:])
 
 
+# ------------------------------------------------------------------------------------------------ the driver
+
+
 def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig(), *, smoke: bool = False,
-               progress: bool = True) -> dict:
-    """Run stages (a)-(f) into `out_dir` within `cfg.budget_s`; returns recipe.json's content."""
+               progress: bool = True, export_dir=None, deadline: float | None = None, init=None) -> dict:
+    """Run stages (a)-(f) into `out_dir`, each stage's product copied to `export_dir` as it finishes; returns
+    recipe.json's content. deadline: a time.time() value the whole run ends before (the stages are fractions of
+    the time left to it); None: `cfg.budget_s` from now. init: an EAGLE-3 head (name, directory or .tar) the fit
+    continues from."""
     import jax
 
     from ddd_jax import load_draft
 
-    from . import eagle3_fit
-    from .regen import load_records, regenerate
+    from .export_dir import ExportDir
+    from .regen import load_records
     check_inputs_for(target, inputs)
     for part in ("train", "holdout", "mtbench"):
         if not inputs[part]:
             raise ValueError(f"recipe inputs hold no {part} prompt")
+    init_draft = None
+    if init is not None:
+        init_draft = load_draft(str(init), target)
+        if init_draft.config.head_type != "eagle3":
+            raise ValueError(f"--init {init}: an EAGLE-3 head is needed, this one is {init_draft.config.head_type}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    at = lambda frac: t0 + frac * cfg.budget_s  # noqa: E731
-    left = lambda until: max(0.0, until - time.time())  # noqa: E731
-    rec = Record(out, {"format": RECIPE_FORMAT, "version": 1, "smoke": smoke, "config": cfg.to_dict(),
+    clock = Clock(cfg, deadline)
+    backend = jax.default_backend()
+    export = ExportDir(export_dir) if export_dir is not None else None
+    rec = Record(out, {"format": RECIPE_FORMAT, "version": 2, "smoke": smoke, "config": cfg.to_dict(),
                        "device": device_info(), "target": target.name,
-                       "inputs": {**inputs["meta"]["counts"], "train_order": inputs["meta"].get("train_order")},
-                       "started_utc": dio.utc_now()})
+                       "inputs": {**inputs["meta"]["counts"], "train_order": inputs["meta"].get("train_order"),
+                                  "text_tokens": inputs["meta"].get("text_tokens", 0)},
+                       "deadline_s": None if deadline is None else round(deadline - process_start(), 1),
+                       "budget_s": round(clock.budget, 1), "init": None if init is None else str(init),
+                       "export_dir": None if export_dir is None else str(export_dir),
+                       "started_utc": dio.utc_now()}, export)
+    e1_on, acc_on = cfg.runs("train_eagle1", backend), cfg.runs("acceptance", backend)
+    e3_until = cfg.eagle3_until if (e1_on or acc_on) else cfg.last_until
+    e1_until = cfg.eagle1_until if acc_on else cfg.last_until
     e3_name, e1_name = f"{target.name}-eagle3", f"{target.name}-eagle"
-    heads_dir = out / "heads"
-    max_len = max(len(p) for _, p in inputs["train"] + inputs["holdout"]) + cfg.regen_max_new + 1
+    heads_dir, regen_dir = out / "heads", out / "regen"
+    exported = rec.data.setdefault("exported", {})
 
-    # (a) the target's own replies: the held-out ones first (few), then the training ones until the deadline, at
-    # least one batch of them even when the held-out ones took the whole share (later stages need training data)
-    def regen():
-        r = {}
-        for part, n, path in (("holdout", cfg.holdout_prompts, out / "regen" / "holdout.jsonl"),
-                              ("train", cfg.train_prompts, out / "regen" / "train.jsonl")):
-            prompts = inputs[part][:n] if n else inputs[part]
-            limit = left(at(cfg.regen_until)) if part == "train" else None
-            r[part] = regenerate(target, prompts, path, max_new_tokens=cfg.regen_max_new,
-                                 batch_size=min(cfg.regen_batch, len(prompts)), time_limit_s=limit,
-                                 min_batches=1 if part == "train" else 0, progress=progress)
-            r[part]["gen_tokens_per_s"] = round(r[part]["new_reply_tokens"] / max(r[part]["seconds"], 1e-9), 1)
-        return r
+    def put(name: str, why: str | None) -> None:  # what reached the export folder, or why not
+        exported[name] = "written" if why is None else f"not written: {why}"
+        rec.write()
 
+    # (a) regenerate
     if not rec.done("regenerate"):
-        _stage(rec, "regenerate", regen, fatal=True)
-    train = _token_set(load_records(out / "regen" / "train.jsonl"), max_len)
-    held = _token_set(load_records(out / "regen" / "holdout.jsonl"), max_len)
+        _stage(rec, "regenerate", regenerate_stage, target, inputs, cfg, regen_dir,
+               clock.left(cfg.regen_until), progress, fatal=True)
+    recs = {p: load_records(regen_dir / f"{p}.jsonl") for p in ("train", "holdout")}
+    if export is not None:
+        from .export_dir import regen_bytes
+        put("regen.npz", export.put_bytes("regen.npz", regen_bytes(recs, {"target": target.name})))
+    max_len = max(len(p) for _, p in inputs["train"] + inputs["holdout"]) + cfg.regen_max_new + 1
+    text = fit_text(inputs, cfg.data)
+    train = _token_set(recs["train"], max_len, text)
+    held = _token_set(recs["holdout"], max_len)
     rec.set("regenerate", train_tokens=train.n_tokens, train_loss_tokens=int(train.mask.sum()),
-            holdout_tokens=held.n_tokens)
+            text_entries=len(text), holdout_tokens=held.n_tokens)
 
-    # (b) + (d) EAGLE-3 with training-time test
-    f3 = cfg.eagle3
-
-    def fit3():
-        r, _, retries = halving_batch(lambda fc: eagle3_fit.fit_eagle3(
-            target, train, _fresh(out / "eagle3"), fc, time_budget_s=left(at(cfg.eagle3_until)),
-            probe_steps=cfg.probe_steps, ckpt_every=10 ** 9, log_every=10, export_dir=heads_dir / e3_name,
-            progress=progress), f3)
-        return {"steps": r["step"], "fit_config": r["fit_config"].to_dict(), "last_metrics": r["last_metrics"],
-                "head": str(heads_dir / e3_name), "export": _head_files(heads_dir / e3_name),
-                "batch_retries": retries}
+    # (b) EAGLE-3, its best head exported as it improves
+    def best3(params, step, metrics):
+        if export is not None:
+            from ddd_jax import eagle
+            from ddd_jax.checkpoints.ours import save_draft
+            from .eagle3_fit import eagle3_config
+            tmp = out / f".{e3_name}.tar"
+            save_draft(eagle.Draft(eagle3_config(target, len(params["d2t"])), params, target), tmp,
+                       dtype=np.float16, extra={"trained_for": target.name, "step": step, "heldout": metrics})
+            put(f"{e3_name}.tar", export.put_file(f"{e3_name}.tar", tmp))
+            tmp.unlink()
 
     if not rec.done("eagle3"):
-        _stage(rec, "eagle3", fit3)
+        budget = max(1.0, clock.left(e3_until) - 0.02 * clock.budget)  # the last held-out score and the export
+        _stage(rec, "eagle3", eagle3_stage, target, train, held, cfg, out / "eagle3", heads_dir / e3_name, budget,
+               None if init_draft is None else dict(init_draft.params), best3, progress)
+        if export is not None and (out / "eagle3" / "metrics.jsonl").is_file():
+            put("eagle3-metrics.jsonl.gz", export.put_gzip("eagle3-metrics.jsonl.gz", out / "eagle3" / "metrics.jsonl"))
 
-    # (c) + (d) EAGLE-1/2 on the same replies
-    def fit1():
-        return _fit_eagle1(target, train, out, heads_dir / e1_name, cfg, left(at(cfg.eagle1_until)), progress)
-
-    if not rec.done("eagle1") and left(at(cfg.eagle1_until)) > 0:
-        _stage(rec, "eagle1", fit1)
+    # (c) EAGLE-1/2
+    if not e1_on:
+        rec.set("eagle1", status="skipped", reason=f"train_eagle1={cfg.train_eagle1} on {backend}")
+    elif not rec.done("eagle1") and clock.left(e1_until) > 0:
+        _stage(rec, "eagle1", eagle1_stage, target, train, cfg, out, heads_dir / e1_name, clock.left(e1_until),
+               progress)
     elif not rec.done("eagle1"):
         rec.set("eagle1", status="skipped", reason="no time left in the budget")
 
@@ -425,55 +495,31 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     for name, stage in ((e3_name, "eagle3"), (e1_name, "eagle1")):
         if rec.done(stage):
             heads[name] = load_draft(str(heads_dir / name), target)
-    rec.set("export", status="done" if heads else "failed",
-            heads={n: _head_files(heads_dir / n) for n in heads})
+            if export is not None and stage == "eagle1":
+                from ddd_jax.checkpoints.ours import save_draft
+                tmp = out / f".{name}.tar"
+                save_draft(heads[name], tmp, dtype=np.float16)
+                put(f"{name}.tar", export.put_file(f"{name}.tar", tmp))
+                tmp.unlink()
+    rec.set("export", status="done" if heads else "failed", heads={n: _head_files(heads_dir / n) for n in heads})
 
-    # (e) held-out top-1
-    def heldout():
-        r = {}
-        if e3_name in heads:
-            p = jax.tree.map(lambda x: np.asarray(x, np.float32) if x.dtype.kind == "f" else np.asarray(x),
-                             heads[e3_name].params)
-            r[e3_name] = eagle3_fit.evaluate(target, p, held, dataclasses.replace(f3, dtype="float32"),
-                                             cfg.eval_batches)
-        if e1_name in heads:
-            r[e1_name] = _eval_eagle1(target, heads[e1_name], held, cfg)
-        return {"heads": r}
-
-    # a rerun measures again when a head came after the last measurement (a fit that failed before succeeded now)
+    # (e) held-out top-1; a rerun measures again when a head came after the last measurement
     if heads and set((rec.done("heldout") or {}).get("heads", {})) != set(heads):
-        _stage(rec, "heldout", heldout)
+        _stage(rec, "heldout", heldout_stage, target, heads, held, cfg, rec.done("eagle3"))
 
     # (f) acceptance over the MT-bench first turns, while the budget lasts
-    def acceptance():
-        from ddd_jax.bench.acceptance import measure_runs
-        prompts = [ids for _, ids in inputs["mtbench"][:cfg.tau_prompts]]
-        results = dict(measured)  # a rerun keeps what was measured and measures the rest
-        rec.set("acceptance", results=results)
-
-        def keep(label, res):
-            results[label] = {k: v for k, v in res.items() if k != "per_prompt"}
-            results[label]["settings"] = {"method": runs[label]["method"], "tree": runs[label]["tree"].to_dict(),
-                                          "ddd": dataclasses.asdict(runs[label]["ddd"])}
-            dh = res["depth_hist"]
-            if runs[label]["method"] == "ddd" and dh:
-                first = runs[label]["ddd"].check_steps[0]
-                results[label]["past_first_check"] = sum(v for k, v in dh.items() if k > first) / sum(dh.values())
-            rec.set("acceptance", results=results)
-
-        todo = {k: r for k, r in runs.items() if k not in results}
-        measure_runs(target, prompts, todo, max_new_tokens=cfg.tau_max_new, batch_size=min(cfg.tau_batch, len(prompts)),
-                     progress=progress, on_result=keep, deadline=t0 + cfg.budget_s)
-        remaining = [k for k in runs if k not in results]
-        return {"results": results, "not_measured": list(remaining), "prompts": len(prompts),
-                "max_new_tokens": cfg.tau_max_new}
-
-    reference = _reference_head(rec, target, cfg.reference_head, e1_name) if heads else {}
-    runs = acceptance_runs(heads, reference)
-    measured = (rec.done("acceptance") or {}).get("results", {})
-    if heads and any(k not in measured for k in runs):
-        _stage(rec, "acceptance", acceptance)
-    rec.data["total_s"] = round(time.time() - t0, 1)
+    if not acc_on:
+        rec.set("acceptance", status="skipped", reason=f"acceptance={cfg.acceptance} on {backend}: measure τ with "
+                                                       "`ddd-jax train-draft accept` on the CPU")
+    elif heads:
+        reference = _reference_head(rec, target, cfg.reference_head, e1_name)
+        runs = acceptance_runs(heads, reference)
+        measured = (rec.done("acceptance") or {}).get("results", {})
+        if any(k not in measured for k in runs):
+            prompts = [ids for _, ids in inputs["mtbench"][:cfg.tau_prompts]]
+            _stage(rec, "acceptance", acceptance_stage, target, runs, prompts, cfg, measured, clock.end,
+                   lambda results: rec.set("acceptance", results=results), progress)
+    rec.data["total_s"] = round(time.time() - clock.t0, 1)
     rec.data["finished_utc"] = dio.utc_now()
     rec.write()
     return rec.data
