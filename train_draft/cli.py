@@ -1,4 +1,4 @@
-"""`ddd-jax train-draft {regenerate,extract,fit,export,plot,draft-vocab,recipe,recipe-inputs}`: command-line front over the train_draft library."""
+"""`ddd-jax train-draft {regenerate,extract,fit,export,plot,draft-vocab,recipe,recipe-inputs,accept}`: command-line front over the train_draft library."""
 from __future__ import annotations
 
 import argparse
@@ -409,3 +409,21 @@ def add_parser(subparsers) -> None:
     v.add_argument("--size", type=int, default=8192, help="draft vocabulary size (default %(default)s)")
     v.add_argument("--out", default=None)
     v.set_defaults(func=cmd_vocab)
+
+    a = sub.add_parser("accept", help="τ of every head in a folder (directories and .tar files) beside a reference "
+                                      "head, over the MT-bench first turns (resumable)")
+    a.add_argument("--heads", required=True, metavar="DIR",
+                   help="folder of heads: head directories in our format and <name>.tar files (others ignored)")
+    a.add_argument("--out", required=True, metavar="DIR",
+                   help="writes DIR/accept.json (after each result) and DIR/accept.md; a rerun keeps what was measured")
+    a.add_argument("--target", default="smollm2-135m-instruct", help="target name or path (default %(default)s)")
+    a.add_argument("--reference", default="shipped", metavar="NAME",
+                   help="a head measured beside them: a packaged name or a path (default: the packaged "
+                        "<target>-eagle head when there is one; \"\" for none)")
+    a.add_argument("--limit", type=int, default=80, help="MT-bench first turns (default %(default)s: all)")
+    a.add_argument("--max-new-tokens", type=int, default=128, help="new tokens a prompt (default %(default)s)")
+    a.add_argument("--batch", type=int, default=80, help="sequences decoded together (default %(default)s)")
+    a.add_argument("--labels", default=None,
+                   help="only these runs, comma separated (eagle2-default, ddd-paper, eagle2-cpu, ddd-cpu, "
+                        "eagle2-gpu, ddd-gpu; default: all)")
+    a.set_defaults(func=cmd_accept)
