@@ -168,10 +168,10 @@ def test_every_stage_runs_and_records_itself(tmp_path):
     assert all(v["identical"] == v["prompts"] == 2 for v in res.values())  # lossless, every run
     assert "past_first_check" in res["tiny4-eagle3/ddd-paper"]
     assert r["reference"] == {"head": None, "reason": "no packaged head 'tiny4-eagle'"}
-    from train_draft.recipe import Record, _reference_head
-    rec = Record(tmp_path / "ref", {})
-    assert _reference_head(rec, t, str(tmp_path / "nowhere"), "tiny4-eagle") == {}  # recorded, not raised
-    assert "FileNotFoundError" in rec.data["reference"]["reason"] and "nowhere" in rec.data["reference"]["reason"]
+    from train_draft.accept import reference_head
+    refs, info = reference_head(t, str(tmp_path / "nowhere"))
+    assert refs == {}  # recorded, not raised
+    assert "FileNotFoundError" in info["reason"] and "nowhere" in info["reason"]
     # the exported heads load, carry a draft vocabulary, and decode vanilla's tokens
     for name, kind in (("tiny4-eagle3", "eagle3"), ("tiny4-eagle", "eagle1")):
         d = load_draft(tmp_path / "run" / "heads" / name, t)
@@ -226,8 +226,14 @@ def test_eagle3_fit_sizes_itself_to_a_budget(tmp_path):
 @pytest.mark.slow  # the real SmolLM2 (a minute or two); `make test` runs it
 def test_cli_smoke_on_smollm2(smollm2_by_name, tmp_path, capsys):
     from ddd_jax.cli import main
-    assert main(["train-draft", "recipe", "--smoke", "--out", str(tmp_path / "r")]) == 0
+    assert main(["train-draft", "recipe", "--smoke", "--out", str(tmp_path / "r"), "--export-dir",
+                 str(tmp_path / "out"), "--deadline-s", "900"]) == 0
     r = json.loads((tmp_path / "r" / "recipe.json").read_text())
+    assert r == json.loads((tmp_path / "out" / "recipe.json").read_text()) and 0 < r["deadline_s"] <= 900
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "eagle3-metrics.jsonl.gz", "recipe.json", "regen.npz", "smollm2-135m-instruct-eagle.tar",
+        "smollm2-135m-instruct-eagle3.tar"]
+    assert r["inputs"]["text_tokens"] > 0 and r["stages"]["regenerate"]["text_entries"] > 0
     assert r["smoke"] and r["device"]["backend"] == "cpu"
     assert all(v["status"] == "done" for v in r["stages"].values())
     assert (tmp_path / "r" / "heads" / "smollm2-135m-instruct-eagle3" / "model.safetensors").is_file()

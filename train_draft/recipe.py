@@ -347,33 +347,11 @@ def heldout_stage(target, heads: dict, held, cfg: RecipeConfig, fit3: dict | Non
 
 def acceptance_stage(target, runs: dict, prompts: list, cfg: RecipeConfig, measured: dict, deadline: float,
                      on_update, progress: bool) -> dict:
-    """(f) τ of `runs` ({label: run}, `acceptance_runs`) over `prompts`, keeping what `measured` already holds;
-    `on_update(results)` sees the results after each run."""
-    from ddd_jax.bench.acceptance import measure_runs
-    results = dict(measured)
-    on_update(results)
-
-    def keep(label, res):
-        results[label] = acceptance_result(runs[label], res)
-        on_update(results)
-
-    todo = {k: r for k, r in runs.items() if k not in results}
-    measure_runs(target, prompts, todo, max_new_tokens=cfg.tau_max_new, batch_size=min(cfg.tau_batch, len(prompts)),
-                 progress=progress, on_result=keep, deadline=deadline)
-    return {"results": results, "not_measured": [k for k in runs if k not in results], "prompts": len(prompts),
-            "max_new_tokens": cfg.tau_max_new}
-
-
-def acceptance_result(run: dict, res: dict) -> dict:
-    """One run's acceptance record: `measure_runs`' result without per-prompt lists, its settings, and for DDD the
-    share of cycles that drafted past the first check step."""
-    out = {k: v for k, v in res.items() if k != "per_prompt"}
-    out["settings"] = {"method": run["method"], "tree": run["tree"].to_dict(), "ddd": dataclasses.asdict(run["ddd"])}
-    dh = res["depth_hist"]
-    if run["method"] == "ddd" and dh:
-        first = run["ddd"].check_steps[0]
-        out["past_first_check"] = sum(v for k, v in dh.items() if k > first) / sum(dh.values())
-    return out
+    """(f) τ of `runs` ({label: run}, `acceptance_runs`) over `prompts`, keeping what `measured` already holds
+    (`accept.measure_acceptance`); `on_update(results)` sees the results after each run."""
+    from .accept import measure_acceptance
+    return measure_acceptance(target, runs, prompts, measured, max_new_tokens=cfg.tau_max_new,
+                              batch_size=cfg.tau_batch, deadline=deadline, on_update=on_update, progress=progress)
 
 
 def acceptance_runs(heads: dict, reference: dict | None = None) -> dict:
@@ -512,7 +490,8 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
         rec.set("acceptance", status="skipped", reason=f"acceptance={cfg.acceptance} on {backend}: measure τ with "
                                                        "`ddd-jax train-draft accept` on the CPU")
     elif heads:
-        reference = _reference_head(rec, target, cfg.reference_head, e1_name)
+        from .accept import reference_head
+        reference, rec.data["reference"] = reference_head(target, cfg.reference_head)
         runs = acceptance_runs(heads, reference)
         measured = (rec.done("acceptance") or {}).get("results", {})
         if any(k not in measured for k in runs):
@@ -523,32 +502,6 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     rec.data["finished_utc"] = dio.utc_now()
     rec.write()
     return rec.data
-
-
-def _reference_head(rec: Record, target, name: str, shipped: str) -> dict:
-    """{"reference-<name>": Draft} for stage (f), so a new head is compared with the one it would replace in the
-    same run (same prompts, device and settings); recorded under "reference" in recipe.json."""
-    from ddd_jax import load_draft
-    from ddd_jax.checkpoints import registry
-    if not name:
-        return {}
-    if name == "shipped":
-        if shipped not in registry.NAMED_DRAFTS:
-            rec.data["reference"] = {"head": None, "reason": f"no packaged head {shipped!r}"}
-            return {}
-        name = shipped
-    try:
-        draft = load_draft(name, target)
-    except (OSError, ValueError, KeyError) as e:  # a reference that cannot load costs the new heads nothing
-        rec.data["reference"] = {"head": name, "reason": f"{type(e).__name__}: {e}"[:300]}
-        return {}
-    info = {"head": name, "head_type": draft.config.head_type}
-    cfg_path = registry.named_draft_dir(name) / "config.json" if name in registry.NAMED_DRAFTS else \
-        Path(name) / "config.json"
-    if cfg_path.is_file():
-        info["step"] = dio.read_json(cfg_path).get("extra", {}).get("step")
-    rec.data["reference"] = info
-    return {f"reference-{Path(name).name}": draft}
 
 
 def halving_batch(run, cfg):
