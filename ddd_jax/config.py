@@ -399,15 +399,16 @@ class DDDConfig:
 
 
 def ddd_pool(tree: TreeConfig, ddd: DDDConfig) -> int:
-    """The candidate pool at DDD's shallowest stop (its first check step), context-lookup candidates included: a
-    tree drafts at most this many nodes there (`check_tree_for_ddd`)."""
-    return tree.pool_size(ddd.check_steps[0]) + tree.lookup
+    """The candidate pool when DDD drafts to its maximum depth, context-lookup candidates included: a tree keeps at
+    most this many nodes (`check_tree_for_ddd`). An earlier stop leaves fewer, and the cycle verifies just those
+    (`cycle._verify`)."""
+    return tree.pool_size(ddd.max_depth) + tree.lookup
 
 
 def check_tree_for_ddd(tree: TreeConfig, ddd: DDDConfig) -> None:
-    """DDD may stop after its first check step, so the tree's `total_tokens - 1` drafted nodes must fit the
-    candidate pool at that depth. The one statement of this rule (generate, settings, bench and tune use it)."""
+    """The tree's `total_tokens - 1` drafted nodes must fit the candidate pool DDD can draft (`ddd_pool`). The one
+    statement of this rule (generate, settings, bench and tune use it)."""
     pool = ddd_pool(tree, ddd)
     if tree.total_tokens - 1 > pool:
-        raise ValueError(f"total_tokens - 1 = {tree.total_tokens - 1} exceeds the candidate pool at DDD's shallowest "
-                         f"stop (step {ddd.check_steps[0]}): {pool} (top_k={tree.top_k}, lookup={tree.lookup})")
+        raise ValueError(f"total_tokens - 1 = {tree.total_tokens - 1} exceeds the candidate pool DDD can draft by its "
+                         f"max_depth {ddd.max_depth}: {pool} (top_k={tree.top_k}, lookup={tree.lookup})")

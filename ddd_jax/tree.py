@@ -53,7 +53,8 @@ class Tree:
     parent: jax.Array  # [B, N] int32 tree slot of the parent (root: 0)
     anc: jax.Array  # [B, N, N] bool ancestor-or-self matrix (the tree attention mask)
     depth: jax.Array  # [B, N] int32 (root 0); verify positions = prefix length + depth
-    valid: jax.Array  # [B, N] bool (False only if the pool had fewer finite candidates than N-1)
+    valid: jax.Array  # [B, N] bool (False only if the pool had fewer finite candidates than N-1); the valid
+    # slots come first: slots [0, valid.sum()) (`verify_rows`)
 
 
 def pool_size(k: int, max_depth: int) -> int:
@@ -177,13 +178,17 @@ def add_lookup(beam: Beam, tok, ok, logp: float, k: int) -> Beam:
 
 
 def _build_one(root, pool_tok, pool_score, pool_parent, n: int) -> Tree:
+    P = pool_tok.shape[0]
     order = jnp.argsort(-pool_score, stable=True)  # best first; ties -> smaller index (parents first)
-    kept = jnp.sort(order[: n - 1])  # pool indices, ascending: parents before children
+    # the kept nodes, real ones first, each group by ascending pool index: parents before children, and the real
+    # nodes in slots [0, count) so that a narrower verify forward over the first slots holds all of them
+    key = jnp.sort(jnp.where(jnp.isfinite(pool_score[order[: n - 1]]), 0, P) + order[: n - 1])
+    kept = key % P
     kept_score = pool_score[kept]
     valid = jnp.concatenate([jnp.ones((1,), bool), jnp.isfinite(kept_score)])
     tokens = jnp.concatenate([root[None], pool_tok[kept]]).astype(jnp.int32)
     ppool = pool_parent[kept]  # [n-1]
-    pos = jnp.searchsorted(kept, jnp.maximum(ppool, 0))
+    pos = jnp.searchsorted(key, jnp.maximum(ppool, 0))  # a real node's parent is real: among the first slots
     parent = jnp.where(ppool < 0, 0, pos + 1).astype(jnp.int32)
     parent = jnp.concatenate([jnp.zeros((1,), jnp.int32), parent])
     parent = jnp.where(valid, parent, 0)
@@ -195,6 +200,17 @@ def _build_one(root, pool_tok, pool_score, pool_parent, n: int) -> Tree:
     anc = jax.lax.fori_loop(1, n, body, eye)
     depth = anc.sum(-1).astype(jnp.int32) - 1
     return Tree(tokens=tokens, parent=parent, anc=anc, depth=depth, valid=valid)
+
+
+def truncate(tree: Tree, rows: int) -> Tree:
+    """The first `rows` slots of `tree` (all its valid nodes when rows >= `verify_rows`)."""
+    return Tree(tokens=tree.tokens[:, :rows], parent=tree.parent[:, :rows], anc=tree.anc[:, :rows, :rows],
+                depth=tree.depth[:, :rows], valid=tree.valid[:, :rows])
+
+
+def verify_rows(tree: Tree):
+    """[B] int32 slots each tree needs verified: the root and its valid nodes (which come first)."""
+    return jnp.sum(tree.valid, axis=1).astype(jnp.int32)
 
 
 def build_tree(root, beam: Beam, n: int) -> Tree:

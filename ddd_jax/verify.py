@@ -67,7 +67,7 @@ def accept_greedy(tree: Tree, logits, M: int, pred=None) -> Accept:
     return jax.vmap(one)(tree.tokens, tree.parent, tree.anc, tree.depth, tree.valid, pred)
 
 
-def accept_sample(tree: Tree, logits, key, temperature: float, top_p: float, M: int) -> Accept:
+def accept_sample(tree: Tree, logits, key, temperature: float, top_p: float, M: int, draws: int | None = None) -> Accept:
     """EAGLE's lossless multi-candidate rejection sampling with deterministic (top-k) draft candidates.
 
     Walk from the root: at node c with target distribution p (temperature/top-p processed), try c's
@@ -75,14 +75,16 @@ def accept_sample(tree: Tree, logits, key, temperature: float, top_p: float, M: 
     q(x) = 1, since the candidates are a deterministic function of the draft); on rejection p(x) <- 0 and
     p is renormalised. If a child is accepted, descend; if every child is rejected, the bonus token is drawn
     from the residual p; at a leaf, from the fresh p of the leaf. The output distribution equals sampling
-    from the target token by token.
+    from the target token by token. draws: how many uniforms to draw (default: the tree's slots), so a tree cut
+    to its first slots (`tree.truncate`) draws the same numbers as the whole tree.
     """
     N = tree.tokens.shape[1]
+    draws = N if draws is None else draws
 
     def one(tokens, parent, depth, valid, lg, k):
         logp = process_logits(lg, temperature, top_p)  # [N, V]
         k_u, k_bonus = jax.random.split(k)
-        u = jax.random.uniform(k_u, (N,))
+        u = jax.random.uniform(k_u, (draws,))[:N]
 
         def level(carry):
             cur, p, path, n, stop = carry

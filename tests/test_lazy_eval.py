@@ -239,16 +239,20 @@ def test_library_refuses_a_lookup_tree_for_torch_before_running(tiny):
     with pytest.raises(ValueError, match="lookup=2"):
         run_lazy_eval(target, draft, PROMPTS[:1], tree=tree, ddd=DDD, max_new_tokens=MAX_NEW, frameworks="jax,torch",
                       profile_prompts=0, progress=False, sync_rounds=1, warmup=False)
-    # what the CLI runs instead for tuned settings with a lookup (cpu.json's tree: 7 tokens need the lookup's 4
-    # candidates beside the root's top 4 at DDD's step-0 stop)
+    # what the CLI runs instead for tuned settings with a lookup (cpu.json's tree), and a tree whose tokens need the
+    # lookup's candidates beside what DDD can draft by its max depth
     from ddd_jax.bench.lazy_eval import without_lookup
     from ddd_jax.config import check_tree_for_ddd
     cpu, ddd = TreeConfig(top_k=4, total_tokens=7, depth=2, lookup=4), DDDConfig(check_steps=(0, 1, 3, 5))
     t, why = without_lookup(cpu, ddd)
-    assert (t.lookup, t.total_tokens, t.top_k, t.depth) == (0, 5, 4, 2) and "total_tokens=5" in why
+    assert (t.lookup, t.total_tokens, t.top_k, t.depth) == (0, 7, 4, 2) and "total_tokens=7" in why
     check_tree_for_ddd(t, ddd)
+    narrow, shallow = TreeConfig(top_k=1, total_tokens=5, depth=4, lookup=2), DDDConfig(check_steps=(0,), max_depth=2)
+    check_tree_for_ddd(narrow, shallow)
     with pytest.raises(ValueError, match="candidate pool"):
-        check_tree_for_ddd(dataclasses.replace(cpu, lookup=0), ddd)
+        check_tree_for_ddd(dataclasses.replace(narrow, lookup=0), shallow)
+    t, why = without_lookup(narrow, shallow)
+    assert t.total_tokens == 4 and "total_tokens=4" in why
     assert without_lookup(dataclasses.replace(cpu, total_tokens=3), ddd)[0].total_tokens == 3  # small trees stay
 
 

@@ -159,8 +159,8 @@ def test_ddd_modes_agree_and_count_syncs(setup, threshold):
 
 def test_step0_check_and_depth0_tree(setup):
     """A DDD check at step 0 looks at the root's top_k before any expansion step: the three sync modes take the
-    same decisions, a cycle it stops verifies only step 0's candidates (depth 0), and every output is vanilla's.
-    EAGLE-2 with depth 0 (no expansion step) is lossless too."""
+    same decisions, a cycle it stops drafts nothing (depth 0: the root alone is verified, one row), and every
+    output is vanilla's. EAGLE-2 with depth 0 (no expansion step) is lossless too."""
     target, draft, ps, ref = setup
     tree = TreeConfig(top_k=4, total_tokens=4, depth=2)
     # the tiny head's root confidence (log of its top-4 mass) spans roughly [-2.5, 0]: some cycles stop at step 0
@@ -180,16 +180,17 @@ def test_step0_check_and_depth0_tree(setup):
         assert runs["host"].stats["draft_syncs"] == checks == runs["callback"].stats["draft_syncs"]
         assert runs["device"].stats["ddd_checks"] == checks
         assert set(d) <= {0, 2, 4}
-        for acc, dep in zip(runs["device"].stats["accepted_per_call"], d):
-            assert acc <= dep + 2
+        for acc, dep, rows in zip(runs["device"].stats["accepted_per_call"], d, runs["device"].stats["verified_per_call"]):
+            assert acc <= dep + 2 and (dep > 0 or (acc, rows) == (1, 1))
     assert 0 in seen and len(seen) >= 2, f"expected some cycles to stop at step 0 and some to go on, saw {seen}"
     e0 = generate(target, draft, sub, max_new_tokens=32, method="eagle2", tree=TreeConfig(top_k=4, total_tokens=4,
                                                                                           depth=0))
     check_identical(target, sub, ref.tokens[:6], e0.tokens, "eagle2 depth 0")
     assert all(set(s["depth_per_call"]) == {0} for s in e0.stats["per_sequence"])
     assert max(max(s["accepted_per_call"]) for s in e0.stats["per_sequence"]) == 2  # root + one drafted token
-    with pytest.raises(ValueError, match="pool"):  # DDD may stop at step 0: the tree must fit step 0's k nodes
-        generate(target, draft, sub[0], method="ddd", tree=TreeConfig(top_k=2, total_tokens=4, depth=2), ddd=ddd)
+    with pytest.raises(ValueError, match="pool DDD can draft"):  # the tree must fit what DDD can draft at most
+        generate(target, draft, sub[0], method="ddd", tree=TreeConfig(top_k=1, total_tokens=5, depth=4),
+                 ddd=DDDConfig(check_steps=(0, 1), threshold=-0.7, max_depth=2))
 
 
 @pytest.mark.slow  # a compile per max_new_tokens and method; test_exact.py checks _emit's EOS / max-new cuts fast

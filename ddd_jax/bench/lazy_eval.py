@@ -225,8 +225,8 @@ def _environment(device: str, torch_models) -> dict:
 
 def without_lookup(tree, ddd):
     """(tree, why): `tree` without context-lookup candidates, which only the JAX side has (tuned settings may add
-    them), and with `total_tokens` capped at what DDD's first stop can fill without them -- so that both frameworks
-    run one tree -- and a note saying so."""
+    them), and with `total_tokens` capped at what DDD can draft without them -- so that both frameworks run one
+    tree -- and a note saying so."""
     import dataclasses
 
     from ddd_jax.config import ddd_pool

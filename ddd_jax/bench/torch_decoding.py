@@ -289,12 +289,14 @@ def _draft(m: TorchModels, plan, prefix_kv, pend_tok, pend_feat, counter: SyncCo
     thr = torch.tensor(threshold, dtype=torch.float32, device=dev)
     own = torch.arange(k, device=dev)
     steps = plan.max_depth
-    if plan.method == "ddd" and 0 in checks:  # a check at step 0: is the first beam worth expanding?
+    if plan.method == "ddd" and 0 in checks:  # a check at step 0: draft at all? (a stop keeps no candidate)
         conf = torch.logsumexp(score, dim=-1)
         if device_mode:
             active = active & (conf >= thr)
+            pool_score[0] = torch.where(active, score, neg)
         elif counter.item(conf, "draft") < threshold:
             steps = 0
+            pool_score[0] = torch.full_like(score, -math.inf)
     for j in range(1, steps + 1):
         pos = torch.full((1, k), base + j - 1, device=dev)
         mask = torch.cat([torch.ones(k, base, dtype=torch.bool, device=dev), anc[:, : j * k]], 1)[None]
@@ -333,17 +335,23 @@ def _draft(m: TorchModels, plan, prefix_kv, pend_tok, pend_feat, counter: SyncCo
 
 # ----------------------------------------------------------------------------------------------- verification
 def _tree(plan, root, d: _Drafted, counter: SyncCounter):
-    """Rerank the pool (stable sort by score), keep the best total_tokens - 1 in pool order under the root and
-    read their parents and tokens to the host (one sync). Returns (tokens [N] on device, parents, tokens, depth)."""
+    """Rerank the pool (stable sort by score), keep the best total_tokens - 1 under the root, the real (finite)
+    ones first, each group in pool order (as `tree.build_tree`), and read their parents, tokens and how many are
+    real to the host (one sync); the tree is the root and its real nodes (what JAX's narrowest width verifies).
+    Returns (tokens [n] on device, parents, tokens, depth)."""
     N = plan.total_tokens
+    P = d.pool_score.shape[0]
     order = torch.sort(-d.pool_score, stable=True).indices[: N - 1]
-    kept = torch.sort(order).values  # pool order: parents before children
+    key = torch.sort(torch.where(torch.isfinite(d.pool_score[order]), 0, P) + order).values
+    kept = key % P  # real nodes first, each group in pool order: parents before children
     ppool = d.pool_parent[kept]
-    parent = torch.where(ppool < 0, 0, torch.searchsorted(kept, ppool.clamp(min=0)) + 1)
+    parent = torch.where(ppool < 0, 0, torch.searchsorted(key, ppool.clamp(min=0)) + 1)
     tokens = torch.cat([root.reshape(1), d.pool_tok[kept]])
     depth = d.depth if isinstance(d.depth, torch.Tensor) else torch.tensor(d.depth, device=tokens.device)
-    host = counter.tolist(torch.cat([parent, tokens, depth.reshape(1)]), "verify")
-    return tokens, [0] + host[: N - 1], host[N - 1: 2 * N - 1], host[-1]
+    real = torch.isfinite(d.pool_score[kept]).sum()
+    host = counter.tolist(torch.cat([parent, tokens, depth.reshape(1), real.reshape(1)]), "verify")
+    n = 1 + host[-1]
+    return tokens[:n], ([0] + host[: N - 1])[:n], host[N - 1: 2 * N - 1][:n], host[-2]
 
 
 def _retrieve_indices(parents: list[int]) -> tuple[list[int], list[list[int]]]:

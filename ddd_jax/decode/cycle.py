@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from .. import eagle3, llama, sharding
 from ..cache import KVCache, commit, with_length
+from ..tree import truncate, verify_rows
 from ..verify import accept_greedy, accept_sample, process_logits
 from . import drafting
 from .state import Plan, State
@@ -80,6 +81,7 @@ def _prefill(tparams, dparams, plan: Plan, tokens, plen, key, *, capacity: int, 
         out=jnp.zeros((B, plan.max_new_tokens + M), jnp.int32), out_len=jnp.zeros((B,), jnp.int32),
         done=jnp.zeros((B,), bool), key=key, cycle=jnp.zeros((), jnp.int32),
         acc_hist=jnp.zeros((C, B), jnp.int32), depth_hist=jnp.zeros((C, B), jnp.int32),
+        rows_hist=jnp.zeros((C, B), jnp.int32),
         checks=jnp.zeros((), jnp.int32), ctx=_prefill_ctx(plan, tokens, plen, first, capacity))
     out_buf, out_len, done, _ = _emit(plan, state.out, state.out_len, state.done, first[:, None].repeat(M, 1),
                                       jnp.ones((B,), jnp.int32))
@@ -129,23 +131,51 @@ def _vanilla_loop(tparams, plan: Plan, s: State) -> State:
 
 # ----------------------------------------------------------------------------------------------- speculative
 def _verify(tparams, plan: Plan, s: State, d: drafting.Draft):
-    """One target forward over the tree built from the draft's pool; greedy or lossless-sampling acceptance."""
+    """One target forward over the tree built from the draft's pool; greedy or lossless-sampling acceptance.
+
+    The forward covers only the rows the batch needs: the narrowest of `plan.verify_widths` that holds every live
+    sequence's root and valid nodes (a tree's valid nodes come first, `tree.verify_rows`), chosen on the device
+    with `lax.switch` on the CPU, where a row costs its FMAs (off the CPU the full width: XLA:GPU would read the
+    switch's index on the host, and its launch-bound forward costs about the same at these widths). Dropped slots
+    hold no valid node, so acceptance, the KV commit and sampling's draws are those of the full tree.
+
+    Returns (the target cache with the verified rows' K/V past its length, the target features [B, M, D] along
+    the accepted path, the `Accept`, the PRNG key, the rows verified per sequence [B])."""
     L = s.tcache.length
     tree = drafting.finished_tree(plan, d, s.root, s.ctx, L)
     greedy = plan.temperature <= 0.0
-    o = llama.forward(tparams, plan.tcfg, tree.tokens, L[:, None] + tree.depth, s.tcache, attn_mask=tree.anc,
-                      aux_layers=_aux_layers(plan), return_logits=not greedy, greedy=greedy)
+    N = plan.total_tokens
     if greedy:
-        acc = accept_greedy(tree, None, plan.M, pred=o.greedy)
-        key = s.key
+        key, sub = s.key, None
     else:
         key, sub = jax.random.split(s.key)
-        acc = accept_sample(tree, o.logits, sub, plan.temperature, plan.top_p, plan.M)
-    return o.cache, _features(plan, o), acc, key
+
+    def at(W: int):
+        def run(tcache):
+            t = truncate(tree, W)
+            o = llama.forward(tparams, plan.tcfg, t.tokens, L[:, None] + t.depth, tcache, attn_mask=t.anc,
+                              aux_layers=_aux_layers(plan), return_logits=not greedy, greedy=greedy)
+            if greedy:
+                acc = accept_greedy(t, None, plan.M, pred=o.greedy)
+            else:
+                acc = accept_sample(t, o.logits, sub, plan.temperature, plan.top_p, plan.M, draws=N)
+            feat = jnp.take_along_axis(_features(plan, o), acc.path[:, :, None], axis=1)  # [B, M, D]
+            return o.cache, feat, acc, jnp.full(L.shape, W, jnp.int32)
+        return run
+
+    widths = plan.verify_widths
+    if len(widths) == 1:
+        return (*at(N)(s.tcache)[:3], key, jnp.full(L.shape, N, jnp.int32))
+    need = jnp.max(jnp.where(s.done, 1, verify_rows(tree)))
+    pick = sum((need > w).astype(jnp.int32) for w in widths[:-1])
+    tc, feat, acc, rows = jax.lax.platform_dependent(
+        s.tcache, cpu=lambda tc: jax.lax.switch(pick, [at(w) for w in widths], tc), default=at(N))
+    return tc, feat, acc, key, rows
 
 
-def _commit(plan: Plan, s: State, tcache_new, hidden, acc, key, d: drafting.Draft, L=None, dlen=None) -> State:
+def _commit(plan: Plan, s: State, tcache_new, feat, acc, key, d: drafting.Draft, rows, L=None, dlen=None) -> State:
     """Keep the accepted path's KV, emit its tokens, and queue its (token, feature) pairs for the next step 0.
+    feat: [B, M, D] the target features along the accepted path; rows: [B] rows each sequence verified.
     L: [B] the target cache's length before verification (default `s.tcache.length`); dlen: [B] the draft cache's
     length before the draft (default `s.dcache.length`)."""
     live = ~s.done
@@ -155,7 +185,6 @@ def _commit(plan: Plan, s: State, tcache_new, hidden, acc, key, d: drafting.Draf
     tcache = with_length(tcache, jnp.where(live, tcache.length, L))
     dcache = with_length(d.dcache, jnp.where(live, d.base, dlen))
     out, out_len, done, keep = _emit(plan, s.out, s.out_len, s.done, acc.emitted, acc.n)
-    feat = jnp.take_along_axis(hidden, acc.path[:, :, None], axis=1)  # [B, M, D]
     root = jnp.take_along_axis(acc.emitted, (acc.n - 1)[:, None], axis=1)[:, 0]
     pick = lambda new, old: jnp.where(live.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
     ctx = s.ctx
@@ -166,12 +195,13 @@ def _commit(plan: Plan, s: State, tcache_new, hidden, acc, key, d: drafting.Draf
         pend_feat=pick(feat.astype(s.pend_feat.dtype), s.pend_feat), pend_n=pick(acc.n, s.pend_n),
         out=out, out_len=out_len, done=done, key=key, cycle=s.cycle + 1, acc_hist=s.acc_hist.at[s.cycle].set(keep),
         depth_hist=s.depth_hist.at[s.cycle].set(jnp.where(live, d.beam.depth, 0)), checks=s.checks + d.checks,
+        rows_hist=s.rows_hist.at[s.cycle].set(jnp.where(live, rows, 0)),
         ctx=ctx)
 
 
 def _verify_commit(tparams, plan: Plan, s: State, d: drafting.Draft, dlen=None) -> State:
-    tcache_new, hidden, acc, key = _verify(tparams, plan, s, d)
-    return _commit(plan, s, tcache_new, hidden, acc, key, d, dlen=dlen)
+    tcache_new, feat, acc, key, rows = _verify(tparams, plan, s, d)
+    return _commit(plan, s, tcache_new, feat, acc, key, d, rows, dlen=dlen)
 
 
 def _cycle(tparams, dparams, plan: Plan, s: State, threshold) -> State:
@@ -187,12 +217,13 @@ _cycle_jit = jax.jit(_cycle, static_argnames=("plan",), donate_argnames=("s",))
 # K/V in place -- undonated, every cycle copied the whole cache (23.6 MB at 512 slots for SmolLM2) -- and the
 # draft's cache reaches the commit donated too.
 def _verify_phase(tparams, plan: Plan, rest: State, tcache: KVCache, d: drafting.Draft):
-    tcache_new, hidden, acc, key = _verify(tparams, plan, dataclasses.replace(rest, tcache=tcache), d)
-    return tcache_new, hidden, acc, key, tcache.length
+    tcache_new, feat, acc, key, rows = _verify(tparams, plan, dataclasses.replace(rest, tcache=tcache), d)
+    return tcache_new, (feat, rows), acc, key, tcache.length
 
 
-def _commit_phase(plan: Plan, rest: State, L, tcache_new, hidden, acc, key, d: drafting.Draft, dcache) -> State:
-    return _commit(plan, rest, tcache_new, hidden, acc, key, dataclasses.replace(d, dcache=dcache), L=L)
+def _commit_phase(plan: Plan, rest: State, L, tcache_new, verified, acc, key, d: drafting.Draft, dcache) -> State:
+    feat, rows = verified
+    return _commit(plan, rest, tcache_new, feat, acc, key, dataclasses.replace(d, dcache=dcache), rows, L=L)
 
 
 def _verify_commit_begin(tparams, dparams, plan: Plan, s: State, dlen, d: drafting.Draft, dcache, threshold):

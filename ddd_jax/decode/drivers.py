@@ -109,9 +109,9 @@ def run_spec(tparams, dparams, plan: Plan, s: State, threshold, loop: str, count
                                          threshold, counter)
             clock.lap("draft", d)
             rest = dataclasses.replace(s, tcache=None)
-            tc_new, hidden, acc, key, L = C._verify_jit(tparams, plan, rest, s.tcache, d)
+            tc_new, verified, acc, key, L = C._verify_jit(tparams, plan, rest, s.tcache, d)
             clock.lap("verify", acc)
-            s = C._commit_jit(plan, rest, L, tc_new, hidden, acc, key, dataclasses.replace(d, dcache=None), d.dcache)
+            s = C._commit_jit(plan, rest, L, tc_new, verified, acc, key, dataclasses.replace(d, dcache=None), d.dcache)
             clock.lap("commit", s)
         else:  # one fused jitted cycle per iteration
             s = C._cycle_jit(tparams, dparams, plan, s, threshold)
@@ -132,6 +132,7 @@ def result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, ti
     callbacks = in_loop if plan.method == "ddd" and plan.sync == "callback" else 0
     acc_hist = np.asarray(s.acc_hist)[:cycles]
     depth_hist = np.asarray(s.depth_hist)[:cycles]
+    rows_hist = np.asarray(s.rows_hist)[:cycles]
     n_rows = out.shape[0] if n_rows is None else n_rows  # rows past n_rows pad the batch for the mesh
     toks = [[int(t) for t in out[b, : out_len[b]]] for b in range(n_rows)]
     stats = []
@@ -139,6 +140,7 @@ def result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, ti
         calls = acc_hist[:, b] > 0
         acc = [int(x) for x in acc_hist[calls, b]]
         dep = [int(x) for x in depth_hist[calls, b]] if plan.method != "vanilla" else []
+        rows = [int(x) for x in rows_hist[calls, b]] if plan.method != "vanilla" else [1] * len(acc)
         n_new = len(toks[b])
         st = {
             "method": plan.method, "sync": plan.sync if plan.method == "ddd" else None,
@@ -146,6 +148,7 @@ def result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, ti
             "draft_steps": int(sum(d + 1 for d in dep)),
             "accepted_per_call": acc, "mean_accepted": float(np.mean(acc)) if acc else 0.0,
             "depth_per_call": dep, "mean_depth": float(np.mean(dep)) if dep else 0.0,
+            "verified_per_call": rows, "mean_verified": float(np.mean(rows)) if rows else 0.0,
             "ddd_checks": counter.draft + in_loop, "draft_syncs": counter.draft + callbacks,
             "host_syncs": counter.total + callbacks,
             "prefill_s": prefill_s, "decode_s": decode_s, "total_s": prefill_s + decode_s,

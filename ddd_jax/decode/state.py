@@ -49,6 +49,12 @@ class Plan:
     def host_checks(self) -> bool:  # DDD decisions taken by the host between jitted segments
         return self.method == "ddd" and self.sync == "host"
 
+    @property
+    def verify_widths(self) -> tuple:
+        """The verify forward's compiled widths (rows per sequence): powers of two below total_tokens, then
+        total_tokens. Each cycle takes the narrowest that holds every live sequence's tree (`cycle._verify`)."""
+        return tuple(w for w in (1, 2, 4, 8, 16, 32, 64, 128) if w < self.total_tokens) + (self.total_tokens,)
+
 
 @jax.tree_util.register_dataclass
 @dataclass
@@ -66,6 +72,7 @@ class State:
     cycle: jax.Array  # [] int32 target calls after the prefill
     acc_hist: jax.Array  # [C, B] int32 tokens emitted per target call
     depth_hist: jax.Array  # [C, B] int32 draft steps per cycle
+    rows_hist: jax.Array  # [C, B] int32 rows per sequence in each cycle's verify forward (0: finished)
     checks: jax.Array  # [] int32 DDD checks executed inside jitted draft loops
     ctx: jax.Array  # [B, S + M] int32 token at each position, prompt then emitted (lookup; [B, 0] when off)
 
