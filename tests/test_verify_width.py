@@ -50,9 +50,10 @@ def test_every_width_is_lossless_in_every_sync_mode(setup):
                 check_identical(target, [p], [r], [g.tokens], f"ddd {sync}")
                 st = g.stats
                 assert len(st["verified_per_call"]) == st["target_calls"]
-                for rows, depth, acc in zip(st["verified_per_call"], st["depth_per_call"], st["accepted_per_call"]):
+                for rows, depth, acc, needed in zip(st["verified_per_call"], st["depth_per_call"],
+                                                    st["accepted_per_call"], st["needed_per_call"]):
                     need = 1 if depth == 0 else 2 + depth  # stopped at step 0: the root only
-                    assert rows == width(need) and acc <= need, (rows, depth, acc)
+                    assert rows == width(need) and needed == need and acc <= need, (rows, depth, acc, needed)
                 seen.update(st["verified_per_call"])
     assert seen == {1, 4, 7}, seen
     e = generate(target, draft, ps[:2], max_new_tokens=24, method="eagle2",

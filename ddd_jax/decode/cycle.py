@@ -81,7 +81,7 @@ def _prefill(tparams, dparams, plan: Plan, tokens, plen, key, *, capacity: int, 
         out=jnp.zeros((B, plan.max_new_tokens + M), jnp.int32), out_len=jnp.zeros((B,), jnp.int32),
         done=jnp.zeros((B,), bool), key=key, cycle=jnp.zeros((), jnp.int32),
         acc_hist=jnp.zeros((C, B), jnp.int32), depth_hist=jnp.zeros((C, B), jnp.int32),
-        rows_hist=jnp.zeros((C, B), jnp.int32),
+        rows_hist=jnp.zeros((C, B), jnp.int32), need_hist=jnp.zeros((C, B), jnp.int32),
         checks=jnp.zeros((), jnp.int32), ctx=_prefill_ctx(plan, tokens, plen, first, capacity))
     out_buf, out_len, done, _ = _emit(plan, state.out, state.out_len, state.done, first[:, None].repeat(M, 1),
                                       jnp.ones((B,), jnp.int32))
@@ -140,7 +140,8 @@ def _verify(tparams, plan: Plan, s: State, d: drafting.Draft):
     hold no valid node, so acceptance, the KV commit and sampling's draws are those of the full tree.
 
     Returns (the target cache with the verified rows' K/V past its length, the target features [B, M, D] along
-    the accepted path, the `Accept`, the PRNG key, the rows verified per sequence [B])."""
+    the accepted path, the `Accept`, the PRNG key, (the rows verified per sequence [B], the rows each sequence's
+    own tree needed [B]))."""
     L = s.tcache.length
     tree = drafting.finished_tree(plan, d, s.root, s.ctx, L)
     greedy = plan.temperature <= 0.0
@@ -164,18 +165,20 @@ def _verify(tparams, plan: Plan, s: State, d: drafting.Draft):
         return run
 
     widths = plan.verify_widths
+    need = verify_rows(tree)
     if len(widths) == 1:
-        return (*at(N)(s.tcache)[:3], key, jnp.full(L.shape, N, jnp.int32))
-    need = jnp.max(jnp.where(s.done, 1, verify_rows(tree)))
-    pick = sum((need > w).astype(jnp.int32) for w in widths[:-1])
-    tc, feat, acc, rows = jax.lax.platform_dependent(
-        s.tcache, cpu=lambda tc: jax.lax.switch(pick, [at(w) for w in widths], tc), default=at(N))
-    return tc, feat, acc, key, rows
+        tc, feat, acc, rows = at(N)(s.tcache)
+    else:
+        pick = sum((jnp.max(jnp.where(s.done, 1, need)) > w).astype(jnp.int32) for w in widths[:-1])
+        tc, feat, acc, rows = jax.lax.platform_dependent(
+            s.tcache, cpu=lambda tc: jax.lax.switch(pick, [at(w) for w in widths], tc), default=at(N))
+    return tc, feat, acc, key, (rows, need)
 
 
 def _commit(plan: Plan, s: State, tcache_new, feat, acc, key, d: drafting.Draft, rows, L=None, dlen=None) -> State:
     """Keep the accepted path's KV, emit its tokens, and queue its (token, feature) pairs for the next step 0.
-    feat: [B, M, D] the target features along the accepted path; rows: [B] rows each sequence verified.
+    feat: [B, M, D] the target features along the accepted path; rows: ([B] rows each sequence verified, [B] rows
+    its own tree needed).
     L: [B] the target cache's length before verification (default `s.tcache.length`); dlen: [B] the draft cache's
     length before the draft (default `s.dcache.length`)."""
     live = ~s.done
@@ -195,7 +198,8 @@ def _commit(plan: Plan, s: State, tcache_new, feat, acc, key, d: drafting.Draft,
         pend_feat=pick(feat.astype(s.pend_feat.dtype), s.pend_feat), pend_n=pick(acc.n, s.pend_n),
         out=out, out_len=out_len, done=done, key=key, cycle=s.cycle + 1, acc_hist=s.acc_hist.at[s.cycle].set(keep),
         depth_hist=s.depth_hist.at[s.cycle].set(jnp.where(live, d.beam.depth, 0)), checks=s.checks + d.checks,
-        rows_hist=s.rows_hist.at[s.cycle].set(jnp.where(live, rows, 0)),
+        rows_hist=s.rows_hist.at[s.cycle].set(jnp.where(live, rows[0], 0)),
+        need_hist=s.need_hist.at[s.cycle].set(jnp.where(live, rows[1], 0)),
         ctx=ctx)
 
 

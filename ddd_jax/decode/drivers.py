@@ -133,6 +133,7 @@ def result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, ti
     acc_hist = np.asarray(s.acc_hist)[:cycles]
     depth_hist = np.asarray(s.depth_hist)[:cycles]
     rows_hist = np.asarray(s.rows_hist)[:cycles]
+    need_hist = np.asarray(s.need_hist)[:cycles]
     n_rows = out.shape[0] if n_rows is None else n_rows  # rows past n_rows pad the batch for the mesh
     toks = [[int(t) for t in out[b, : out_len[b]]] for b in range(n_rows)]
     stats = []
@@ -141,6 +142,7 @@ def result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, ti
         acc = [int(x) for x in acc_hist[calls, b]]
         dep = [int(x) for x in depth_hist[calls, b]] if plan.method != "vanilla" else []
         rows = [int(x) for x in rows_hist[calls, b]] if plan.method != "vanilla" else [1] * len(acc)
+        need = [int(x) for x in need_hist[calls, b]] if plan.method != "vanilla" else [1] * len(acc)
         n_new = len(toks[b])
         st = {
             "method": plan.method, "sync": plan.sync if plan.method == "ddd" else None,
@@ -149,6 +151,7 @@ def result(target, plan: Plan, s: State, batched: bool, counter: SyncCounter, ti
             "accepted_per_call": acc, "mean_accepted": float(np.mean(acc)) if acc else 0.0,
             "depth_per_call": dep, "mean_depth": float(np.mean(dep)) if dep else 0.0,
             "verified_per_call": rows, "mean_verified": float(np.mean(rows)) if rows else 0.0,
+            "needed_per_call": need,
             "ddd_checks": counter.draft + in_loop, "draft_syncs": counter.draft + callbacks,
             "host_syncs": counter.total + callbacks,
             "prefill_s": prefill_s, "decode_s": decode_s, "total_s": prefill_s + decode_s,

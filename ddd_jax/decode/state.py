@@ -73,6 +73,7 @@ class State:
     acc_hist: jax.Array  # [C, B] int32 tokens emitted per target call
     depth_hist: jax.Array  # [C, B] int32 draft steps per cycle
     rows_hist: jax.Array  # [C, B] int32 rows per sequence in each cycle's verify forward (0: finished)
+    need_hist: jax.Array  # [C, B] int32 rows each sequence's own tree needed: its root and valid nodes
     checks: jax.Array  # [] int32 DDD checks executed inside jitted draft loops
     ctx: jax.Array  # [B, S + M] int32 token at each position, prompt then emitted (lookup; [B, 0] when off)
 
