@@ -16,6 +16,12 @@ SYNCS = ("host", "callback", "device")
 PROMPT_BUCKETS = (32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 
 
+def verify_widths(total_tokens: int) -> tuple:
+    """The widths a tree of `total_tokens` nodes is verified at (rows per sequence): the powers of two below
+    total_tokens, then total_tokens (what a plan compiles; `calibration.predict` prices each)."""
+    return tuple(w for w in (1, 2, 4, 8, 16, 32, 64, 128) if w < total_tokens) + (int(total_tokens),)
+
+
 @dataclass(frozen=True)
 class Plan:
     """Everything static about one decode: hashable, passed to jit as a static argument."""
@@ -51,9 +57,9 @@ class Plan:
 
     @property
     def verify_widths(self) -> tuple:
-        """The verify forward's compiled widths (rows per sequence): powers of two below total_tokens, then
-        total_tokens. Each cycle takes the narrowest that holds every live sequence's tree (`cycle._verify`)."""
-        return tuple(w for w in (1, 2, 4, 8, 16, 32, 64, 128) if w < self.total_tokens) + (self.total_tokens,)
+        """The verify forward's compiled widths (rows per sequence): `verify_widths(total_tokens)`. Each cycle takes
+        the narrowest that holds every live sequence's tree (`cycle._verify`)."""
+        return verify_widths(self.total_tokens)
 
 
 @jax.tree_util.register_dataclass
