@@ -56,7 +56,7 @@ bench-gpu:
 	$(GPU_ENV) $(DDD_JAX) lazy-eval --limit 4 --device gpu --sync-rounds 20 --out $(GPU_OUT)/lazy
 
 # The head-training recipe on one GPU (docs/training.md; scripts/gpu_recipe.sh carries its inputs to a lent
-# machine): self-distilled replies, an EAGLE-3 and an EAGLE-1/2 head, export, held-out top-1 and tau, in 9 minutes.
+# machine): self-distilled replies and an EAGLE-3 head with held-out top-1 (on a CPU also an EAGLE-1/2 head and tau).
 RECIPE_OUT ?= runs/recipe
 RECIPE_ARGS ?=
 train-gpu:
