@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import io
 import json
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -151,22 +150,24 @@ def fit_to_bytes(inputs: dict, max_bytes: int) -> dict:
     if size > max_bytes:
         raise ValueError(f"recipe inputs: the prompts and earlier runs' replies alone take {size} bytes, over "
                          f"max_bytes={max_bytes} (fewer prompts: --max-context-len 384, --max-train N)")
-    # estimate each entry's compressed bytes from a sample, then check the real file and trim until it fits
-    sample = np.concatenate([np.asarray(e[1], np.uint16) for e in extra[:200]]) if extra else np.zeros(0, np.uint16)
-    per_token = len(zlib.compress(sample.tobytes(), 6)) / max(len(sample), 1) + 1 / 8 + 0.02
-    room, n = max_bytes - size, 0
-    for e in extra:
-        room -= len(e[1]) * per_token + len(e[0]) * 4 + 8
-        if room < 0:
-            break
-        n += 1
-    while True:
+    # the most ShareGPT entries that fit: bisection over the real compressed size (a handful of compressions)
+
+    def build(n: int) -> dict:
         out = _with_counts({**inputs, "meta": dict(inputs["meta"]), TEXT: fixed + extra[:n]})
-        if len(_npz_bytes(out)) <= max_bytes or n == 0:
-            out["meta"]["text"] = {**out["meta"].get("text", {}), "sharegpt_tokens":
-                                   int(sum(len(e[1]) for e in extra[:n])), "max_bytes": max_bytes}
-            return out
-        n = int(n * 0.95)
+        out["meta"]["text"] = {**out["meta"].get("text", {}), "max_bytes": max_bytes,
+                               "sharegpt_tokens": int(sum(len(e[1]) for e in extra[:n]))}
+        return out
+
+    lo, hi = 0, len(extra)  # build(lo) fits; find the largest n that does
+    if len(_npz_bytes(build(hi))) <= max_bytes:
+        return build(hi)
+    while hi - lo > max(1, len(extra) // 500):
+        mid = (lo + hi) // 2
+        if len(_npz_bytes(build(mid))) <= max_bytes:
+            lo = mid
+        else:
+            hi = mid
+    return build(lo)
 
 
 def save_inputs(inputs: dict, path, max_bytes: int | None = None) -> Path:
