@@ -179,3 +179,21 @@ def test_a_run_killed_mid_fit_leaves_what_it_finished_within_the_limits(tmp_path
     assert len(load_regen(export / "regen.npz")["train"]) == 10
     t = tiny_target()
     assert load_draft(str(export / "tiny4-eagle3.tar"), t).config.head_type == "eagle3"
+
+
+def test_regen_first_takes_the_targets_replies_before_sharegpt_in_every_epoch():
+    from train_draft.eagle3_fit import Fit3Config, RowPlan
+    from train_draft.recipe import fit_groups, fit_text
+    text = [(f"sharegpt:{i}", list(range(2, 30)), [1] * 28) for i in range(6)] + \
+        [(f"regen:{i}", list(range(3, 31)), [0] * 3 + [1] * 25) for i in range(2)]
+    inputs = {"text": text}
+    assert [k for k, _, _ in fit_text(inputs, "regen")] == ["regen:0", "regen:1"]
+    assert [k for k, _, _ in fit_text(inputs, "regen-first")][:2] == ["regen:0", "regen:1"]
+    fs = _token_set(_records(4), 64, fit_text(inputs, "regen-first"))  # 4 replies of this run, 2 earlier, 6 ShareGPT
+    groups = fit_groups(fs, "regen-first")
+    assert groups.tolist() == [0] * 6 + [1] * 6 and fit_groups(fs, "all") is None
+    plan = RowPlan(fs, Fit3Config(batch_size=1, seq_len=40), groups)
+    for epoch in (0, 1):
+        seqs = [k for row in plan._rows(epoch) for k, _ in row]
+        assert sorted(seqs) == list(range(12)) and set(seqs[:6]) == set(range(6)), seqs  # replies first
+    assert plan._rows(0) != RowPlan(fs, Fit3Config(batch_size=1, seq_len=40, seed=1), groups)._rows(0)

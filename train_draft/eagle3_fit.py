@@ -111,11 +111,16 @@ def make_batch(fs: FeatureSet, rows, seq_len: int):
 
 
 class RowPlan:
-    """Rows of every step as a pure function of (seed, step): epoch e packs a fresh permutation."""
+    """Rows of every step as a pure function of (seed, step): epoch e packs a fresh permutation. With `groups`
+    ([S] int, one per sequence), each epoch takes group 0's sequences first (their own permutation, packed), then
+    group 1's, and so on: a fit that ends early has learnt from the first groups alone."""
 
-    def __init__(self, fs: FeatureSet, cfg: Fit3Config):
+    def __init__(self, fs: FeatureSet, cfg: Fit3Config, groups=None):
         self.fs, self.cfg = fs, cfg
         self.lengths = np.diff(fs.offsets)
+        self.groups = None if groups is None else np.asarray(groups)
+        if self.groups is not None and self.groups.shape != self.lengths.shape:
+            raise ValueError(f"groups: one per sequence ({len(self.lengths)}), got {self.groups.shape}")
         self._cache: dict = {}
         self.steps_per_epoch = len(self._rows(0)) // cfg.batch_size
         if self.steps_per_epoch == 0:
@@ -125,7 +130,12 @@ class RowPlan:
     def _rows(self, epoch: int):
         if epoch not in self._cache:
             order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.lengths))
-            self._cache = {epoch: pack_rows(self.lengths, order, self.cfg.seq_len)}
+            if self.groups is None:
+                rows = pack_rows(self.lengths, order, self.cfg.seq_len)
+            else:  # the same permutation, split by group, each group packed in turn
+                rows = [r for g in np.unique(self.groups)
+                        for r in pack_rows(self.lengths, order[self.groups[order] == g], self.cfg.seq_len)]
+            self._cache = {epoch: rows}
         return self._cache[epoch]
 
     def batch(self, step: int):
@@ -261,7 +271,7 @@ def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: b
                keep: int = 3, log_every: int = 10, export_dir=None, stop_after: int | None = None,
                time_budget_s: float | None = None, probe_steps: int = 3, progress: bool = False,
                vocab=None, init: dict | None = None, eval_set: FeatureSet | None = None, eval_every: int = 0,
-               eval_max_batches: int = 8, on_best=None) -> dict:
+               eval_max_batches: int = 8, on_best=None, groups=None) -> dict:
     """Train an EAGLE-3 head on the token ids of `train`; checkpoints, metrics.jsonl and fit.json go to out_dir.
 
     Steps: at most `cfg.steps`, and at most `cfg.max_epochs` passes over the packed training rows (fit.json's
@@ -276,6 +286,7 @@ def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: b
     eval_set / eval_every: held-out TTT metrics every `eval_every` steps and at the end (metrics lines with
     "split": "eval", in the fit's dtype, the same `eval_max_batches` batches each time); the params with the lowest
     held-out loss are the ones returned and exported, and `on_best(params, step, metrics)` sees each new best.
+    groups: [S] int per training sequence: each epoch goes through group 0 first, then group 1, ... (`RowPlan`).
     Returns {"params" (with d2t), "step", "epochs", "last_metrics", "best", "draft_config", "fit_config"}."""
     import orbax.checkpoint as ocp
     t0 = time.time()
@@ -286,7 +297,7 @@ def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: b
     ids_vocab = (draft_vocab(train, cfg.draft_vocab_size, target.config.vocab_size, always=target.eos_token_ids)
                  if vocab is None else np.unique(np.asarray(vocab, np.int32)))
     dcfg = eagle3_config(target, len(ids_vocab))
-    plan = RowPlan(train, cfg)
+    plan = RowPlan(train, cfg, groups)
     cap = int(cfg.max_epochs * plan.steps_per_epoch) if cfg.max_epochs else cfg.steps
     cfg = dataclasses.replace(cfg, steps=max(1, min(cfg.steps, cap)))
     plan.cfg = cfg

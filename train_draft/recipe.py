@@ -45,7 +45,7 @@ from .train import FitConfig
 
 RECIPE_FORMAT = "ddd-jax-recipe"
 MODES = ("auto", "on", "off")
-DATA = ("regen", "all")
+DATA = ("regen", "regen-first", "all")
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,10 @@ class RecipeConfig:
     last_until: float = 0.97  # the last stage that runs ends here (the rest: held-out scores, final writes)
     train_eagle1: str = "auto"  # "auto": on the CPU only (on a GPU its share goes to the EAGLE-3 fit)
     acceptance: str = "auto"  # "auto": on the CPU only (GPU heads: `train-draft accept` afterwards, on the CPU)
-    data: str = "all"  # the EAGLE-3 fit learns from "regen" (replies regenerated here and in earlier runs) or
-    # "all" (also the inputs' ShareGPT conversations, labelled by the target in the fit)
+    data: str = "regen-first"  # what the EAGLE-3 fit learns from: "regen" (the replies regenerated here and in
+    # earlier runs), "regen-first" (those first in every epoch, then the inputs' ShareGPT conversations, labelled by
+    # the target in the fit: a short fit learns from the replies alone, a long one goes on instead of repeating
+    # them), "all" (both shuffled together)
     train_prompts: int = 0  # 0: every training prompt of the inputs (the time limit stops regeneration)
     holdout_prompts: int = 256
     regen_batch: int = 512  # rows of every regeneration batch (one compile per prompt bucket)
@@ -254,8 +256,18 @@ def _token_set(records: list, max_len: int, text: list = ()):
 
 
 def fit_text(inputs: dict, data: str) -> list:
-    """The inputs' text entries the EAGLE-3 fit learns from with `RecipeConfig.data`."""
-    return [e for e in inputs.get(TEXT, []) if data == "all" or e[0].startswith("regen:")]
+    """The inputs' text entries the EAGLE-3 fit learns from with `RecipeConfig.data`: earlier runs' replies first,
+    then (unless "regen") ShareGPT's conversations."""
+    text = inputs.get(TEXT, [])
+    return [e for e in text if e[0].startswith("regen:")] + ([] if data == "regen" else
+                                                             [e for e in text if not e[0].startswith("regen:")])
+
+
+def fit_groups(fs, data: str):
+    """`fit_eagle3`'s groups for "regen-first": 0 for the target's own replies, 1 for ShareGPT's text; else None."""
+    if data != "regen-first":
+        return None
+    return np.asarray([int(str(k).startswith("sharegpt:")) for k in fs.seq_ids], np.int32)
 
 
 def _with_features(target, fs, cfg: RecipeConfig, max_tokens: int | None, progress: bool):
@@ -311,7 +323,8 @@ def eagle3_stage(target, train, held, cfg: RecipeConfig, run_dir: Path, head_dir
     r, _, retries = halving_batch(lambda fc: fit_eagle3(
         target, train, _fresh(run_dir), fc, time_budget_s=budget_s, probe_steps=cfg.probe_steps,
         ckpt_every=10 ** 9, log_every=10, export_dir=head_dir, progress=progress, init=init, eval_set=held,
-        eval_every=cfg.eval_every, eval_max_batches=cfg.eval_batches, on_best=on_best), cfg.eagle3)
+        eval_every=cfg.eval_every, eval_max_batches=cfg.eval_batches, on_best=on_best,
+        groups=fit_groups(train, cfg.data)), cfg.eagle3)
     return {"steps": r["step"], "epochs": r["epochs"], "fit_config": r["fit_config"].to_dict(),
             "train_tokens": train.n_tokens, "train_loss_tokens": int(train.mask.sum()),
             "last_metrics": r["last_metrics"], "best": r["best"], "init": init is not None,
