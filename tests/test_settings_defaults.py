@@ -117,9 +117,10 @@ def test_settings_compose_with_an_explicit_tree_or_rule(named):
     from ddd_jax.settings import resolve
     target, draft = named
     save_settings({"tree": {"top_k": 2, "total_tokens": 3, "depth": 2},
-                   "ddd": {"check_steps": [0, 2], "threshold": -2.0, "max_depth": 4},
+                   "ddd": {"check_steps": [0], "threshold": -2.0, "max_depth": 1},
                    "meta": {"target": target.name, "draft": draft.name}}, backend=jax.default_backend())
-    big = TreeConfig(top_k=4, total_tokens=12, depth=3)  # 11 drafted nodes: more than step 0's pool of 4
+    # 23 drafted nodes: more than the tuned rule can draft by its max depth 1 (4 + 16), fewer than the paper's
+    big = TreeConfig(top_k=4, total_tokens=24, depth=3)
     p = prompts(1, seed=5)[0]
     ref = generate(target, None, p, max_new_tokens=10).tokens
     r = generate(target, draft, p, max_new_tokens=10, method="eagle2", tree=big)
@@ -127,9 +128,9 @@ def test_settings_compose_with_an_explicit_tree_or_rule(named):
     r = generate(target, draft, p, max_new_tokens=10, method="ddd", tree=big)
     assert r.tokens == ref and r.stats["settings"]["ddd"]["check_steps"] == (5, 7, 9)
     assert "the DDD rule from paper defaults" in r.stats["settings"]["source"]
-    small = TreeConfig(top_k=2, total_tokens=3, depth=1)  # fits the tuned rule's step-0 pool
+    small = TreeConfig(top_k=2, total_tokens=3, depth=1)  # fits the tuned rule's pool
     t, d, src = resolve(target, draft, tree=small, method="ddd")
-    assert d.check_steps == (0, 2) and "the DDD rule from tuned for" in src
+    assert d.check_steps == (0,) and "the DDD rule from tuned for" in src
     t, d, src = resolve(target, draft, ddd=DDDConfig(check_steps=(1,), threshold=-1.0, max_depth=3), method="ddd")
     assert t == TreeConfig(top_k=2, total_tokens=3, depth=2) and "the tree from tuned for" in src
     with pytest.raises(ValueError, match="explicit tree fits neither the DDD rule from tuned for .* nor the paper.s"):
