@@ -136,7 +136,7 @@ def test_parse_methods():
     assert (d.tree.top_k, d.tree.total_tokens) == (3, 8)
     assert parse_method("ddd-device-hostloop").loop == "host"
     assert split_methods("a,b[x=1,y=2],c") == ["a", "b[x=1,y=2]", "c"]
-    for bad in ("nope", "vanilla[k=2]", "eagle2[x=-1]", "ddd-device[q=1]", "ddd-device[S=1,N=10]"):
+    for bad in ("nope", "vanilla[k=2]", "eagle2[x=-1]", "ddd-device[q=1]", "ddd-device[S=1,N=20]"):
         with pytest.raises(ValueError):
             parse_method(bad, TREE, DDD)
     with pytest.raises(ValueError, match="twice"):
