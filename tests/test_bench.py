@@ -29,8 +29,8 @@ PROMPTS = [[5, 6, 7, 8, 9], {"id": "two-turn", "turns": [[10, 11, 12], [13, 14]]
 MAX_NEW = 8
 
 SUMMARY_KEYS = {"records", "new_tokens", "decode_tokens", "decode_s", "prefill_s", "tokens_per_s", "ms_per_token",
-                "target_calls", "tau", "mean_depth", "depth_hist", "host_syncs", "host_syncs_per_call", "draft_syncs",
-                "draft_syncs_per_call", "repeat_token_mismatch", "speedup", "per_prompt_speedup", "mismatches"}
+                "target_calls", "tau", "mean_verified", "mean_depth", "depth_hist", "host_syncs",
+                "host_syncs_per_call", "draft_syncs", "draft_syncs_per_call", "repeat_token_mismatch", "speedup", "per_prompt_speedup", "mismatches"}
 PROFILE_KEYS = {"prompts", "warmup_s", "draft_s", "verify_s", "commit_s", "decode_s", "target_calls",
                 "draft_ms_per_call", "verify_ms_per_call", "commit_ms_per_call", "draft_frac", "verify_frac",
                 "commit_frac"}
@@ -120,6 +120,36 @@ def test_identity_check_detects_planted_mismatch(bench_result, tiny):
     # a truncated output counts too
     recs[0]["runs"]["eagle2"]["tokens"] = ref[:5]
     assert check_identity(target, recs, labels)["methods"]["eagle2"]["details"][0]["position"] == 5
+
+
+def test_summaries_report_the_rows_verified_per_call():
+    """The bench's summary has the mean rows verified per call beside τ (and the table a column); the acceptance
+    summary also the rows each sequence's own tree needed, as a histogram."""
+    from ddd_jax.bench.acceptance import summarize_acceptance
+    from ddd_jax.bench.run import summarize
+
+    def rep(acc, rows, dep):
+        return {"new_tokens": 1 + sum(acc), "decode_s": 1.0, "prefill_s": 0.1, "accepted_per_call": acc,
+                "depth_per_call": dep, "verified_per_call": rows, "target_calls": len(acc), "host_syncs": 0,
+                "draft_syncs": 0, "tokens_match_first": None}
+    records = [{"runs": {"vanilla": {"repeats": [rep([1] * 6, [1] * 6, [])]},
+                         "ddd-device": {"repeats": [rep([3, 1, 2], [7, 1, 4], [2, 0, 1])]}}}]
+    s = summarize(records, ["vanilla", "ddd-device"], "vanilla")
+    assert s["vanilla"]["mean_verified"] == 1.0 and s["ddd-device"]["mean_verified"] == pytest.approx(4.0)
+    assert s["ddd-device"]["tau"] == pytest.approx(2.0)
+    res = {"config": {"draft_dtype": None, "params_dtype": "float32", "target": "t", "draft": "d", "records": 1,
+                      "max_new_tokens": 6, "temperature": 0.0, "repeat": 1},
+           "env": {"backend": "cpu", "device": "cpu", "cpu_count": 2, "jax": "x", "date": "today"},
+           "identity": {"reference": "vanilla", "methods": {"ddd-device": {"mismatches": 0, "real_mismatches": 0,
+                                                                            "details": []}}},
+           "methods": {lb: {"summary": s[lb], "profile": None, "compile": {"compile_s_est": 0.0}} for lb in s}}
+    table = report.bench_table(res)
+    assert "rows verified/call" in table and "| ddd-device | 6.0 | 1.000x | 2.00 | 4.00 |" in table
+    acc = summarize_acceptance([{"accepted_per_call": [3, 1], "depth_per_call": [2, 0], "verified_per_call": [7, 7],
+                                 "needed_per_call": [7, 1], "identical": True},
+                                {"accepted_per_call": [2], "depth_per_call": [1], "verified_per_call": [7],
+                                 "needed_per_call": [7], "identical": True}])
+    assert acc["need_hist"] == {1: 1, 7: 2} and acc["mean_verified"] == 7.0 and acc["mean_needed"] == 5.0
 
 
 def test_first_difference():

@@ -55,7 +55,8 @@ def _table(header: list, rows: list) -> str:
 
 
 def bench_table(result: dict) -> str:
-    """Markdown: one row per method (speed, acceptance, depth, syncs, time split, compile, identity)."""
+    """Markdown: one row per method (speed, acceptance, rows verified per call, depth, syncs, time split, compile,
+    identity)."""
     cfg, env = result["config"], result["env"]
     dd = cfg.get("draft_dtype")
     dd = f" ({dd} weights)" if dd and dd != cfg.get("params_dtype") else ""
@@ -82,10 +83,11 @@ def bench_table(result: dict) -> str:
         else:
             ident_s = f"{ident['mismatches']} ({ident['real_mismatches']} real)"
         rows.append([lb, _f(s["tokens_per_s"], "{:.1f}"), _f(s.get("speedup"), "{:.3f}x"), _f(s["tau"]),
-                     s["target_calls"], _f(s["mean_depth"]), _f(s["host_syncs_per_call"]), split,
+                     _f(s.get("mean_verified")), s["target_calls"], _f(s["mean_depth"]),
+                     _f(s["host_syncs_per_call"]), split,
                      _f(m["compile"]["compile_s_est"], "{:.1f}"), ident_s])
-    table = _table(["method", "tok/s", "speedup", "tau", "target calls", "mean depth", "syncs/call",
-                    "draft/verify/commit ms/call", "compile s", "mismatches"], rows)
+    table = _table(["method", "tok/s", "speedup", "tau", "rows verified/call", "target calls", "mean depth",
+                    "syncs/call", "draft/verify/commit ms/call", "compile s", "mismatches"], rows)
     notes = []
     if env.get("compile_cache"):
         notes.append(f"- compile s: JAX's persistent compilation cache is on ({env['compile_cache']}): a program an "

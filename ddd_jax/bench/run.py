@@ -530,6 +530,7 @@ def summarize(records: list, labels: list, reference: str | None) -> dict:
         dec_tokens = [max(s["new_tokens"] - 1, 0) for s in first]  # the first new token comes from the prefill
         acc = [a for s in first for a in s["accepted_per_call"]]
         dep = [d for s in first for d in s["depth_per_call"]]
+        rows = [r for s in first for r in s.get("verified_per_call", ())]  # records from before the stat: none
         calls = sum(s["target_calls"] for s in first)
         syncs = sum(s["host_syncs"] for s in first)
         dsyncs = sum(s["draft_syncs"] for s in first)
@@ -540,6 +541,8 @@ def summarize(records: list, labels: list, reference: str | None) -> dict:
             "tokens_per_s": sum(dec_tokens) / total_decode if total_decode > 0 else 0.0,
             "ms_per_token": 1e3 * total_decode / sum(dec_tokens) if sum(dec_tokens) else None,
             "target_calls": calls, "tau": sum(acc) / len(acc) if acc else 0.0,
+            # rows the target verified per call (vanilla: 1; a speculative cycle: the verify width it ran at)
+            "mean_verified": float(np.mean(rows)) if rows else None,
             "mean_depth": float(np.mean(dep)) if dep else None,
             "depth_hist": {str(k): v for k, v in sorted(Counter(dep).items())},
             "host_syncs": syncs, "host_syncs_per_call": syncs / calls if calls else 0.0,
