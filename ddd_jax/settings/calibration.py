@@ -16,6 +16,10 @@ from ..config import DDDConfig, TreeConfig, check_tree_for_ddd
 PROFILE_FORMAT = "ddd-jax-acceptance-profile"
 CALIBRATION_FORMAT = "ddd-jax-calibration"
 PROFILE_FILE = "profile.json"  # beside a head's config.json
+# version 2: a profile holds each candidate's rows needed per cycle (`need_hist`), and a calibration prices each
+# compiled verify width per batch size from it; older files are measured again, never read as if they had them
+PROFILE_VERSION = 2
+CALIBRATION_VERSION = 2
 
 
 def weight_storage(target) -> str | None:
@@ -72,9 +76,16 @@ def load_calibration(target, draft) -> dict | None:
         c = dio.read_json(p)
     except (ValueError, OSError):
         return None
-    if c.get("format") != CALIBRATION_FORMAT:
-        return None
+    if c.get("format") != CALIBRATION_FORMAT or c.get("version") != CALIBRATION_VERSION:
+        return None  # another format, or an older calibration (priced every cycle at the full tree): redo it
     return c
+
+
+def profile_is_current(profile: dict | None) -> bool:
+    """Whether a stored acceptance profile has what `calibration.predict` reads: this format version and, for every
+    candidate, the rows its cycles needed (`need_hist`). An older profile is measured again, not misread."""
+    return (profile is not None and int(profile.get("version", PROFILE_VERSION)) >= PROFILE_VERSION
+            and all(e.get("need_hist") for e in profile.get("entries", ())))
 
 
 def head_dir(draft) -> Path | None:
@@ -116,10 +127,10 @@ def save_profile(profile: dict, draft=None, path=None) -> Path:
     return path
 
 
-def calibrated_configs(target, draft, method: str = "ddd", batch: int = 1):
-    """(TreeConfig, DDDConfig, source) from this device's saved calibration, or None (also with DDD_JAX_CALIBRATE=0,
-    which turns calibrations off). For method "ddd" the tree is the one DDD's rule was profiled with; `batch`: the
-    choice calibrated for the largest batch size not above it (the smallest one's below them all)."""
+def calibrated_choice(target, draft, batch: int = 1):
+    """(choice, size, calibration) from this device's saved calibration: the choice made for `size`, the largest
+    calibrated batch size not above `batch` (the smallest one's below them all); None without a calibration or
+    with DDD_JAX_CALIBRATE=0 (which turns calibrations off)."""
     if os.environ.get("DDD_JAX_CALIBRATE") == "0":
         return None
     c = load_calibration(target, draft)
@@ -127,7 +138,33 @@ def calibrated_configs(target, draft, method: str = "ddd", batch: int = 1):
         return None
     sizes = sorted(int(b) for b in c.get("by_batch", {})) or [c.get("batch", 1)]
     size = max([b for b in sizes if b <= batch] or sizes[:1])
-    choice = c.get("by_batch", {}).get(str(size), c)
+    return c.get("by_batch", {}).get(str(size), c), size, c
+
+
+def calibrated_vanilla(target, draft, batch: int = 1) -> str | None:
+    """Why this device's calibration says a batch of `batch` decodes fastest as vanilla does (no speculative
+    candidate is predicted to beat it), else None."""
+    got = calibrated_choice(target, draft, batch)
+    if got is None:
+        return None
+    choice, size, c = got
+    if choice.get("recommended_method") != "vanilla":
+        return None
+    best = choice.get("best_overall")  # (label, predicted speed-up) of the best candidate
+    at = "" if size == batch else f", calibrated at batch {size}"
+    said = f" (best: {best[0]} {best[1]:.2f}x{at})" if best else (f" ({at[2:]})" if at else "")
+    return f"no speculative setting is predicted to beat vanilla at batch {batch} on {c['key']['device']}{said}"
+
+
+def calibrated_configs(target, draft, method: str = "ddd", batch: int = 1):
+    """(TreeConfig, DDDConfig, source) from this device's saved calibration, or None (also with DDD_JAX_CALIBRATE=0,
+    which turns calibrations off). For method "ddd" the tree is the one DDD's rule was profiled with; `batch`: the
+    choice calibrated for the largest batch size not above it (the smallest one's below them all)."""
+    got = calibrated_choice(target, draft, batch)
+    if got is None:
+        return None
+    choice, size, c = got
+    sizes = c.get("by_batch", {}) or [size]
     tree = TreeConfig(**(choice["ddd_tree"] if method == "ddd" else choice["tree"]))
     ddd = DDDConfig(**{**choice["ddd"], "check_steps": tuple(choice["ddd"]["check_steps"])})
     try:
