@@ -62,8 +62,11 @@ def summary(c: dict, top: int = 4) -> str:
             said = f"vanilla: no speculative setting is predicted to beat it (best: {label} {x:.2f}x)"
         else:
             said = f"{ch['recommended_method']} ({label}, predicted {x:.2f}x)"
-        lines.append(f"  batch {b}: t(1) = {t[min(t, key=int)]:.1f} ms; decodes as {said}; "
-                     f"best per method {ch['best']}")
+        per = ch.get("predicted_best") or ch["best"]
+        defaults = ", ".join(f"{m} -> {'vanilla' if v[1] < 1.0 else m} (its best: {v[0]} {v[1]:.2f}x)"
+                             for m, v in per.items() if v)
+        lines.append(f"  batch {b}: t(1) = {t[min(t, key=int)]:.1f} ms; recommended {said}; "
+                     f"generate's defaults: {defaults}")
         for p in ch["predictions"][:top]:
             lines.append(f"    {p['label']:<34} tau {p['tau']:.2f}  mean width {p['mean_width']:.2f}  "
                          f"cycle {p['cycle_ms']:.1f} ms  predicted {p['predicted_speedup']:.2f}x")

@@ -16,9 +16,10 @@ It saves, per batch size, the best EAGLE-2 tree and DDD rule under `$DDD_JAX_CAC
 device (the CPU model on CPU), weight storage, target and head; `generate` without tree / ddd then uses them
 (`settings.resolve`), and `stats["settings"]["source"]` says so (DDD_JAX_CALIBRATE=0 turns saved calibrations off,
 and the command line's first-use calibration with them). Library calls never time anything on their own: only
-`calibrate` does. When no candidate is predicted to beat vanilla at a batch size, the cheapest trees are saved,
-the choice says vanilla (`recommended_method`, `vanilla_predicted_faster`), and `generate`'s defaults decode that
-batch size as vanilla does (`settings.vanilla_fallback`).
+`calibrate` does. When no candidate is predicted to beat vanilla at a batch size, the cheapest trees are saved and
+the choice says vanilla (`recommended_method`, `vanilla_predicted_faster`); `generate`'s defaults for a method decode
+as vanilla does at a batch size where none of that method's candidates is predicted to beat vanilla
+(`settings.vanilla_fallback`).
 """
 from __future__ import annotations
 
@@ -205,9 +206,11 @@ def pick(preds: list[dict]) -> dict:
     """The EAGLE-2 tree and DDD rule with the best predicted speed-up -- or, when none beats vanilla, the choice
     "vanilla" (`recommended_method`; `generate`'s defaults then decode as vanilla does) with the cheapest cycle of
     each method saved for explicit calls that leave the tree or the rule out. `best_overall`: the best candidate
-    and its predicted speed-up either way."""
+    and its predicted speed-up either way; `predicted_best`: each method's (a method whose best is below 1 decodes
+    as vanilla by default, `settings.calibration.calibrated_vanilla`)."""
     best = {m: max((p for p in preds if p["method"] == m), key=lambda p: p["predicted_speedup"], default=None)
             for m in ("eagle2", "ddd")}
+    said = {m: (p["label"], round(p["predicted_speedup"], 3)) if p else None for m, p in best.items()}
     top = max((p for p in best.values() if p), key=lambda p: p["predicted_speedup"])
     slower = top["predicted_speedup"] < 1.0
     if slower:
@@ -220,7 +223,7 @@ def pick(preds: list[dict]) -> dict:
             "ddd_tree": (TreeConfig(**ddd_pick["tree"]) if ddd_pick else tree).to_dict(),
             "recommended_method": "vanilla" if slower else top["method"], "vanilla_predicted_faster": slower,
             "best": {m: (p["label"], round(p["predicted_speedup"], 3)) if p else None for m, p in best.items()},
-            "best_overall": (top["label"], round(top["predicted_speedup"], 3)),
+            "best_overall": (top["label"], round(top["predicted_speedup"], 3)), "predicted_best": said,
             "predictions": sorted(preds, key=lambda p: -p["predicted_speedup"])}
 
 

@@ -60,8 +60,9 @@ PROFILE = {"format": cal.PROFILE_FORMAT, "version": cal.PROFILE_VERSION, "entrie
     {"label": "ddd-k4-n8-s01", "method": "ddd", "tree": {"top_k": 4, "total_tokens": 8, "depth": 2},
      "ddd": {"check_steps": [0, 1], "threshold": -1.0, "max_depth": 3}, "tau": 1.8, "mean_depth": 1.0,
      "depth_hist": {0: 5, 2: 5}, "need_hist": {1: 5, 8: 5}}]}
-# batch 1: a row costs little past the first (memory-bound); batch 16: every row costs its FMAs
+# batch 1: a row costs little past the first (memory-bound); batch 16: every row costs its FMAs; batch 4 between
 COSTS = {1: {"target_ms": {1: 10.0, 2: 10.5, 4: 11.0, 8: 14.0}, "draft_ms": {1: 1.0, 2: 1.0, 4: 1.0}},
+         4: {"target_ms": {1: 10.0, 2: 12.0, 4: 14.0, 8: 16.0}, "draft_ms": {1: 1.0, 2: 1.0, 4: 1.0}},
          16: {"target_ms": {1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0}, "draft_ms": {1: 4.0, 2: 4.0, 4: 4.0}}}
 
 
@@ -75,6 +76,12 @@ def test_prediction_picks_ddd_at_batch_1_and_vanilla_at_batch_16():
     p1 = cal.pick([e2, ddd])
     assert p1["recommended_method"] == "ddd" and p1["best_overall"] == ("ddd-k4-n8-s01", 1.286)
     assert p1["ddd"]["check_steps"] == [0, 1] and p1["tree"] == PROFILE["entries"][0]["tree"]
+    e2, ddd = cal.predict(PROFILE, COSTS[4], batch=4)  # EAGLE-2 still wins; DDD's best does not beat vanilla
+    assert e2["predicted_speedup"] == pytest.approx(20.0 / 19.0)
+    assert ddd["width_probs"][1] == pytest.approx(1 / 16) and ddd["draft_steps"] == pytest.approx(1 + 2 * 15 / 16)
+    assert ddd["predicted_speedup"] == pytest.approx(18.0 / (10.0 / 16 + 16.0 * 15 / 16 + 2.875))  # 0.973
+    p4 = cal.pick([e2, ddd])
+    assert p4["recommended_method"] == "eagle2" and p4["predicted_best"]["ddd"] == ("ddd-k4-n8-s01", 0.973)
     e2, ddd = cal.predict(PROFILE, COSTS[16], batch=16)
     q = 0.5 ** 16  # all 16 sequences stop at step 0: the only cycles that verify one row
     assert ddd["width_probs"][1] == pytest.approx(q, abs=1e-6)
@@ -88,12 +95,12 @@ def test_prediction_picks_ddd_at_batch_1_and_vanilla_at_batch_16():
 
 def test_generate_decodes_as_vanilla_where_the_calibration_says_so(calibrating, monkeypatch):
     """A calibration that says vanilla at batch >= 8: generate's defaults decode a batch of 8 as vanilla does (and
-    say why), a single prompt speculatively; an explicit tree always decodes speculatively."""
+    say why), a single prompt speculatively; at batch 4 only EAGLE-2 is predicted to beat vanilla, so DDD's defaults
+    decode as vanilla there; an explicit tree always decodes speculatively."""
     target, draft = calibrating
-    monkeypatch.setattr(cal, "measure_costs", lambda *a, batch=1, **k: COSTS[1 if batch == 1 else 16])
-    c = cal.calibrate(target, draft, profile=PROFILE, batch_sizes=(1, 8))
-    assert c["by_batch"]["1"]["recommended_method"] == "ddd"
-    assert c["by_batch"]["8"]["recommended_method"] == "vanilla"
+    monkeypatch.setattr(cal, "measure_costs", lambda *a, batch=1, **k: COSTS[batch if batch < 8 else 16])
+    c = cal.calibrate(target, draft, profile=PROFILE, batch_sizes=(1, 4, 8))
+    assert [c["by_batch"][b]["recommended_method"] for b in ("1", "4", "8")] == ["ddd", "eagle2", "vanilla"]
     ps = prompts(8, seed=3)
     ref = generate(target, None, ps, max_new_tokens=10)
     for method in ("ddd", "eagle2"):
@@ -107,6 +114,13 @@ def test_generate_decodes_as_vanilla_where_the_calibration_says_so(calibrating, 
     r = generate(target, draft, ps[:2] * 8, max_new_tokens=10, method="ddd")  # batch 16: the batch-8 choice
     assert r.stats["settings"]["decoded_as"] == "vanilla" and "at batch 16 on " in r.stats["settings"]["why"]
     assert "calibrated at batch 8" in r.stats["settings"]["why"]
+    # batch 4: EAGLE-2's best beats vanilla, DDD's does not -- DDD's defaults decode as vanilla, EAGLE-2's do not
+    r = generate(target, draft, ps[:4], max_new_tokens=10, method="ddd")
+    assert r.tokens == ref.tokens[:4] and r.stats["settings"]["decoded_as"] == "vanilla"
+    assert r.stats["settings"]["why"].startswith("no DDD setting is predicted to beat vanilla at batch 4 on ")
+    assert "(best: ddd-k4-n8-s01 0.97x; EAGLE-2's eagle2-k4-n8-d2 1.05x)" in r.stats["settings"]["why"]
+    r = generate(target, draft, ps[:4], max_new_tokens=10, method="eagle2")
+    assert r.tokens == ref.tokens[:4] and r.stats["settings"]["decoded_as"] == "eagle2"
     one = generate(target, draft, ps[0], max_new_tokens=10, method="ddd")
     assert one.tokens == ref.tokens[0] and one.stats["settings"]["decoded_as"] == "ddd"
     assert "why" not in one.stats["settings"] and one.stats["settings"]["ddd"]["check_steps"] == (0, 1)

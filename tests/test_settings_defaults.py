@@ -87,9 +87,12 @@ def test_source_warns_when_the_tuner_found_speculation_slower_than_vanilla(named
         ex = generate(target, draft, prompts(1, seed=5)[0], max_new_tokens=4, method="ddd",
                       tree=TreeConfig(**TUNED["tree"]))
         assert ex.stats["settings"]["decoded_as"] == "ddd"  # an explicit tree decodes speculatively
-    else:
+    else:  # DDD measured above vanilla decodes speculatively; EAGLE-2, measured below it, as vanilla does
         r = generate(target, draft, prompts(1, seed=5)[0], max_new_tokens=4, method="ddd")
         assert r.stats["settings"]["decoded_as"] == "ddd" and "why" not in r.stats["settings"]
+        r = generate(target, draft, prompts(1, seed=5)[0], max_new_tokens=4, method="eagle2")
+        assert r.stats["settings"]["decoded_as"] == "vanilla" and r.stats["method"] == "eagle2"
+        assert r.stats["settings"]["why"].startswith("the tuner measured EAGLE-2 0.95x, DDD 1.05x of vanilla")
 
 
 @pytest.mark.parametrize("path", sorted(SETTINGS_DIR.glob("*.json")), ids=lambda p: p.name)

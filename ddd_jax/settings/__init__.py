@@ -160,33 +160,35 @@ def slower_than_vanilla(meta: dict) -> str:
     return f"; the tuner measured {said} of vanilla with them: vanilla decoding is faster here"
 
 
-def measured_slower(meta: dict) -> str | None:
-    """Why settings whose tuning runs measured every speculative method below vanilla decode as vanilla by default
-    (e.g. "the tuner measured EAGLE-2 0.81x, DDD 0.92x of vanilla with them on cpu"), else None."""
+def measured_slower(meta: dict, method: str | None = None) -> str | None:
+    """Why settings whose tuning runs measured `method` (None: every speculative method) below vanilla decode as
+    vanilla by default (e.g. "the tuner measured EAGLE-2 0.81x, DDD 0.92x of vanilla with them on cpu"), else
+    None."""
     speeds = {m: meta[m]["speedup"] for m in ("eagle2", "ddd") if isinstance(meta.get(m), dict)
               and isinstance(meta[m].get("speedup"), (int, float))}
-    if not speeds or max(speeds.values()) >= 1.0:
+    slow = speeds.get(method) if method is not None else (max(speeds.values()) if speeds else None)
+    if slow is None or slow >= 1.0:
         return None
     said = ", ".join(f"{'EAGLE-2' if m == 'eagle2' else 'DDD'} {v:.2f}x" for m, v in speeds.items())
     return f"the tuner measured {said} of vanilla with them" + (f" on {meta['device']}" if meta.get("device") else "")
 
 
 def vanilla_fallback(target, draft, method: str = "ddd", batch: int = 1, backend: str | None = None) -> str | None:
-    """Why the defaults decode a batch of `batch` sequences as vanilla does, or None: what `generate` without tree,
-    ddd or policy consults after `resolve`. The settings `resolve` takes decide: this device's calibration when it
-    is used (`calibration.calibrated_vanilla`: no speculative candidate is predicted to beat vanilla at this batch
-    size), else the tuned settings file for this pair when its tuning runs measured every speculative method below
-    vanilla (`measured_slower`); the paper's defaults never fall back."""
+    """Why the defaults decode a batch of `batch` sequences as vanilla does under `method`, or None: what
+    `generate` without tree, ddd or policy consults after `resolve`. The settings `resolve` takes decide: this
+    device's calibration when it is used (`calibration.calibrated_vanilla`: no candidate of `method` -- or of any
+    method -- is predicted to beat vanilla at this batch size), else the tuned settings file for this pair when its
+    tuning runs measured `method` below vanilla (`measured_slower`); the paper's defaults never fall back."""
     if draft is None or method == "vanilla":
         return None
     if backend is None:
         from .calibration import calibrated_configs, calibrated_vanilla
         if calibrated_configs(target, draft, method, batch) is not None:  # the calibration is what resolve uses
-            return calibrated_vanilla(target, draft, batch)
+            return calibrated_vanilla(target, draft, batch, method)
     s, _ = tuned_for(getattr(target, "name", None), getattr(draft, "name", None), backend, weight_storage(target))
     if s is None:
         return None
-    return measured_slower(s.get("meta", {}))  # `source` names the file
+    return measured_slower(s.get("meta", {}), method)  # `source` names the file
 
 
 def draft_dtype(target_name: str | None, draft_name: str | None, backend: str | None = None,

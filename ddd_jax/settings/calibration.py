@@ -141,19 +141,30 @@ def calibrated_choice(target, draft, batch: int = 1):
     return c.get("by_batch", {}).get(str(size), c), size, c
 
 
-def calibrated_vanilla(target, draft, batch: int = 1) -> str | None:
-    """Why this device's calibration says a batch of `batch` decodes fastest as vanilla does (no speculative
-    candidate is predicted to beat it), else None."""
+METHOD_NAMES = {"eagle2": "EAGLE-2", "ddd": "DDD"}
+
+
+def calibrated_vanilla(target, draft, batch: int = 1, method: str = "ddd") -> str | None:
+    """Why this device's calibration says `method` decodes a batch of `batch` fastest as vanilla does, else None:
+    no speculative candidate is predicted to beat vanilla at that batch size, or none of `method`'s (the other
+    method's best is then named)."""
     got = calibrated_choice(target, draft, batch)
     if got is None:
         return None
     choice, size, c = got
-    if choice.get("recommended_method") != "vanilla":
-        return None
-    best = choice.get("best_overall")  # (label, predicted speed-up) of the best candidate
     at = "" if size == batch else f", calibrated at batch {size}"
-    said = f" (best: {best[0]} {best[1]:.2f}x{at})" if best else (f" ({at[2:]})" if at else "")
-    return f"no speculative setting is predicted to beat vanilla at batch {batch} on {c['key']['device']}{said}"
+    where = f"at batch {batch} on {c['key']['device']}"
+    if choice.get("recommended_method") == "vanilla":
+        best = choice.get("best_overall")  # (label, predicted speed-up) of the best candidate
+        said = f" (best: {best[0]} {best[1]:.2f}x{at})" if best else (f" ({at[2:]})" if at else "")
+        return f"no speculative setting is predicted to beat vanilla {where}{said}"
+    mine = (choice.get("predicted_best") or {}).get(method)
+    if mine is None or mine[1] >= 1.0:
+        return None
+    other = {m: b for m, b in choice["predicted_best"].items() if m != method and b}
+    also = "".join(f"; {METHOD_NAMES.get(m, m)}'s {b[0]} {b[1]:.2f}x" for m, b in other.items())
+    return (f"no {METHOD_NAMES.get(method, method)} setting is predicted to beat vanilla {where} (best: {mine[0]} "
+            f"{mine[1]:.2f}x{at}{also})")
 
 
 def calibrated_configs(target, draft, method: str = "ddd", batch: int = 1):
