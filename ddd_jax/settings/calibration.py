@@ -176,11 +176,11 @@ def calibrated_configs(target, draft, method: str = "ddd", batch: int = 1):
         return None
     choice, size, c = got
     sizes = c.get("by_batch", {}) or [size]
-    tree = TreeConfig(**(choice["ddd_tree"] if method == "ddd" else choice["tree"]))
-    ddd = DDDConfig(**{**choice["ddd"], "check_steps": tuple(choice["ddd"]["check_steps"])})
-    try:
+    try:  # a file written by a version whose configs had other fields is not used (a calibration redoes it)
+        tree = TreeConfig(**(choice["ddd_tree"] if method == "ddd" else choice["tree"]))
+        ddd = DDDConfig(**{**choice["ddd"], "check_steps": tuple(choice["ddd"]["check_steps"])})
         check_tree_for_ddd(tree, ddd)
-    except ValueError:
+    except (TypeError, ValueError, KeyError):
         return None
     note = "; vanilla is predicted to be as fast here" if choice.get("vanilla_predicted_faster") else ""
     at = f", batch {size}" if len(sizes) > 1 else ""
