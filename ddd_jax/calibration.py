@@ -50,16 +50,19 @@ CANDIDATES = (
     ("ddd-k4-n8-s135-x-0.5-n6", "ddd", TreeConfig(top_k=4, total_tokens=8, depth=2),
      DDDConfig(check_steps=(1, 3, 5), threshold=-0.5, max_depth=6)),
     ("ddd-k10-n60-paper", "ddd", TreeConfig(), DDDConfig()),
-    # a check at step 0 at a few thresholds over small trees: a cycle whose first beam is unconfident drafts nothing
-    # and verifies the root (and any lookup chain) alone -- a vanilla step plus the head's first call
-    ("ddd-k2-n3-s0-x-0.3-n1", "ddd", TreeConfig(top_k=2, total_tokens=3, depth=1),
-     DDDConfig(check_steps=(0,), threshold=-0.3, max_depth=1)),
-    ("ddd-k2-n3-s0-x-1-n1", "ddd", TreeConfig(top_k=2, total_tokens=3, depth=1),
-     DDDConfig(check_steps=(0,), threshold=-1.0, max_depth=1)),
-    ("ddd-k4-n5-s01-x-0.5-n2", "ddd", TreeConfig(top_k=4, total_tokens=5, depth=1),
-     DDDConfig(check_steps=(0, 1), threshold=-0.5, max_depth=2)),
-    ("ddd-k4-n5-s01-x-1-n2", "ddd", TreeConfig(top_k=4, total_tokens=5, depth=1),
-     DDDConfig(check_steps=(0, 1), threshold=-1.0, max_depth=2)),
+    # a check at step 0 at a few thresholds over small trees, keeping none of the root's children (stop0_nodes=0):
+    # a cycle whose first beam is unconfident verifies the root (and any lookup chain) alone -- a vanilla step plus
+    # the head's first call; and the tuned CPU rule both ways (keep: the children are verified, one row each)
+    ("ddd-k2-n3-s0-x-0.3-n1-keep0", "ddd", TreeConfig(top_k=2, total_tokens=3, depth=1),
+     DDDConfig(check_steps=(0,), threshold=-0.3, max_depth=1, stop0_nodes=0)),
+    ("ddd-k2-n3-s0-x-1-n1-keep0", "ddd", TreeConfig(top_k=2, total_tokens=3, depth=1),
+     DDDConfig(check_steps=(0,), threshold=-1.0, max_depth=1, stop0_nodes=0)),
+    ("ddd-k4-n5-s01-x-0.5-n2-keep0", "ddd", TreeConfig(top_k=4, total_tokens=5, depth=1),
+     DDDConfig(check_steps=(0, 1), threshold=-0.5, max_depth=2, stop0_nodes=0)),
+    ("ddd-k4-n5-s01-x-1-n2-keep0", "ddd", TreeConfig(top_k=4, total_tokens=5, depth=1),
+     DDDConfig(check_steps=(0, 1), threshold=-1.0, max_depth=2, stop0_nodes=0)),
+    ("ddd-k4-n7-s0135-x-1-n6-lookup4-keep0", "ddd", TreeConfig(top_k=4, total_tokens=7, depth=2, lookup=4),
+     DDDConfig(check_steps=(0, 1, 3, 5), threshold=-1.0, max_depth=6, stop0_nodes=0)),
     ("ddd-k4-n7-s0135-x-0.5-n6-lookup4", "ddd", TreeConfig(top_k=4, total_tokens=7, depth=2, lookup=4),
      DDDConfig(check_steps=(0, 1, 3, 5), threshold=-0.5, max_depth=6)),
     ("ddd-k4-n7-s0135-x-2-n6-lookup4", "ddd", TreeConfig(top_k=4, total_tokens=7, depth=2, lookup=4),

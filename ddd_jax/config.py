@@ -377,11 +377,14 @@ class DDDConfig:
     """Dynamic Depth Decoding: at each check step s in check_steps (step numbering as in TreeConfig),
     stop drafting if logsumexp(beam cumulative log-probs) < threshold; never draft past max_depth. A check at
     step 0 (an extension of the paper, whose checks start at step 5) looks at the root's top_k children before
-    any expansion step, so an unconfident cycle verifies them without paying for a draft step."""
+    any expansion step, so an unconfident cycle verifies them without paying for a draft step. stop0_nodes: how
+    many of those children (the best first) a cycle stopped at step 0 still verifies: -1 all of them; 0 none, so
+    the cycle verifies its root alone (and any lookup chain) and costs a vanilla step plus the head's first call."""
 
     check_steps: tuple[int, ...] = (5, 7, 9)
     threshold: float = -0.3
     max_depth: int = 11
+    stop0_nodes: int = -1
 
     def __post_init__(self):
         cs = tuple(int(s) for s in self.check_steps)
@@ -392,6 +395,8 @@ class DDDConfig:
             raise ValueError(f"DDDConfig: check_steps must be strictly increasing, got {cs}")
         if cs[0] < 0 or cs[-1] >= self.max_depth:
             raise ValueError(f"DDDConfig: check steps must lie in [0, max_depth) = [0, {self.max_depth}), got {cs}")
+        if self.stop0_nodes < -1:
+            raise ValueError(f"DDDConfig: stop0_nodes must be -1 (all) or >= 0, got {self.stop0_nodes}")
 
     @property
     def min_depth(self) -> int:

@@ -2,6 +2,7 @@
 counts; tree builder vs a brute-force EAGLE-2 reference; lossless sampling (chi-square)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -159,8 +160,8 @@ def test_ddd_modes_agree_and_count_syncs(setup, threshold):
 
 def test_step0_check_and_depth0_tree(setup):
     """A DDD check at step 0 looks at the root's top_k before any expansion step: the three sync modes take the
-    same decisions, a cycle it stops drafts nothing (depth 0: the root alone is verified, one row), and every
-    output is vanilla's. EAGLE-2 with depth 0 (no expansion step) is lossless too."""
+    same decisions, a cycle it stops verifies only step 0's candidates (depth 0; with stop0_nodes=0 the root alone,
+    one row), and every output is vanilla's. EAGLE-2 with depth 0 (no expansion step) is lossless too."""
     target, draft, ps, ref = setup
     tree = TreeConfig(top_k=4, total_tokens=4, depth=2)
     # the tiny head's root confidence (log of its top-4 mass) spans roughly [-2.5, 0]: some cycles stop at step 0
@@ -180,8 +181,16 @@ def test_step0_check_and_depth0_tree(setup):
         assert runs["host"].stats["draft_syncs"] == checks == runs["callback"].stats["draft_syncs"]
         assert runs["device"].stats["ddd_checks"] == checks
         assert set(d) <= {0, 2, 4}
-        for acc, dep, rows in zip(runs["device"].stats["accepted_per_call"], d, runs["device"].stats["verified_per_call"]):
-            assert acc <= dep + 2 and (dep > 0 or (acc, rows) == (1, 1))
+        for acc, dep in zip(runs["device"].stats["accepted_per_call"], d):
+            assert acc <= dep + 2
+        # stop0_nodes=0: a cycle stopped at step 0 drafts nothing, so it verifies and emits one token
+        none = generate(target, draft, p, max_new_tokens=32, method="ddd", sync="device", tree=tree,
+                        ddd=dataclasses.replace(ddd, stop0_nodes=0))
+        check_identical(target, [p], [r], [none.tokens], "step-0 check keeping no node")
+        nd = none.stats["depth_per_call"]
+        assert set(nd) <= {0, 2, 4}
+        for acc, dep, rows in zip(none.stats["accepted_per_call"], nd, none.stats["verified_per_call"]):
+            assert dep > 0 or (acc, rows) == (1, 1)
     assert 0 in seen and len(seen) >= 2, f"expected some cycles to stop at step 0 and some to go on, saw {seen}"
     e0 = generate(target, draft, sub, max_new_tokens=32, method="eagle2", tree=TreeConfig(top_k=4, total_tokens=4,
                                                                                           depth=0))

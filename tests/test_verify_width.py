@@ -15,11 +15,11 @@ from ddd_jax.decode.state import Plan
 from spec_helpers import fitted_draft, prompts, tiny_target
 from test_spec import check_identical, train_prompts
 
-# top_k 1: a sequence that drafted d >= 1 steps holds 1 + (1 + d) rows, one stopped at step 0 its root alone; with
-# the tiny head DDD stops at steps 0 and 1 (1 and 3 rows: widths 1 and 4 of (1, 2, 4, 7)), and a rule that never
-# stops drafts to depth 5 (7 rows)
+# top_k 1: a sequence that drafted d >= 1 steps holds 1 + (1 + d) rows, one stopped at step 0 its root alone
+# (stop0_nodes=0) or with the root's child (the default); with the tiny head DDD stops at steps 0 and 1 (1 or 2, and 3
+# rows: widths 1 or 2, and 4 of (1, 2, 4, 7)), and a rule that never stops drafts to depth 5 (7 rows)
 TREE = TreeConfig(top_k=1, total_tokens=7, depth=5)
-DDD = DDDConfig(check_steps=(0, 1), threshold=-1.5, max_depth=5)
+DDD = DDDConfig(check_steps=(0, 1), threshold=-1.5, max_depth=5, stop0_nodes=0)
 WIDTHS = (1, 2, 4, 7)
 
 
@@ -45,17 +45,17 @@ def test_every_width_is_lossless_in_every_sync_mode(setup):
     seen = set()
     for sync in ("host", "callback", "device"):
         for p, r in zip(ps[:4], ref.tokens[:4]):
-            for ddd in (DDD, dataclasses.replace(DDD, threshold=-math.inf)):
+            for ddd in (DDD, dataclasses.replace(DDD, stop0_nodes=-1), dataclasses.replace(DDD, threshold=-math.inf)):
                 g = generate(target, draft, p, max_new_tokens=24, method="ddd", sync=sync, tree=TREE, ddd=ddd)
                 check_identical(target, [p], [r], [g.tokens], f"ddd {sync}")
                 st = g.stats
                 assert len(st["verified_per_call"]) == st["target_calls"]
                 for rows, depth, acc, needed in zip(st["verified_per_call"], st["depth_per_call"],
                                                     st["accepted_per_call"], st["needed_per_call"]):
-                    need = 1 if depth == 0 else 2 + depth  # stopped at step 0: the root only
+                    need = (1 if ddd.stop0_nodes == 0 else 2) if depth == 0 else 2 + depth  # stopped at step 0
                     assert rows == width(need) and needed == need and acc <= need, (rows, depth, acc, needed)
                 seen.update(st["verified_per_call"])
-    assert seen == {1, 4, 7}, seen
+    assert seen == {1, 2, 4, 7}, seen
     e = generate(target, draft, ps[:2], max_new_tokens=24, method="eagle2",
                  tree=TreeConfig(top_k=1, total_tokens=2, depth=0))  # one drafted node: width 2
     check_identical(target, ps[:2], ref.tokens[:2], e.tokens, "eagle2 depth 0")

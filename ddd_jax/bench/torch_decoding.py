@@ -289,14 +289,16 @@ def _draft(m: TorchModels, plan, prefix_kv, pend_tok, pend_feat, counter: SyncCo
     thr = torch.tensor(threshold, dtype=torch.float32, device=dev)
     own = torch.arange(k, device=dev)
     steps = plan.max_depth
-    if plan.method == "ddd" and 0 in checks:  # a check at step 0: draft at all? (a stop keeps no candidate)
+    if plan.method == "ddd" and 0 in checks:  # a check at step 0: expand? (a stop keeps the best stop0_nodes)
         conf = torch.logsumexp(score, dim=-1)
+        keep = k if plan.stop0_nodes < 0 else min(plan.stop0_nodes, k)
+        kept = torch.where(torch.arange(k, device=dev) < keep, score, neg)  # the top-k come best first
         if device_mode:
             active = active & (conf >= thr)
-            pool_score[0] = torch.where(active, score, neg)
+            pool_score[0] = torch.where(active, score, kept)
         elif counter.item(conf, "draft") < threshold:
             steps = 0
-            pool_score[0] = torch.full_like(score, -math.inf)
+            pool_score[0] = kept
     for j in range(1, steps + 1):
         pos = torch.full((1, k), base + j - 1, device=dev)
         mask = torch.cat([torch.ones(k, base, dtype=torch.bool, device=dev), anc[:, : j * k]], 1)[None]

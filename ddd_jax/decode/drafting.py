@@ -298,12 +298,14 @@ def draft_from_host(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n,
 def finished_tree(plan, d: Draft, root, ctx, length) -> Tree:
     """The tree a cycle verifies: the draft's candidate pool, plus the context-lookup candidates when the plan has
     them (`tree.lookup_chain` over `ctx`, the tokens at each position; length [B]: the root's position), reranked
-    into `plan.total_tokens` nodes under `root` [B]. A sequence DDD stopped at a step-0 check keeps none of the
-    head's candidates (it decided not to draft: its cycle verifies the root and any lookup chain only)."""
+    into `plan.total_tokens` nodes under `root` [B]. A sequence DDD stopped at a step-0 check keeps the best
+    `plan.stop0_nodes` of the root's children (`DDDConfig.stop0_nodes`; 0: its cycle verifies the root and any
+    lookup chain only)."""
     beam = d.beam
-    if plan.method == "ddd" and 0 in plan.check_steps:  # stopped at the step-0 check: no drafted node at all
-        stop0 = ((beam.depth == 0) & ~beam.active)[:, None]
-        k = plan.top_k
+    k, keep = plan.top_k, plan.stop0_nodes
+    if plan.method == "ddd" and 0 in plan.check_steps and 0 <= keep < k:  # stopped at the step-0 check: the
+        # best `keep` of the root's children stay (pool[0:k] holds them best first)
+        stop0 = ((beam.depth == 0) & ~beam.active)[:, None] & (jnp.arange(k) >= keep)[None]
         beam = dataclasses.replace(beam, pool_score=beam.pool_score.at[:, :k].set(
             jnp.where(stop0, -jnp.inf, beam.pool_score[:, :k])))
     if plan.lookup:  # context-lookup candidates join the head's pool before the rerank

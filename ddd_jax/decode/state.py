@@ -42,6 +42,7 @@ class Plan:
     lookup: int = 0  # context-lookup candidates per cycle (TreeConfig.lookup; 0 = off)
     lookup_ngram: int = 2
     lookup_logp: float = -0.4
+    stop0_nodes: int = -1  # DDD: the root's children a cycle stopped at a step-0 check still verifies (-1: all)
 
     @property
     def M(self) -> int:  # longest accepted path incl. root (= most tokens one cycle emits)
@@ -145,4 +146,4 @@ def make_plan(target, draft, *, method: str, sync: str, tree: TreeConfig, ddd: D
                 total_tokens=tree.total_tokens, max_depth=max_depth, check_steps=checks,
                 temperature=float(temperature), top_p=float(top_p), max_new_tokens=int(max_new_tokens),
                 eos=tuple(target.eos_token_ids), policy=policy, lookup=tree.lookup, lookup_ngram=tree.lookup_ngram,
-                lookup_logp=float(tree.lookup_logp))
+                lookup_logp=float(tree.lookup_logp), stop0_nodes=int(ddd.stop0_nodes) if method == "ddd" else -1)

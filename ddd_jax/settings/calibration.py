@@ -18,8 +18,8 @@ CALIBRATION_FORMAT = "ddd-jax-calibration"
 PROFILE_FILE = "profile.json"  # beside a head's config.json
 # version 2: a profile holds each candidate's rows needed per cycle (`need_hist`), and a calibration prices each
 # compiled verify width per batch size from it; older files are measured again, never read as if they had them
-PROFILE_VERSION = 2
-CALIBRATION_VERSION = 2
+PROFILE_VERSION = 3  # 3: DDD candidates name stop0_nodes
+CALIBRATION_VERSION = 3
 
 
 def weight_storage(target) -> str | None:
