@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import head_kinds
+
 
 def _freeze(v: Any) -> Any:
     """Turn dicts/lists into hashable tuples so a config can be a static jit argument."""
@@ -233,7 +235,7 @@ class ModelConfig(LayerConfig):
         return json.dumps(self.to_hf_config(), indent=2)
 
 
-HEAD_TYPES = ("eagle1", "eagle3")
+HEAD_TYPES = tuple(head_kinds.BUILTIN)  # the built-in head kinds; `head_kinds.names()` adds those registered since
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,8 @@ class DraftConfig(LayerConfig):
     """A draft head: EAGLE-1/2 (``head_type="eagle1"``: fc(2H->H, bias) + one LLaMA decoder layer without input
     norm) or EAGLE-3 (``head_type="eagle3"``: fc(3H_target->H) on three target layers' features + one decoder
     layer attending over cat(norm(embed), norm(hidden)), own final norm and lm_head over a draft vocabulary;
-    see `ddd_jax.eagle3`).
+    see `ddd_jax.eagle3`), or any kind registered in `ddd_jax.head_kinds` (`head_type` names it; what depends on the
+    kind -- its features, its weights -- is the kind's).
 
     Records the target's vocab and hidden size so a head is never run against the wrong target.
     """
@@ -255,21 +258,23 @@ class DraftConfig(LayerConfig):
     # carry `d2t` [draft_vocab_size] target token ids and drafting scores only those tokens, which makes a
     # draft step far cheaper for small targets whose lm_head dominates. None = the full target vocabulary.
     draft_vocab_size: int | None = None
-    head_type: str = "eagle1"  # "eagle1" (EAGLE-1/2) | "eagle3"
+    head_type: str = "eagle1"  # the head's kind (`head_kinds`): "eagle1" (EAGLE-1/2) | "eagle3" | one registered
     # EAGLE-3: the target's hidden size when it differs from the head's own (official `target_hidden_size`)
     target_hidden_size: int | None = None
 
     def __post_init__(self):
-        if self.head_type not in HEAD_TYPES:
-            raise ValueError(f"DraftConfig: head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
-        if self.head_type == "eagle3" and not self.draft_vocab_size:
-            raise ValueError("DraftConfig: an EAGLE-3 head needs draft_vocab_size (its lm_head's width)")
+        try:
+            kind = head_kinds.get(self.head_type)
+        except ValueError:
+            names = head_kinds.names()
+            raise ValueError(f"DraftConfig: head_type must be one of {names}, got {self.head_type!r}") from None
+        kind.check_config(self)
 
     @property
     def feature_size(self) -> int:
-        """Width of the target features the head consumes: H_target (EAGLE-1/2) or 3*H_target (EAGLE-3)."""
-        th = self.target_hidden_size or self.hidden_size
-        return 3 * th if self.head_type == "eagle3" else th
+        """Width of the target features the head consumes (its kind's `feature_size`): H_target (EAGLE-1/2) or
+        3*H_target (EAGLE-3)."""
+        return head_kinds.get(self.head_type).feature_size(self)
 
     @classmethod
     def from_target(cls, cfg: ModelConfig, target_name: str | None = None, **over) -> "DraftConfig":
@@ -283,9 +288,7 @@ class DraftConfig(LayerConfig):
             raise ValueError(
                 f"draft head was built for vocab_size={self.vocab_size}, hidden_size={th} "
                 f"but the target has vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}")
-        if self.head_type == "eagle3" and cfg.num_hidden_layers < 3:
-            raise ValueError(f"an EAGLE-3 head reads target layers (2, L//2, L-3): the target needs at least 3 "
-                             f"layers, it has {cfg.num_hidden_layers}")
+        head_kinds.get(self.head_type).feature_layers(cfg)  # raises for a target the kind cannot read
 
     def layer_config(self) -> ModelConfig:
         """The one decoder layer, described as a 1-layer ModelConfig (shared layer code)."""

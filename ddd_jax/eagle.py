@@ -1,20 +1,11 @@
-"""EAGLE-1/2 draft head: fc(concat(embed(token_{t+1}), feature_t)) -> one LLaMA decoder layer (no input norm).
+"""The draft head, whatever its kind: `Draft` (a head's config and params bound to its target), `init_draft`, and
+the functions the decode loop and the trainers call -- each the function of the head's kind (`head_kinds`, looked up
+by `DraftConfig.head_type` from the static config while tracing, so the programs are the kind's own).
 
-Exactly the reference layout (EAGLE `model/cnets.py`): `fc` is Linear(2H -> H) with bias over
-`cat((inputs_embeds, hidden_states), -1)` -- embedding first, feature second; decoder layer 0 has no
-`input_layernorm`, keeps `post_attention_layernorm` and the SwiGLU MLP; there is no final norm. The
-head's output is the predicted next *feature*; its logits come from the target's own lm_head (shared,
-never copied): logits = lm_head(feature), without the final norm (the target's features are already normed).
-
-Position convention: the pair (token_{i+1}, feature_i) sits at position i, as in EAGLE's training and
-its `topK_genrate` (`len_posi`).
-
-Draft params (nested dict; the target's embed / lm_head are passed separately, not stored):
-    fc_w [2D, D]    fc_b [D] (if config.fc_bias)
-    layers/{wq [1,D,N*H], wk, wv [1,D,K*H], wo [1,N*H,D], mlp_norm [1,D], w_gate, w_up [1,D,F], w_down [1,F,D]}
-    plus the layer's family leaves when its config has them (`llama.layer_shapes`): bq [1,N*H], bk, bv [1,K*H]
-    (qkv_bias / attention_bias), bo [1,D] (attention_bias), q_norm, k_norm [1,H] (qk_norm). The head of a Qwen2 target
-    has q/k/v biases, that of a Qwen3 target per-head q/k norms and the target's head_dim (`DraftConfig.from_target`).
+Kinds: EAGLE-1/2 (`eagle1`, "eagle1": the target's final hidden state, the target's lm_head) and EAGLE-3 (`eagle3`,
+"eagle3": three target layers' inputs, its own lm_head over a draft vocabulary); a new kind registers itself with
+`head_kinds.register`. A head's params are its kind's `param_shapes`; the target's embed / lm_head are passed
+separately, never stored (an EAGLE-3 head narrower than its target carries its own embedding).
 """
 from __future__ import annotations
 
@@ -25,59 +16,49 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import io as dio
 from .cache import KVCache, init_cache
 from .checkpoints.keytable import check_shapes
-from . import eagle3, ops
+from . import head_kinds, ops
 from .config import DraftConfig, ModelConfig
-from .layers import cache_mask, causal_mask, linear
-from .layers import embed as embed_rows
-from .llama import WEIGHT_AXES, axes_like, decoder_stack, layer_shapes, lm_head, output_embedding
+from .head_kinds import HeadKind
+from .llama import WEIGHT_AXES, axes_like
+
+
+def kind(dcfg: DraftConfig) -> HeadKind:
+    """The kind of head `dcfg` describes (`head_kinds.get(dcfg.head_type)`)."""
+    return head_kinds.get(dcfg.head_type)
 
 
 def param_shapes(dcfg: DraftConfig) -> dict:
-    if dcfg.head_type == "eagle3":
-        return eagle3.param_shapes(dcfg)
-    D = dcfg.hidden_size
-    s = {"fc_w": (2 * D, D), "layers": layer_shapes(dcfg.layer_config(), 1, input_norm=False)}
-    if dcfg.fc_bias:
-        s["fc_b"] = (D,)
-    if dcfg.draft_vocab_size:
-        s["d2t"] = (dcfg.draft_vocab_size,)
-    return s
+    """Every head weight's shape (nested dict): the kind's one description."""
+    return kind(dcfg).param_shapes(dcfg)
 
 
+# logical axes of the weights most kinds share (beside llama.WEIGHT_AXES and each kind's `axes`; see ddd_jax.sharding)
 DRAFT_AXES = {"fc_w": ("embed2", "embed"), "fc_b": ("embed",), "d2t": ("draft_vocab",), "lm_sub": ("draft_vocab", "embed")}
 
 
 def param_axes(dcfg: DraftConfig) -> dict:
     """Logical axis names of every head weight, mirroring `param_shapes(dcfg)` (see `llama.param_axes`)."""
-    names = {**WEIGHT_AXES, **DRAFT_AXES, **(eagle3.AXES if dcfg.head_type == "eagle3" else {})}
+    names = {**WEIGHT_AXES, **DRAFT_AXES, **kind(dcfg).axes}
     return axes_like(param_shapes(dcfg), names)
 
 
 def init_params(dcfg: DraftConfig, key, dtype=jnp.float32, std: float = 0.02) -> dict:
-    if dcfg.head_type == "eagle3":
-        return eagle3.init_params(dcfg, key, dtype, std)
-    shapes = param_shapes(dcfg)
-    flat = dio.flatten(shapes)
-    keys = jax.random.split(key, len(flat))
-    out = {}
-    for (name, s), k in zip(sorted(flat.items()), keys):
-        if name == "d2t":
-            out[name] = jnp.arange(s[0], dtype=jnp.int32)
-        elif "norm" in name:
-            out[name] = jnp.ones(s, dtype)
-        elif name == "fc_b":
-            out[name] = jnp.zeros(s, dtype)
-        else:
-            out[name] = (std * jax.random.normal(k, s, jnp.float32)).astype(dtype)
-    return dio.unflatten(out)
+    """A random head: normal(0, std) matrices, unit norms, zero biases (the kind's `init_params`)."""
+    return kind(dcfg).init_params(dcfg, key, dtype, std)
+
+
+def feature_layers(dcfg: DraftConfig, tcfg: ModelConfig) -> tuple:
+    """The target layers whose inputs the head reads (`llama.forward(aux_layers=...)`: its features are then
+    `Output.aux`); () when it reads the target's final hidden state (`Output.hidden`)."""
+    return kind(dcfg).feature_layers(tcfg)
 
 
 def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions, cache: KVCache | None = None,
                  attn_mask=None, mask_start=None):
-    """Run the head. tokens [B,T] (token_{i+1}), features [B,T,D] (feature_i), positions [B,T].
+    """Run the head. tokens [B,T] (token_{i+1}), features [B,T,D] (feature_i: `project_features` of the target's,
+    or the head's own outputs), positions [B,T].
 
     embed: the target's embedding table [V, D]. attn_mask: [B, T, W] bool (default causal over the T new tokens).
     With a cache, K/V are written at slots cache.length + t, and the new tokens attend every slot before
@@ -85,52 +66,37 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions,
     draft step's beam sees the prefix and its ancestors among the scratch slots). Returns (next_features [B,T,D],
     cache with K/V written and length unchanged).
     """
-    if dcfg.head_type == "eagle3":  # features are the head's width here: see `project_features`
-        return eagle3.head_forward(dparams, dcfg, embed, tokens, features, positions, cache, attn_mask, mask_start)
-    tokens = jnp.asarray(tokens, jnp.int32)
-    B, T = tokens.shape
-    e = embed_rows(embed, tokens).astype(features.dtype)
-    x = linear(jnp.concatenate([e, features], axis=-1), _weight(dparams["fc_w"], features.dtype))
-    if "fc_b" in dparams:
-        x = x + dparams["fc_b"].astype(features.dtype)
-    kv_mask = cache_mask(causal_mask(B, T) if attn_mask is None else attn_mask, cache, mask_start)
-    x, cache = decoder_stack(dparams["layers"], dcfg.layer_config(), x, positions, cache, kv_mask)
-    return x, cache
-
-
-def _weight(w, dtype):
-    """A head weight for activations of `dtype` (`ops.as_stored`: packed and float16 weights stay as stored)."""
-    return ops.as_stored(w, dtype)
+    return kind(dcfg).head_forward(dparams, dcfg, embed, tokens, features, positions, cache, attn_mask, mask_start)
 
 
 def project_features(dparams, dcfg: DraftConfig, feats):
     """Target features -> what the head's layer reads as its hidden input: identity for EAGLE-1/2; EAGLE-3's fc
     over the three layers' features. Drafting applies it to target features only (never to the head's outputs)."""
-    if dcfg.head_type == "eagle3":
-        return eagle3.project_features(dparams, dcfg, feats)
-    return feats
+    return kind(dcfg).project_features(dparams, dcfg, feats)
 
 
 def draft_logits(dparams, tparams, tcfg: ModelConfig, h, dcfg: DraftConfig | None = None):
     """Draft log-probs over the draft vocabulary: [..., V] (full) or [..., V'] when the head has `d2t`
     (then `dparams["lm_sub"]` [V', D] holds the target's output embedding rows of those tokens; see
-    `Draft.decode_params`). Renormalised over the draft vocabulary. EAGLE-3 heads (pass `dcfg`) use their own
-    norm and lm_head."""
-    if "final_norm" in dparams:
-        if dcfg is None or dcfg.head_type != "eagle3":
+    `Draft.decode_params`). Renormalised over the draft vocabulary. Heads with their own lm_head (EAGLE-3) need
+    `dcfg`; without it the head is taken for EAGLE-1/2."""
+    if dcfg is None:
+        if "final_norm" in dparams:
             raise ValueError("draft_logits: an EAGLE-3 head's params need its DraftConfig (dcfg=...)")
-        return jax.nn.log_softmax(eagle3.logits(dparams, dcfg, h), axis=-1)
-    if "lm_sub" in dparams:
-        logits = linear(h, dparams["lm_sub"], transposed=True)
-    else:
-        logits = lm_head(tparams, tcfg, h)
-    return jax.nn.log_softmax(logits, axis=-1)
+        return head_kinds.get("eagle1").draft_logits(dparams, tparams, tcfg, h, dcfg)
+    return kind(dcfg).draft_logits(dparams, tparams, tcfg, h, dcfg)
+
+
+def vocab_map(dparams, dcfg: DraftConfig):
+    """[V'] int32: the target token id of each draft id, or None when the head drafts over the whole vocabulary."""
+    return kind(dcfg).d2t(dparams)
 
 
 def with_draft_vocab(draft: "Draft", token_ids) -> "Draft":
     """The same head drafting only over `token_ids` (e.g. the most frequent target tokens of its training data)."""
-    if draft.config.head_type == "eagle3":
-        raise ValueError("with_draft_vocab: an EAGLE-3 head's draft vocabulary is fixed by its own lm_head")
+    k = kind(draft.config)
+    if k.vocab_rows is None:
+        raise ValueError(f"with_draft_vocab: an {k.title} head's draft vocabulary is fixed by its own lm_head")
     ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
     V = draft.config.vocab_size
     if ids.size == 0 or ids.min() < 0 or ids.max() >= V or len(np.unique(ids)) != ids.size:
@@ -171,15 +137,21 @@ class Draft:
             self.params = sharding.place_params(self.params, param_axes(self.config), mesh)
         if "d2t" in self.params:
             _check_d2t(self.params["d2t"], self.config.vocab_size)
-        if "d2t" in self.params and self.config.head_type == "eagle1":
-            rows = embed_rows(output_embedding(self.target.params, self.target.config), self.params["d2t"])
+        k = self.kind
+        if "d2t" in self.params and k.vocab_rows is not None:  # scored with the target's own output embedding
+            rows = k.vocab_rows(self.params, self.target)
             # in the head's own weight format (a float16 head reads float16 vocabulary rows, a q8_0 head q8_0 ones)
             wd = self.weight_dtype
             self.lm_sub = ops.quantize(rows, wd) if wd in ops.BLOCK_KINDS else rows.astype(wd)
             if mesh is not None:
                 self.lm_sub = sharding.put(self.lm_sub, sharding.named(mesh, DRAFT_AXES["lm_sub"]))
-        if self.config.head_type == "eagle1" and mesh is None:  # laid out as the target's weights are
-            self.packed = ops.pack_head(self.params, self.lm_sub, self.target.params)
+        if k.pack is not None and mesh is None:  # laid out as the target's weights are
+            self.packed = k.pack(self.params, self.lm_sub, self.target.params)
+
+    @property
+    def kind(self) -> HeadKind:
+        """The kind of head this is (`head_kinds`, by `config.head_type`)."""
+        return kind(self.config)
 
     @property
     def mesh(self):
@@ -200,16 +172,12 @@ class Draft:
         cast = lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
         return dataclasses.replace(self, params=jax.tree.map(cast, self.params))
 
-    def _quantized(self, kind: str) -> "Draft":
-        if self.config.head_type == "eagle3":
-            raise ValueError("astype: EAGLE-3 heads cannot be stored as GGUF blocks yet")
+    def _quantized(self, block: str) -> "Draft":
+        if self.kind.quantize is None:
+            raise ValueError(f"astype: {self.kind.title} heads cannot be stored as GGUF blocks yet")
         if ops.has_blocks(self.params):
             raise ValueError(f"this head is already stored as {self.weight_dtype} blocks")
-        params = dict(self.params)
-        params["fc_w"] = ops.quantize(params["fc_w"], kind, transposed=True)  # x @ fc_w
-        params["layers"] = {k: ops.quantize(v, kind, transposed=True) if v.ndim == 3 else v
-                            for k, v in params["layers"].items()}  # [1, K, N] products; norms as stored
-        return dataclasses.replace(self, params=params)
+        return dataclasses.replace(self, params=self.kind.quantize(self.params, block))
 
     @property
     def weight_dtype(self) -> str:
@@ -238,14 +206,7 @@ class Draft:
             raise ValueError(f"draft.forward: tokens must be [B,T] and features [B,T,D]; got {tokens.shape}, "
                              f"{features.shape}")
         if features.shape[-1] != self.config.feature_size:
-            if self.config.head_type == "eagle3":
-                raise ValueError(
-                    f"draft.forward: an EAGLE-3 head takes target features [B,T,{self.config.feature_size}] "
-                    f"(the residual stream entering target layers 2, L//2, L-3, concatenated); got width "
-                    f"{features.shape[-1]}" + (" -- EAGLE-1/2 features (the final hidden state)?"
-                                               if features.shape[-1] * 3 == self.config.feature_size else ""))
-            raise ValueError(f"draft.forward: feature width {features.shape[-1]} != hidden_size "
-                             f"{self.config.hidden_size}")
+            raise ValueError(_feature_error(self.config, features.shape[-1]))
         return _forward_jit(self.params, self.config, self.target.params, self.target.config, tokens, features)
 
 
@@ -253,9 +214,24 @@ def _forward_impl(dparams, dcfg, tparams, tcfg, tokens, features):
     B, T = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     h, _ = head_forward(dparams, dcfg, tparams["embed"], tokens, project_features(dparams, dcfg, features), pos)
-    if dcfg.head_type == "eagle3":
-        return h, eagle3.to_target_vocab(dparams, eagle3.logits(dparams, dcfg, h), tcfg.vocab_size)
-    return h, lm_head(tparams, tcfg, h)
+    return h, kind(dcfg).target_logits(dparams, tparams, tcfg, h, dcfg)
+
+
+def _feature_error(dcfg: DraftConfig, width: int) -> str:
+    """What `Draft.forward` says of features `width` wide, naming the kinds whose features have that width."""
+    k = kind(dcfg)
+    msg = f"draft.forward: an {k.title} head takes target features [B,T,{dcfg.feature_size}] ({k.features}); got " \
+          f"width {width}"
+    others = []
+    for name in head_kinds.names():
+        other = head_kinds.get(name)
+        try:
+            fits = other is not k and other.feature_size(dcfg) == width
+        except Exception:  # a kind that cannot describe this config
+            fits = False
+        if fits:
+            others.append(f"{other.title} features ({other.features})")
+    return msg + (f" -- {' or '.join(others)}?" if others else "")
 
 
 def _check_d2t(d2t, vocab_size: int) -> None:

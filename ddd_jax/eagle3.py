@@ -1,5 +1,5 @@
-"""EAGLE-3 draft head: fc(3 target layers' features) -> one decoder layer over cat(norm(embed), norm(hidden)) -> own
-norm and lm_head over a reduced draft vocabulary.
+"""EAGLE-3 draft head (head kind "eagle3"): fc(3 target layers' features) -> one decoder layer over cat(norm(embed),
+norm(hidden)) -> own norm and lm_head over a reduced draft vocabulary.
 
 Conventions, all from SafeAILab/EAGLE (`eagle/model/cnets.py`, EAGLE-3 `Model` and `LlamaDecoderLayeremb`):
 
@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import DraftConfig, ModelConfig
+from .head_kinds import HeadKind, register
 from .ops import precision
 from .layers import cache_mask, causal_mask, rms_norm
 from .layers import embed as embed_rows
@@ -46,6 +47,16 @@ def feature_layers(tcfg: ModelConfig) -> tuple[int, int, int]:
         raise ValueError(f"an EAGLE-3 head reads target layers (2, L//2, L-3): the target needs at least 3 layers, "
                          f"it has {L}")
     return (2, L // 2, L - 3)
+
+
+def feature_size(dcfg: DraftConfig) -> int:
+    """3 x the target's hidden size: the three layers' inputs, concatenated."""
+    return 3 * (dcfg.target_hidden_size or dcfg.hidden_size)
+
+
+def check_config(dcfg: DraftConfig) -> None:
+    if not dcfg.draft_vocab_size:
+        raise ValueError("DraftConfig: an EAGLE-3 head needs draft_vocab_size (its lm_head's width)")
 
 
 def param_shapes(dcfg: DraftConfig) -> dict:
@@ -98,6 +109,16 @@ def logits(dparams, dcfg: DraftConfig, h):
     return jnp.einsum("...d,dv->...v", hn, w, precision=precision(hn, w), preferred_element_type=jnp.float32)
 
 
+def draft_logits(dparams, tparams, tcfg: ModelConfig, h, dcfg: DraftConfig):
+    """Log-probs [..., V'] over the draft vocabulary (the head's own norm and lm_head; the target's are not read)."""
+    return jax.nn.log_softmax(logits(dparams, dcfg, h), axis=-1)
+
+
+def target_logits(dparams, tparams, tcfg: ModelConfig, h, dcfg: DraftConfig):
+    """Logits [..., V] over the target's vocabulary: the draft vocabulary's at their target ids, -inf elsewhere."""
+    return to_target_vocab(dparams, logits(dparams, dcfg, h), tcfg.vocab_size)
+
+
 def to_target_vocab(dparams, sub_logits, vocab_size: int):
     """Draft-vocabulary logits [..., V'] placed at their target ids in [..., V]; -inf elsewhere."""
     full = jnp.full(sub_logits.shape[:-1] + (vocab_size,), -jnp.inf, sub_logits.dtype)
@@ -118,3 +139,11 @@ def init_params(dcfg: DraftConfig, key, dtype=jnp.float32, std: float = 0.02, d2
         else:
             out[name] = (std * jax.random.normal(k, s, jnp.float32)).astype(dtype)
     return dio.unflatten(out)
+
+
+KIND = register(HeadKind(
+    name="eagle3", title="EAGLE-3",
+    features="the residual stream entering target layers 2, L//2, L-3, concatenated",
+    feature_layers=feature_layers, feature_size=feature_size, project_features=project_features,
+    head_forward=head_forward, draft_logits=draft_logits, target_logits=target_logits,
+    param_shapes=param_shapes, init_params=init_params, axes=AXES, check_config=check_config))

@@ -85,8 +85,9 @@ class LlamaModule(_ParamsModule):
 
 
 class EagleHeadModule(_ParamsModule):
-    """An EAGLE-1/2 draft head as an nnx module: state layout = `eagle.param_shapes(config)`, `__call__` =
-    `eagle.head_forward`. The target's embedding / lm_head are call arguments, never stored in the head."""
+    """A draft head (EAGLE-1/2, EAGLE-3 or any registered kind: `config.head_type`) as an nnx module: state layout
+    = `eagle.param_shapes(config)`, `__call__` = `eagle.head_forward`. The target's embedding / lm_head are call
+    arguments, never stored in the head."""
 
     _param_shapes = staticmethod(eagle.param_shapes)
     _init_params = staticmethod(eagle.init_params)
@@ -110,12 +111,14 @@ class EagleHeadModule(_ParamsModule):
                                   attn_mask, mask_start)
 
     def forward(self, target: LlamaModule, tokens, features):
-        """Causal, cache-free run over aligned pairs, like `Draft.forward`: returns (next_features [B, T, D],
-        logits [B, T, V] from the target's lm_head)."""
+        """Causal, cache-free run over aligned pairs, like `Draft.forward` (features: the head's hidden input,
+        `eagle.project_features` of the target's): returns (next_features [B, T, D], logits [B, T, V] over the
+        target's vocabulary: the target's lm_head for EAGLE-1/2)."""
         B, T = jnp.shape(tokens)
         pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         h, _ = self(target, tokens, features, pos)
-        return h, llama.lm_head(target.to_params(), target.config, h)
+        return h, eagle.kind(self.config).target_logits(self.to_params(), target.to_params(), target.config, h,
+                                                        self.config)
 
 
 __all__ = ["LlamaModule", "EagleHeadModule", "DraftVocab"]

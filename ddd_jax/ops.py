@@ -1,7 +1,7 @@
 """The one door between model code and the backends: products, embedding rows, the greedy output head, attention,
 precision, and the weight formats a head may be stored in.
 
-Model and decode code (layers, llama, eagle, eagle3, drafting, generate) call these and nothing below them. A
+Model and decode code (layers, llama, eagle, eagle1, eagle3, drafting, generate) call these and nothing below them. A
 packed weight (`backends.Packed`: panels, GGUF blocks, ...) carries its own product; a plain array takes the
 backend's kernel where one applies (`backends/cpu`: float32 work of at most 128 rows) and XLA otherwise. The
 results do not depend on which path ran: the CPU kernels are bitwise the float32 products they replace, row by

@@ -87,8 +87,8 @@ def _tau_prompts(args, target):
     return out
 
 
-def cmd_fit_eagle3(args, target, train) -> int:
-    """EAGLE-3 heads: `eagle3_fit.fit_eagle3` (TTT objective; target features computed on the fly)."""
+def cmd_fit_eagle3(args, target, train, mesh=None) -> int:
+    """EAGLE-3 heads: `eagle3_fit.fit_eagle3` (TTT objective; target features computed on the fly; one device)."""
     from .eagle3_fit import Fit3Config, fit_eagle3
     cfg = Fit3Config(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, ttt_steps=args.ttt_steps,
                      draft_vocab_size=args.draft_vocab_size, lr=args.lr, warmup=args.warmup,
@@ -125,13 +125,17 @@ def _check_holdout(train, ev, holdout_percent: float) -> None:
 
 def cmd_fit(args) -> int:
     from .extract import load_features
-    from .train import FitConfig, fit
     mesh = _mesh(args)  # first: jax.distributed must start before JAX touches a device
     target = _load_target(args.target)
     train = load_features(args.features, target, max_shards=args.max_shards or None)
     _check_holdout(train, None, args.holdout_percent)
-    if args.head_type == "eagle3":
-        return cmd_fit_eagle3(args, target, train)
+    return FITS[args.head_type](args, target, train, mesh)
+
+
+def cmd_fit_eagle1(args, target, train, mesh=None) -> int:
+    """EAGLE-1/2 heads: `train.fit` (EAGLE objective over the shards' features; data-parallel over `mesh`)."""
+    from .extract import load_features
+    from .train import FitConfig, fit
     ev = load_features(args.eval_features, target) if args.eval_features else None
     cfg = FitConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, accum=args.accum, lr=args.lr,
                     warmup=args.warmup, end_lr_frac=args.end_lr_frac, weight_decay=args.weight_decay,
@@ -146,6 +150,9 @@ def cmd_fit(args) -> int:
             export_dir=args.export_dir, stop_after=args.stop_after, mesh=mesh)
     print(json.dumps({"step": r["step"], "train": r["last_metrics"], "eval": r["last_eval"]}), flush=True)
     return 0
+
+
+FITS = {"eagle1": cmd_fit_eagle1, "eagle3": cmd_fit_eagle3}  # `fit --head-type`: the trainer of each head kind
 
 
 def _mesh(args):
@@ -328,7 +335,7 @@ def add_parser(subparsers) -> None:
     f.add_argument("--export-every", type=int, default=0)
     f.add_argument("--export-dir", default=None, help="head directory rewritten every --export-every steps")
     f.add_argument("--stop-after", type=int, default=None, help="end this run after that step (resume later)")
-    f.add_argument("--head-type", choices=["eagle1", "eagle3"], default="eagle1",
+    f.add_argument("--head-type", choices=list(FITS), default="eagle1",
                    help="eagle1: EAGLE-1/2 objective; eagle3: EAGLE-3 with training-time test (features of target "
                         "layers 2, L//2, L-3 computed on the fly from the shards' token ids)")
     f.add_argument("--ttt-steps", type=int, default=7, help="eagle3: unrolled draft steps (official: 7)")

@@ -340,22 +340,20 @@ def eagle1_stage(target, train, cfg: RecipeConfig, out: Path, head_dir: Path, bu
 def heldout_stage(target, heads: dict, held, cfg: RecipeConfig, fit3: dict | None) -> dict:
     """(e) Held-out top-1 per head: EAGLE-3's is the fit's best held-out score (per TTT step, in the fit's dtype)
     when the fit scored one, else measured here in float32; EAGLE-1/2's at step 0."""
+    scores = {"eagle1": lambda draft: _eval_eagle1(target, draft, held, cfg),  # each head kind's held-out score
+              "eagle3": lambda draft: _heldout_eagle3(target, draft, held, cfg, fit3)}
+    return {"heads": {name: scores[draft.config.head_type](draft) for name, draft in heads.items()}}
+
+
+def _heldout_eagle3(target, draft, held, cfg: RecipeConfig, fit3: dict | None) -> dict:
+    """An EAGLE-3 head's held-out top-1 per TTT step: the fit's best when it scored one, else measured in float32."""
     import jax
 
     from . import eagle3_fit
-    r = {}
-    for name, draft in heads.items():
-        if draft.config.head_type == "eagle3":
-            if fit3 and fit3.get("best"):
-                r[name] = {**fit3["best"]["eval"], "step": fit3["best"]["step"], "dtype": cfg.eagle3.dtype}
-                continue
-            p = jax.tree.map(lambda x: np.asarray(x, np.float32) if x.dtype.kind == "f" else np.asarray(x),
-                             draft.params)
-            r[name] = eagle3_fit.evaluate(target, p, held, dataclasses.replace(cfg.eagle3, dtype="float32"),
-                                          cfg.eval_batches)
-        else:
-            r[name] = _eval_eagle1(target, draft, held, cfg)
-    return {"heads": r}
+    if fit3 and fit3.get("best"):
+        return {**fit3["best"]["eval"], "step": fit3["best"]["step"], "dtype": cfg.eagle3.dtype}
+    p = jax.tree.map(lambda x: np.asarray(x, np.float32) if x.dtype.kind == "f" else np.asarray(x), draft.params)
+    return eagle3_fit.evaluate(target, p, held, dataclasses.replace(cfg.eagle3, dtype="float32"), cfg.eval_batches)
 
 
 def acceptance_stage(target, runs: dict, prompts: list, cfg: RecipeConfig, measured: dict, deadline: float,
@@ -402,7 +400,7 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     continues from."""
     import jax
 
-    from ddd_jax import load_draft
+    from ddd_jax import head_kinds, load_draft
 
     from .export_dir import ExportDir
     from .regen import load_records
@@ -413,8 +411,7 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     init_draft = None
     if init is not None:
         init_draft = load_draft(str(init), target)
-        if init_draft.config.head_type != "eagle3":
-            raise ValueError(f"--init {init}: an EAGLE-3 head is needed, this one is {init_draft.config.head_type}")
+        head_kinds.require(init_draft.config, "eagle3", f"--init {init}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     clock = Clock(cfg, deadline)

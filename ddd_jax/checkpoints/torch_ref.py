@@ -381,19 +381,25 @@ def check_tokens(target, n: int = 12) -> np.ndarray:
     return rng.integers(0, target.config.vocab_size, (1, n), dtype=np.int32)
 
 
+# the torch reference check of each head kind with an official PyTorch layout: (src, draft, tokens, features) -> diffs
+HEAD_CHECKS = {"eagle1": head_check, "eagle3": eagle3_head_check}
+
+
 def check_head(src, draft) -> dict:
     """Max differences between the torch reference head at `src` and `draft` on target features of a few tokens."""
     import jax.numpy as jnp
-    from .. import llama
-    from ..eagle3 import feature_layers
+    from .. import eagle, llama
+    check = HEAD_CHECKS.get(draft.config.head_type)
+    if check is None:
+        raise ValueError(f"no PyTorch reference for {draft.kind.title} heads")
     target = draft.target
     toks = check_tokens(target)
     T = toks.shape[1]
     pos = jnp.broadcast_to(jnp.arange(T), toks.shape)
-    if draft.config.head_type == "eagle3":
-        out = llama.forward(target.params, target.config, jnp.asarray(toks), pos, return_logits=False,
-                            aux_layers=feature_layers(target.config))
-        return eagle3_head_check(src, draft, toks[:, 1:], np.asarray(out.aux, np.float32)[:, :-1])
-    feats = target.forward(jnp.asarray(toks), pos, return_logits=False).hidden
-    feats = np.asarray(feats, np.float32)[:, :-1]
-    return head_check(src, draft, toks[:, 1:], feats)
+    layers = eagle.feature_layers(draft.config, target.config)
+    if layers:
+        feats = llama.forward(target.params, target.config, jnp.asarray(toks), pos, return_logits=False,
+                              aux_layers=layers).aux
+    else:
+        feats = target.forward(jnp.asarray(toks), pos, return_logits=False).hidden
+    return check(src, draft, toks[:, 1:], np.asarray(feats, np.float32)[:, :-1])

@@ -9,7 +9,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from .. import eagle3, llama, sharding
+from .. import eagle, llama, sharding
 from ..cache import KVCache, commit, with_length
 from ..tree import truncate, verify_rows
 from ..verify import accept_greedy, accept_sample, process_logits
@@ -45,12 +45,14 @@ def _emit(plan: Plan, state_out, out_len, done, emitted, n):
 
 # ----------------------------------------------------------------------------------------------- prefill
 def _aux_layers(plan: Plan) -> tuple:
-    """Target layers whose inputs the head reads (EAGLE-3), collected in the same target pass; () otherwise."""
-    return eagle3.feature_layers(plan.tcfg) if plan.dcfg is not None and plan.dcfg.head_type == "eagle3" else ()
+    """Target layers whose inputs the head reads (EAGLE-3), collected in the same target pass; () when it reads the
+    final hidden state (EAGLE-1/2), and for vanilla decoding."""
+    return () if plan.dcfg is None else eagle.feature_layers(plan.dcfg, plan.tcfg)
 
 
 def _features(plan: Plan, out: llama.Output):
-    """The draft head's target features: [B, T, 3D] layer inputs (EAGLE-3) or the final hidden [B, T, D]."""
+    """The draft head's target features: the layer inputs [B, T, A*D] (EAGLE-3: A = 3) or the final hidden
+    [B, T, D]."""
     return out.aux if _aux_layers(plan) else out.hidden
 
 

@@ -33,7 +33,7 @@ from jax.experimental import io_callback
 
 from ..cache import KVCache, with_length
 from ..config import LOOKUP_MAX_NGRAM
-from ..eagle import draft_logits, head_forward, new_cache, project_features
+from ..eagle import draft_logits, head_forward, new_cache, project_features, vocab_map
 from ..tree import Beam, Tree, add_lookup, build_tree, confidence, expand, first_beam, lookup_chain
 
 # (step, confidence [B], active [B], threshold) -> keep drafting [B] bool. Runs on the host (sync="callback").
@@ -141,7 +141,7 @@ def draft_step(dparams, plan, tparams, dcache: KVCache, base, beam: Beam) -> tup
     h, dc = head_forward(dparams, plan.dcfg, tparams["embed"], beam.tok, beam.feat, pos, view,
                          attn_mask=beam.anc, mask_start=base)
     logp = draft_logits(dparams, tparams, plan.tcfg, h, plan.dcfg)
-    return with_length(dc, dcache.length), expand(beam, h, logp, k, plan.max_depth, dparams.get("d2t"))
+    return with_length(dc, dcache.length), expand(beam, h, logp, k, plan.max_depth, vocab_map(dparams, plan.dcfg))
 
 
 # ----------------------------------------------------------------------------------------------- stop decisions
@@ -222,7 +222,7 @@ def begin(tparams, dparams, plan, dcache: KVCache, pend_tok, pend_feat, pend_n, 
     """Step 0, the first beam, and steps up to `end_step` (traceable)."""
     dcache, h0, logp0 = draft_prefix(dparams, plan, tparams, dcache, pend_tok, pend_feat, pend_n)
     base = dcache.length
-    beam = first_beam(logp0, h0, plan.top_k, plan.max_depth, dparams.get("d2t"))
+    beam = first_beam(logp0, h0, plan.top_k, plan.max_depth, vocab_map(dparams, plan.dcfg))
     checked = jnp.zeros((), jnp.int32)
     if _decides_in_loop(plan, decide) and 0 in plan.check_steps:
         # a check at step 0 looks at the first beam (the root's top_k): expand it only if the head is confident
