@@ -58,9 +58,16 @@ class Plan:
 
     @property
     def verify_widths(self) -> tuple:
-        """The verify forward's compiled widths (rows per sequence): `verify_widths(total_tokens)`. Each cycle takes
-        the narrowest that holds every live sequence's tree (`cycle._verify`)."""
-        return verify_widths(self.total_tokens)
+        """The verify forward's compiled widths (rows per sequence): those of `verify_widths(total_tokens)` that a
+        cycle can need. Each cycle takes the narrowest that holds every live sequence's tree (`cycle._verify`).
+        Every tree keeps the root's top_k children unless DDD stops at a step-0 check with stop0_nodes >= 0, so
+        narrower widths are never compiled (one width: no switch at all, the forward as before)."""
+        kept = self.top_k
+        if self.method == "ddd" and 0 in self.check_steps and self.stop0_nodes >= 0:
+            kept = min(kept, self.stop0_nodes)
+        least = 1 + min(self.total_tokens - 1, kept)
+        ws = verify_widths(self.total_tokens)
+        return tuple(w for w in ws if w >= min(v for v in ws if v >= least))
 
 
 @jax.tree_util.register_dataclass
