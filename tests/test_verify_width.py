@@ -97,3 +97,20 @@ def test_vanilla_verifies_one_row_a_call(setup):
     target, _, ps, ref = setup
     st = ref.stats["per_sequence"][0]
     assert st["verified_per_call"] == [1] * st["target_calls"] and np.isclose(st["mean_verified"], 1.0)
+
+
+def test_a_plan_compiles_only_the_widths_its_cycles_can_need(setup):
+    from ddd_jax.decode.state import make_plan
+    target, draft, _, _ = setup
+
+    def widths(method, tree, ddd=DDDConfig()):
+        return make_plan(target, draft, method=method, sync="device", tree=tree, ddd=ddd, temperature=0.0,
+                         top_p=1.0, max_new_tokens=8).verify_widths
+
+    cpu = TreeConfig(top_k=4, total_tokens=7, depth=2, lookup=4)
+    rule = DDDConfig(check_steps=(0, 1, 3, 5), threshold=-1.0, max_depth=6)
+    assert widths("ddd", cpu, rule) == (7,)  # the root's 4 children are always kept: 5 rows at least
+    assert widths("ddd", cpu, dataclasses.replace(rule, stop0_nodes=0)) == (1, 2, 4, 7)
+    assert widths("ddd", cpu, dataclasses.replace(rule, stop0_nodes=1)) == (2, 4, 7)
+    assert widths("eagle2", TreeConfig(top_k=1, total_tokens=8, depth=7)) == (2, 4, 8)
+    assert widths("ddd", TREE, dataclasses.replace(DDD, check_steps=(1,))) == (2, 4, 7)  # no step-0 check
