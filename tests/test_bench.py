@@ -182,12 +182,10 @@ def test_tuner_returns_settings_within_space(tiny, tmp_path):
     s = res["settings"]
     assert space.contains(s)
     assert s["tree"]["total_tokens"] in (3, 4) and s["ddd"]["threshold"] in (-0.3, -1.0)
-    # single-candidate stages (depth, top_k, check offsets, max depth) are skipped
-    # (with total_tokens 4 a step-0 check does not fit top_k=2: the step-0 stage has the one candidate there)
+    # single-candidate stages (depth, top_k, check offsets, max depth) are skipped; a step-0 check fits both tree
+    # sizes (a tree need only fit what DDD drafts by its max depth), so the step-0 stage has its two candidates
     stages = [st["stage"] for st in res["stages"]]
-    assert stages in (["eagle2:total_tokens", "ddd:threshold", "final"],
-                      ["eagle2:total_tokens", "ddd:threshold", "ddd:step0", "final"]), stages
-    assert ("ddd:step0" in stages) == (s["tree"]["total_tokens"] == 3)
+    assert stages == ["eagle2:total_tokens", "ddd:threshold", "ddd:step0", "final"], stages
     assert all(len(st["rows"]) == 2 for st in res["stages"])
     assert s["meta"]["recommended_method"] in ("eagle2", "ddd") and s["meta"]["ddd"]["speedup"] > 0
     assert all(st["identity_real_mismatches"] == 0 for st in res["stages"])
