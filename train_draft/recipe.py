@@ -451,17 +451,20 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     rec.set("regenerate", train_tokens=train.n_tokens, train_loss_tokens=int(train.mask.sum()),
             text_entries=len(text), holdout_tokens=held.n_tokens)
 
+    def export_head(name: str, draft, extra=None) -> None:  # one float16 <name>.tar in the export folder
+        from ddd_jax.checkpoints.ours import save_draft
+        tmp = out / f".{name}.tar"
+        save_draft(draft, tmp, dtype=np.float16, extra=extra)
+        put(f"{name}.tar", export.put_file(f"{name}.tar", tmp))
+        tmp.unlink()
+
     # (b) EAGLE-3, its best head exported as it improves
     def best3(params, step, metrics):
         if export is not None:
             from ddd_jax import eagle
-            from ddd_jax.checkpoints.ours import save_draft
             from .eagle3_fit import eagle3_config
-            tmp = out / f".{e3_name}.tar"
-            save_draft(eagle.Draft(eagle3_config(target, len(params["d2t"])), params, target), tmp,
-                       dtype=np.float16, extra={"trained_for": target.name, "step": step, "heldout": metrics})
-            put(f"{e3_name}.tar", export.put_file(f"{e3_name}.tar", tmp))
-            tmp.unlink()
+            export_head(e3_name, eagle.Draft(eagle3_config(target, len(params["d2t"])), params, target),
+                        {"trained_for": target.name, "step": step, "heldout": metrics})
 
     if not rec.done("eagle3"):
         budget = max(1.0, clock.left(e3_until) - 0.02 * clock.budget)  # the last held-out score and the export
@@ -484,11 +487,7 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
         if rec.done(stage):
             heads[name] = load_draft(str(heads_dir / name), target)
             if export is not None and stage == "eagle1":
-                from ddd_jax.checkpoints.ours import save_draft
-                tmp = out / f".{name}.tar"
-                save_draft(heads[name], tmp, dtype=np.float16)
-                put(f"{name}.tar", export.put_file(f"{name}.tar", tmp))
-                tmp.unlink()
+                export_head(name, heads[name])
     rec.set("export", status="done" if heads else "failed", heads={n: _head_files(heads_dir / n) for n in heads})
 
     # (e) held-out top-1; a rerun measures again when a head came after the last measurement
