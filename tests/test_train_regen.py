@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import jax
 import numpy as np
@@ -55,8 +56,10 @@ def test_one_plan_compiles_once_for_every_mix_and_keeps_the_greedy_replies(targe
     r1 = regenerate(target, parts[0], tmp_path / "h.jsonl", max_new_tokens=8, progress=False, **plan)
     r2 = regenerate(target, parts[1], tmp_path / "t.jsonl", max_new_tokens=8, progress=False, **plan)
     assert r1["records"] == r2["records"] == 8
-    assert r1["compiles"] <= 3 * len(plan["buckets"]) + 4  # a prefill per bucket and one decoding loop, not per batch
-    assert r2["compiles"] == 0  # a different mix of prompts, the same programs
+    # a prefill per bucket and one decoding loop, not per batch (programs: built or loaded from jax's persistent cache,
+    # which `make test` keeps between runs, so `compiles` alone may be 0)
+    assert 1 <= r1["programs"] <= 3 * len(plan["buckets"]) + 4 and 0 <= r1["compiles"] <= r1["programs"]
+    assert r2["programs"] == r2["compiles"] == 0  # a different mix of prompts, the same programs
     for r in (r1, r2):
         assert (r["rows"], r["buckets"], r["capacity"]) == (3, list(plan["buckets"]), plan["capacity"])
         assert r["new_tokens_per_s"] > 0 and r["new_reply_tokens"] > 0
@@ -66,10 +69,11 @@ def test_one_plan_compiles_once_for_every_mix_and_keeps_the_greedy_replies(targe
         ids = prompts[rec["id"]]
         assert rec["ids"][:len(ids)] == ids and rec["ids"][len(ids):] == generate(target, None, ids,
                                                                                   max_new_tokens=8).tokens
+    fresh = float(time.time_ns() % 1_000_003)  # a constant no persistent compilation cache can already hold
     with CompileCounter() as cc:  # nested counters both see a compile
         with CompileCounter() as inner:
-            jax.jit(lambda x: x * 3 + 1)(np.arange(5))
-    assert cc.compiles == inner.compiles >= 1 and cc.seconds > 0
+            jax.jit(lambda x: x * 3 + fresh)(np.arange(5))
+    assert cc.compiles == inner.compiles >= 1 and cc.built == inner.built >= 1 and cc.seconds > 0
 
 
 def test_max_records_and_bad_arguments(target, tmp_path):

@@ -310,7 +310,8 @@ def regenerate_stage(target, inputs: dict, cfg: RecipeConfig, regen_dir: Path, t
                                time_limit_s=limit, min_batches=int(part == "train"), progress=progress, **plan)
     new = sum(r["new_reply_tokens"] for r in out.values())
     seconds = time.time() - t
-    return {**out, "compiles": sum(r["compiles"] for r in out.values()), "new_reply_tokens": new,
+    return {**out, "compiles": sum(r["compiles"] for r in out.values()),
+            "programs": sum(r["programs"] for r in out.values()), "new_reply_tokens": new,
             "new_tokens_per_s": round(new / max(seconds, 1e-9), 1), "rows": plan["batch_size"],
             "buckets": list(plan["buckets"]), "capacity": plan["capacity"]}
 

@@ -214,7 +214,8 @@ def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, ba
 
     Returns a summary: out, records (in the file), new_records, new_reply_tokens (stop tokens included),
     remaining, seconds (the whole call), new_tokens_per_s (new_reply_tokens / seconds, compiles included),
-    compiles (real XLA compiles during the call: `CompileCounter`), compile_s, rows, buckets, capacity.
+    compiles (real XLA compiles during the call: `CompileCounter`), programs (executables built, persistent-cache
+    loads included: 0 when every program was already in memory), compile_s, rows, buckets, capacity.
     """
     from ddd_jax import generate
     t0 = time.time()
@@ -281,4 +282,4 @@ def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, ba
     return {"out": str(out_path), "records": len(done) + n_new, "new_records": n_new, "new_reply_tokens": n_tok,
             "remaining": len(todo) - n_new, "seconds": round(seconds, 1),
             "new_tokens_per_s": round(n_tok / max(seconds, 1e-9), 1), "compiles": cc.compiles,
-            "compile_s": round(cc.seconds, 1), "rows": batch_size, "buckets": list(buckets), "capacity": capacity}
+            "programs": cc.built, "compile_s": round(cc.seconds, 1), "rows": batch_size, "buckets": list(buckets), "capacity": capacity}
