@@ -91,6 +91,8 @@ def test_acceptance_measures_the_reference_at_the_default_tree_right_after_the_n
                                                                          if k.startswith("e3/")}
     assert all(k.startswith("ref/") for k in keys[len(keys) - (len(keys) // 3 - 1):])  # the rest of it last
     assert list(acceptance_runs({"e3": "d3"})) == [k for k in keys if k.startswith("e3/")]
+    assert list(acceptance_runs({"e3": "d3", "e1": "d1"}, {"ref": "dr"}, labels=2)) == keys[:2] + [
+        "ref/eagle2-default", "e3/ddd-paper", "e1/ddd-paper", "ref/ddd-paper"]
 
 
 class CharChat:

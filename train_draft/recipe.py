@@ -79,6 +79,7 @@ class RecipeConfig:
     tau_prompts: int = 80
     tau_max_new: int = 128
     tau_batch: int = 80
+    tau_labels: int = 0  # how many of stage (f)'s runs each head gets, most important first (0: all of them)
     probe_steps: int = 3
     reference_head: str = "shipped"  # measured beside the new heads in (f): a head name or directory; "shipped":
     # the packaged "<target>-eagle" when there is one; "": none
@@ -87,6 +88,8 @@ class RecipeConfig:
         if not 0 < self.regen_until < self.eagle3_until <= self.eagle1_until <= self.last_until <= 1:
             raise ValueError("RecipeConfig: need 0 < regen_until < eagle3_until <= eagle1_until <= last_until <= 1, "
                              f"got {self.regen_until}, {self.eagle3_until}, {self.eagle1_until}, {self.last_until}")
+        if self.tau_labels < 0:
+            raise ValueError(f"RecipeConfig.tau_labels must be >= 0 (0: every run), got {self.tau_labels}")
         if self.budget_s <= 0:
             raise ValueError(f"RecipeConfig.budget_s must be > 0, got {self.budget_s}")
         for name in ("train_eagle1", "acceptance"):
@@ -111,7 +114,8 @@ SMOKE = RecipeConfig(budget_s=300.0, train_prompts=12, holdout_prompts=4, regen_
                      eagle3=Fit3Config(steps=4, batch_size=1, seq_len=128, ttt_steps=2, draft_vocab_size=512,
                                        warmup=8, max_epochs=0.0),
                      eval_every=2, eagle1=FitConfig(steps=4, batch_size=1, seq_len=128), e1_max_tokens=4096,
-                     feature_batch=4, eval_batches=2, tau_prompts=2, tau_max_new=16, tau_batch=2, probe_steps=2)
+                     feature_batch=4, eval_batches=2, tau_prompts=2, tau_max_new=16, tau_batch=2, tau_labels=1,
+                     probe_steps=2)
 
 
 def with_overrides(cfg: RecipeConfig, assignments) -> RecipeConfig:
@@ -366,10 +370,11 @@ def acceptance_stage(target, runs: dict, prompts: list, cfg: RecipeConfig, measu
                               batch_size=cfg.tau_batch, deadline=deadline, on_update=on_update, progress=progress)
 
 
-def acceptance_runs(heads: dict, reference: dict | None = None) -> dict:
+def acceptance_runs(heads: dict, reference: dict | None = None, labels: int = 0) -> dict:
     """{label: run} of stage (f), most important first: for each head EAGLE-2's default tree, DDD at the paper's
-    settings, then the shipped tuned CPU and GPU trees (EAGLE-2 and DDD). The `reference` head's default-tree run
-    comes right after the new heads' (the comparison that decides what ships), its other runs last."""
+    settings, then the shipped tuned CPU and GPU trees (EAGLE-2 and DDD); `labels` > 0 keeps that many of them. The
+    `reference` head's default-tree run comes right after the new heads' (the comparison that decides what ships),
+    its other runs last."""
     from ddd_jax.config import DDDConfig, TreeConfig
     from ddd_jax.settings import load_settings, settings_dir, to_configs
     tuned = {}
@@ -381,6 +386,7 @@ def acceptance_runs(heads: dict, reference: dict | None = None) -> dict:
              ("ddd-paper", "ddd", TreeConfig(), DDDConfig())]
     for backend, (tree, ddd) in tuned.items():
         order += [(f"eagle2-{backend}", "eagle2", tree, ddd), (f"ddd-{backend}", "ddd", tree, ddd)]
+    order = order[:labels or None]
 
     def runs(hs: dict) -> list:
         return [(f"{hname}/{label}", {"draft": draft, "method": method, "tree": tree, "ddd": ddd})
@@ -502,7 +508,7 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     elif heads:
         from .accept import reference_head
         reference, rec.data["reference"] = reference_head(target, cfg.reference_head)
-        runs = acceptance_runs(heads, reference)
+        runs = acceptance_runs(heads, reference, cfg.tau_labels)
         measured = (rec.done("acceptance") or {}).get("results", {})
         if any(k not in measured for k in runs):
             prompts = [ids for _, ids in inputs["mtbench"][:cfg.tau_prompts]]
