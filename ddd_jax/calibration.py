@@ -91,7 +91,7 @@ def acceptance_profile(target, draft, prompt_ids: list | None = None, candidates
     """τ, drafted depth and rows needed per cycle (`need_hist` {rows: cycles}, each sequence's own: batch 1's) of
     each candidate over held-out prompts (acceptance only: batched, every output checked against vanilla).
     prompt_ids: token-id prompts (default: `PROMPTS`, chat-rendered)."""
-    from .bench.acceptance import measure_runs
+    from .measure.acceptance import measure_runs
     if prompt_ids is None:
         prompt_ids = [target.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     runs = {}
@@ -195,11 +195,11 @@ def _interp(ms: dict):
 
 def measure_costs(target, draft, sizes, beams, repeat: int = 3, progress: bool = False, batch: int = 1) -> dict:
     """t(n) for n in `sizes` (and 1) and a draft step over a beam of k for k in `beams`, in ms, for `batch` sequences
-    verified together (`bench.cost.cost_curve`, interleaved rounds). `calibrate` passes every compiled verify width
+    verified together (`measure.cost.cost_curve`, interleaved rounds). `calibrate` passes every compiled verify width
     of the profiled trees (`verify_widths`). Each cost is the fastest of the rounds (other work on the machine only
     ever slows a round, and a slowed t(1) -- the numerator of every prediction -- would inflate them all); the
     medians are kept beside them."""
-    from .bench.cost import cost_curve
+    from .measure.cost import cost_curve
     ns = sorted({1, *sizes, *beams})
     cc = cost_curve(target, draft, sizes=tuple(ns), repeat=repeat, progress=progress, batch=batch)
     rows = {r["tokens"]: r for r in cc["rows"]}

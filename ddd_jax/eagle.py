@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .cache import KVCache, init_cache
-from .checkpoints.keytable import check_shapes
+from .keytable import check_shapes
 from . import head_kinds, ops
 from .config import DraftConfig, ModelConfig
 from .head_kinds import HeadKind

@@ -20,7 +20,7 @@ from flax import nnx
 
 from . import eagle, llama, ops
 from .cache import KVCache
-from .checkpoints.keytable import check_shapes
+from .keytable import check_shapes
 
 
 class DraftVocab(nnx.Variable):

@@ -105,6 +105,16 @@ def unpacked(tree):
     return _panels.unpack_params(tree)
 
 
+def as_float(w):
+    """A weight as its plain float array in the logical layout: GGUF blocks dequantized, panels unpacked."""
+    return _quant.as_float(w)
+
+
+def describe_weights(tree) -> str:
+    """How a pytree's weights are stored, for records: e.g. 'float32', 'float32 (panels)', 'gguf blocks q4_1+q8_0'."""
+    return _quant.describe(tree)
+
+
 def quantize(w, kind: str, transposed: bool = False):
     """`w` stored as GGUF blocks of `kind` (gguf's reference quantizer): transposed=True for a [K, N] matrix used
     as x @ w."""

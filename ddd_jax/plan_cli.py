@@ -60,7 +60,7 @@ def memory_plan(cfg, mesh: tuple[int, int], batch: int, capacity: int, dtype="bf
     import jax.numpy as jnp
 
     from . import eagle, llama, sharding
-    from .checkpoints.keytable import np_dtype
+    from .keytable import np_dtype
     from .config import DraftConfig
     from .io import flatten
 

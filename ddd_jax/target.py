@@ -7,7 +7,7 @@ from functools import partial
 import jax
 
 from . import llama
-from .checkpoints.keytable import check_shapes
+from .keytable import check_shapes
 from .config import ModelConfig
 
 

@@ -8,7 +8,7 @@ Each argument is a built library (a path ending in .so) or a git revision whose 
 compiled with setup.py's flags into a temporary library. A kernel change is C++, not a runtime switch, so the two
 builds cannot share one process: each round starts one process per build (in alternating order, round by round)
 that loads the SmolLM2 target with that library (`DDD_JAX_KERNELS_LIB`) and times the target forward of each size
-(`bench.cost.cost_curve`, what `ddd-jax bench --cost-curve` times: the target's own greedy tokens at positions
+(`ddd_jax.measure.cost.cost_curve`, what `ddd-jax bench --cost-curve` times: the target's own greedy tokens at positions
 `context`.. after its decoded context, in a 512-slot cache, causal among themselves), median of `reps` calls, three passes over the sizes. Prints every
 round's numbers, then per build the median over rounds [min-max] in ms. The VM's memory speed drifts between
 minutes (README, "memory phases"): read the rounds side by side, not one build's number alone.
@@ -67,7 +67,7 @@ def child(sizes: list, context: int, reps: int, gguf_blocks: bool = False) -> No
     three `cost_curve` passes (each a median of `reps` forwards)."""
     import ddd_jax as dj
     from ddd_jax.backends.cpu import kernels
-    from ddd_jax.bench.cost import cost_curve
+    from ddd_jax.measure.cost import cost_curve
 
     if not kernels.available():
         raise SystemExit("kernel_ab: the kernel library did not load")

@@ -26,11 +26,11 @@ def main(config_path: str, repeat: int = 5) -> None:
     import jax
 
     sys.path.insert(0, str(Path(__file__).parent.parent))
-    from bench.cost import cost_curve
     from ddd_jax import llama
     from ddd_jax.config import ModelConfig
-    from ddd_jax.eagle import init_draft
     from ddd_jax.decode import generate
+    from ddd_jax.eagle import init_draft
+    from ddd_jax.measure.cost import cost_curve
     from ddd_jax.target import Target
 
     log("jax", jax.__version__, jax.devices())

@@ -7,7 +7,7 @@ import json
 import jax
 import pytest
 
-import ddd_jax.bench.acceptance
+import ddd_jax.measure.acceptance
 from ddd_jax import init_draft, llama, save_draft
 from ddd_jax.checkpoints.ours import save_target
 from ddd_jax.config import ModelConfig
@@ -70,7 +70,7 @@ def test_accept_heads_measures_every_head_and_resumes(tmp_path, monkeypatch):
     def no_measuring(*a, **k):
         raise AssertionError("a rerun measured again")
 
-    monkeypatch.setattr(ddd_jax.bench.acceptance, "measure_runs", no_measuring)
+    monkeypatch.setattr(ddd_jax.measure.acceptance, "measure_runs", no_measuring)
     from ddd_jax.cli import main
     assert main(["train-draft", "accept", "--heads", str(heads), "--out", str(out), "--target",
                  str(tmp_path / "target"), "--reference", str(ref), "--limit", "2", "--max-new-tokens", "8",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddd_jax.bench.acceptance import measure_acceptance
+from ddd_jax.measure.acceptance import measure_acceptance
 from ddd_jax import DDDConfig, TreeConfig, generate
 from spec_helpers import fitted_draft, prompts, tiny_target
 

@@ -125,7 +125,7 @@ def test_identity_check_detects_planted_mismatch(bench_result, tiny):
 def test_summaries_report_the_rows_verified_per_call():
     """The bench's summary has the mean rows verified per call beside τ (and the table a column); the acceptance
     summary also the rows each sequence's own tree needed, as a histogram."""
-    from ddd_jax.bench.acceptance import summarize_acceptance
+    from ddd_jax.measure.acceptance import summarize_acceptance
     from ddd_jax.bench.run import summarize
 
     def rep(acc, rows, dep):
@@ -336,7 +336,7 @@ def test_cli_settings_precedence(tmp_path, monkeypatch):
 
 
 def test_cost_curve(tiny, tmp_path):
-    from ddd_jax.bench.cost import cost_curve
+    from ddd_jax.measure.cost import cost_curve
     target, draft = tiny
     res = cost_curve(target, draft, sizes=(1, 4), context=16, repeat=2)
     assert [r["tokens"] for r in res["rows"]] == [1, 4]
@@ -363,7 +363,7 @@ def test_cost_curve(tiny, tmp_path):
 def test_cost_curve_decodes_its_inputs_greedily(tiny):
     """decoded_inputs: the prompt, then the target's own greedy tokens (vanilla `generate`'s, up to an end-of-turn
     token, where generate stops and the rollout goes on), with every one of them in the cache."""
-    from ddd_jax.bench.cost import decoded_inputs
+    from ddd_jax.measure.cost import decoded_inputs
     target, _ = tiny
     ids, cache = decoded_inputs(target, 24, 64, jnp.float32)
     assert ids.shape == (24,) and int(cache.length[0]) == 24

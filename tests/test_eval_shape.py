@@ -16,7 +16,7 @@ from ddd_jax.cache import KVCache
 from ddd_jax.config import DraftConfig, ModelConfig
 from ddd_jax.checkpoints.eagle_official import EAGLE1_IGNORE, EAGLE1_RULES
 from ddd_jax.checkpoints.hf import HF_IGNORE, HF_LLAMA_RULES
-from ddd_jax.checkpoints.keytable import SourceTensor, flat_shapes, plan
+from ddd_jax.keytable import SourceTensor, flat_shapes, plan
 
 # meta-llama/Llama-2-7b-hf config.json (the fields we read)
 LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,

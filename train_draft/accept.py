@@ -3,7 +3,7 @@ GPU recipe run handed back) beside a reference head, over the MT-bench first tur
 
 Each head is measured at the runs of the recipe's stage (f) (`recipe.acceptance_runs`: EAGLE-2's default tree,
 DDD at the paper's settings, then the shipped tuned CPU and GPU trees), every output checked token for token
-against vanilla decoding (`ddd_jax.bench.acceptance.measure_runs`). `OUT/accept.json` is rewritten atomically
+against vanilla decoding (`ddd_jax.measure.acceptance.measure_runs`). `OUT/accept.json` is rewritten atomically
 after each result, with `OUT/accept.md` (one table row per head and run); a rerun with the same OUT keeps what was
 measured with the same prompts and the same head files, and measures the rest. `measure_acceptance` and
 `acceptance_result` are the per-result bookkeeping the recipe's stage (f) shares.
@@ -40,7 +40,7 @@ def measure_acceptance(target, runs: dict, prompts: list, measured: dict, *, max
     `measured` already holds and measuring the others in order while `deadline` (a time.time() value) allows;
     `on_update(results)` sees the results first and after each new one. Returns {"results" ({label:
     `acceptance_result`}), "not_measured", "measured_now", "prompts", "max_new_tokens"}."""
-    from ddd_jax.bench.acceptance import measure_runs
+    from ddd_jax.measure.acceptance import measure_runs
     results = {k: v for k, v in measured.items() if k in runs}
     now = []
     if on_update is not None:

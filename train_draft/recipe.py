@@ -158,7 +158,7 @@ def with_overrides(cfg: RecipeConfig, assignments) -> RecipeConfig:
 
 def device_info() -> dict:
     import jax
-    from ddd_jax.backends.cpu.kernels import cpu_model
+    from ddd_jax.settings.calibration import cpu_model
     dev = jax.devices()[0]
     cpu = cpu_model()
     return {"backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),

@@ -46,8 +46,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from ddd_jax import eagle
-from ddd_jax.backends.cpu import quant
+from ddd_jax import eagle, ops
 from ddd_jax import io as dio
 from ddd_jax.checkpoints.ours import load_draft_dir, save_draft
 from ddd_jax.config import DraftConfig
@@ -341,7 +340,7 @@ def init_head_params(dcfg: DraftConfig, target, cfg: FitConfig) -> dict:
     params = eagle.init_params(dcfg, jax.random.PRNGKey(cfg.seed), jnp.float32)
     if cfg.init == "target-last-layer":
         lp = target.params["layers"]
-        params["layers"] = {k: jnp.asarray(quant.as_float(lp[k])[-1:], jnp.float32) for k in params["layers"]}
+        params["layers"] = {k: jnp.asarray(ops.as_float(lp[k])[-1:], jnp.float32) for k in params["layers"]}
         D = dcfg.hidden_size
         params["fc_w"] = params["fc_w"].at[D:].set(jnp.eye(D, dtype=jnp.float32))
     elif cfg.init.startswith("head:"):  # warm start from a head directory in our format
@@ -374,8 +373,8 @@ def _data_parallel(mesh, cfg: FitConfig, state):
 def frozen_target_arrays(target):
     """(embed [V, D], lm_head weight [D, V]) of the target, float32 arrays whatever the stored layout (panels,
     GGUF blocks); never trained."""
-    embed = jnp.asarray(quant.as_float(target.params["embed"]), jnp.float32)
-    lm_w = embed.T if target.config.tie_word_embeddings else jnp.asarray(quant.as_float(target.params["lm_head"]),
+    embed = jnp.asarray(ops.as_float(target.params["embed"]), jnp.float32)
+    lm_w = embed.T if target.config.tie_word_embeddings else jnp.asarray(ops.as_float(target.params["lm_head"]),
                                                                          jnp.float32)
     return embed, lm_w
 

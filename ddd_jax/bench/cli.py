@@ -249,7 +249,7 @@ def run_acceptance(args, tree, ddd, source, out) -> int:
     import json
 
     from . import report
-    from .acceptance import measure_acceptance
+    from ddd_jax.measure.acceptance import measure_acceptance
     from .run import build_prompt, normalize_prompts
     target, draft, draft_name = load_models(args)
     prompts = [build_prompt(target, p, 0, []) for p in normalize_prompts(load_prompts(args))]
@@ -301,7 +301,7 @@ def run_bench(args) -> int:
     out = _out_dir(args, "cost-curve" if args.cost_curve else "op-profile" if args.op_profile else "bench")
     if args.cost_curve:
         from ddd_jax.settings import load_settings
-        from .cost import cost_curve
+        from ddd_jax.measure.cost import cost_curve
         target, draft, draft_name = load_models(args, need_draft=args.draft != "none")
         res = cost_curve(target, draft, sizes=args.cost_sizes, context=args.cost_context, repeat=max(args.repeat, 5),
                          progress=not args.no_progress, logits=args.cost_logits, inputs=args.cost_inputs)

@@ -57,7 +57,7 @@ except ModuleNotFoundError as e:  # the extra is missing
 
 from ddd_jax.checkpoints.eagle_official import EAGLE1_RULES
 from ddd_jax.checkpoints.hf import HF_LLAMA_RULES
-from ddd_jax.checkpoints.keytable import export
+from ddd_jax.keytable import export
 from ddd_jax.checkpoints.torch_ref import TorchEagleHead
 from ddd_jax.config import DDDConfig, TreeConfig
 from ddd_jax.decode import GenerateResult, make_plan

@@ -26,7 +26,7 @@ from .. import io as dio
 from ..config import DraftConfig
 from .official import compare_embedding, draft_config_from_official
 from .hf import checkpoint_sources
-from .keytable import Rule, convert, flat_shapes, plan, resolve_dtype, source_dtype
+from ..keytable import Rule, convert, flat_shapes, plan, resolve_dtype, source_dtype
 
 _P = r"(?:midlayer|layers\.(0))\."  # the one decoder layer: `midlayer.` (EAGLE) or `layers.0.` (variant)
 EAGLE3_RULES = (

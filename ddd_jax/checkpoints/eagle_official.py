@@ -22,7 +22,7 @@ from pathlib import Path
 from .. import eagle
 from .. import io as dio
 from .hf import checkpoint_sources, llama_layer_rules
-from .keytable import Rule, convert, flat_shapes, plan, resolve_dtype, source_dtype
+from ..keytable import Rule, convert, flat_shapes, plan, resolve_dtype, source_dtype
 from .official import compare_embedding, draft_config_from_official
 from .ours import save_draft
 

@@ -23,7 +23,7 @@ from .. import llama
 from ..config import ModelConfig
 from ..target import Target
 from .hf import _placer
-from .keytable import Rule, SourceTensor, convert, flat_shapes, plan, resolve_dtype
+from ..keytable import Rule, SourceTensor, convert, flat_shapes, plan, resolve_dtype
 
 GGUF_LLAMA_RULES = (
     Rule(r"token_embd\.weight", "embed"),

@@ -18,7 +18,7 @@ from .. import io as dio
 from .. import llama
 from ..config import ModelConfig
 from ..target import Target
-from .keytable import Rule, SourceTensor, convert, flat_shapes, plan, resolve_dtype, source_dtype
+from ..keytable import Rule, SourceTensor, convert, flat_shapes, plan, resolve_dtype, source_dtype
 from .safetensors import safetensors_sources
 
 

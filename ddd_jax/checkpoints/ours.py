@@ -32,7 +32,7 @@ from ..config import DraftConfig, ModelConfig
 from ..eagle import Draft
 from ..target import Target
 from .hf import _placer, read_tokenizer_files
-from .keytable import check_shapes, resolve_dtype
+from ..keytable import check_shapes, resolve_dtype
 from .safetensors import load_safetensors, safetensors_sources, save_safetensors, write_safetensors
 
 TARGET_FORMAT = "ddd-jax-target"

@@ -10,7 +10,7 @@ from pathlib import Path
 from .. import io as dio
 from ..target import Target
 from .gguf import load_gguf_target
-from .keytable import resolve_dtype
+from ..keytable import resolve_dtype
 from .ours import TARGET_FORMAT_VERSION, load_target_dir, save_target
 
 # name -> (wheel holding the file, file name inside it). Found with find_spec; the wheel is never imported.

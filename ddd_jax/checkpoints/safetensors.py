@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import io as dio
-from .keytable import SourceTensor, np_dtype, resolve_dtype
+from ..keytable import SourceTensor, np_dtype, resolve_dtype
 
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",

@@ -12,8 +12,8 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from ddd_jax import DDDConfig, TreeConfig, generate
-from ddd_jax.decode import cache_capacity, make_plan
+from ddd_jax.config import DDDConfig, TreeConfig
+from ddd_jax.decode import cache_capacity, generate, make_plan
 
 
 def measure_acceptance(target, draft, prompt_ids: list, methods=("eagle2", "ddd"), *, tree: TreeConfig,

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddd_jax import llama
+from ddd_jax import llama, ops
 from ddd_jax.cache import with_length
 from ddd_jax.eagle import draft_logits, head_forward, new_cache as new_draft_cache
 from ddd_jax.layers import causal_mask
@@ -184,9 +184,8 @@ def cost_curve(target, draft=None, sizes=DEFAULT_SIZES, context: int = 256, capa
                                     if one else None)
         # tokens a tree of this size must yield per call just to break even with vanilla (ignoring drafting)
         r["break_even_tau"] = r["target_rel_1"]
-    from ddd_jax.backends.cpu.quant import describe
     return {"format": "ddd-jax-cost-curve", "target": target.name, "context": context, "capacity": capacity,
             "batch": batch,
-            "repeat": repeat, "interleaved": True, "dtype": str(dtype), "weights": describe(target.params),
+            "repeat": repeat, "interleaved": True, "dtype": str(dtype), "weights": ops.describe_weights(target.params),
             "forward": "logits" if logits else "greedy tokens", "inputs": inputs,
             "rows": rows}

@@ -1,0 +1,7 @@
+"""What calibration, the settings it saves and the benchmarks all measure, below each of them.
+
+`cost.cost_curve`: this device's seconds for a verify forward per width and batch and for a draft step (on the
+target's own decoded tokens); `acceptance.measure_runs`: τ, DDD's depths and the verified widths of decoding
+runs over many prompts, batched and checked token for token against vanilla. No timing of whole generations
+here: that is `ddd_jax.bench`.
+"""
