@@ -18,6 +18,8 @@ so a tree shape that recurs (the incumbent) is never compiled twice. Stages, in 
 A stage whose only candidate is the incumbent is skipped.
 
 The result: settings {"tree", "ddd", "meta"} for `ddd_jax.settings.save_settings`, and every stage's table.
+`tune` sequences the named steps: `search_capacity`, `search_tree`, `search_ddd` and the final run, all through one
+`Stages` (the journal, its replay and the benches).
 """
 from __future__ import annotations
 
@@ -122,6 +124,142 @@ def _valid_ddd(tree: TreeConfig, check_steps, threshold, max_depth) -> DDDConfig
 JOURNAL_NAME = "tune.partial.jsonl"  # the stages a tune finished, in the checkpoint folder
 
 
+def search_capacity(target, draft, space: SearchSpace, prompts: list, max_new_tokens: int, chat: bool) -> int:
+    """One KV-cache capacity for every stage: the largest slack over the whole space (so the incumbent, which recurs
+    in every stage, compiles once)."""
+    all_specs = [parse_method("vanilla")]
+    for k in set(space.top_k) | {space.start_top_k}:
+        for n in set(space.total_tokens) | {space.start_total_tokens}:
+            for dp in set(space.depth) | {space.start_depth}:
+                L = max(space.lookup)  # the deepest accepted path and the largest tree the lookup stages try
+                t = _valid_tree(k, n + 2, dp, lookup=L) if L else _valid_tree(k, n, dp)
+                if t is None:
+                    continue
+                nmax = dp + max(space.max_depth_extra)
+                dd = DDDConfig(check_steps=(nmax - 1,), threshold=-1.0, max_depth=nmax)
+                all_specs += [parse_method("eagle2", t),
+                              MethodSpec("capacity", "ddd-device", "ddd", "device", None, t, dd)]
+    bounds = [_length_bound(target, p, 0, max_new_tokens, chat) for p in prompts]
+    return required_capacity(target, draft, all_specs, bounds, max_new_tokens)
+
+
+class Stages:
+    """The search's stages, run or replayed: `run(name, cands)` benches vanilla and the candidates
+    ([(value, MethodSpec)]) in one interleaved run and returns (the best row, all rows). With a `journal` each
+    finished stage is appended to it and the stage under way keeps its own bench checkpoint beside it; stages an
+    earlier, killed run journaled (`done`) are replayed instead, after checking they are the same stage over the
+    same candidates."""
+
+    def __init__(self, bench, journal: Path | None, done: list, log):
+        self.bench, self.journal, self.done, self.log = bench, journal, done, log
+        self.stages: list[dict] = []
+
+    def measure(self, name: str, cands: list, ckpt) -> dict:
+        """One interleaved bench of vanilla and the candidates; the stage's record."""
+        res = self.bench([parse_method("vanilla")] + [s for _, s in cands], ckpt)
+        rows = []
+        for value, spec in cands:
+            s = res["methods"][spec.label]["summary"]
+            rows.append({"value": value, "label": spec.label, "speedup": s["speedup"], "tau": s["tau"],
+                         "tokens_per_s": s["tokens_per_s"], "mean_depth": s["mean_depth"],
+                         "mismatches": s["mismatches"], "spec": spec.describe(),
+                         "compile_s_est": res["methods"][spec.label]["compile"]["compile_s_est"]})
+        return {"stage": name, "rows": rows, "best": max(rows, key=lambda r: r["speedup"] or 0.0)["label"],
+                "vanilla_tokens_per_s": res["methods"]["vanilla"]["summary"]["tokens_per_s"],
+                "identity_real_mismatches": res["identity"]["total_real_mismatches"]}
+
+    def run(self, name: str, cands: list) -> tuple[dict, list]:
+        i = len(self.stages)
+        if i < len(self.done):
+            st = self.done[i]
+            was, now = [r["label"] for r in st["rows"]], [s.label for _, s in cands]
+            if st["stage"] != name or was != now:
+                raise ValueError(f"{self.journal}: stage {i + 1} is {st['stage']} over {was}, this search's is {name} "
+                                 f"over {now}; start over (--no-resume, resume=False)")
+        else:
+            ckpt = None if self.journal is None else self.journal.parent / f"tune-stage{i + 1}.partial.jsonl"
+            st = self.measure(name, cands, ckpt)
+            if self.journal is not None:
+                _append_partial(self.journal, {"stage_index": i, "stage": st})
+                ckpt.unlink(missing_ok=True)
+        self.stages.append(st)
+        best = next(r for r in st["rows"] if r["label"] == st["best"])
+        if self.log:
+            self.log(f"[tune] {name}: best {best['label']} speedup {best['speedup']:.3f} tau {best['tau']:.2f}"
+                     + (" (journaled)" if i < len(self.done) else ""))
+        return best, st["rows"]
+
+
+def _tree_cands(cur: dict, param: str, values) -> list:
+    """(value, EAGLE-2 spec) for each valid tree that differs from `cur` in `param` only (the incumbent included)."""
+    cands = []
+    for v in sorted(set(values) | {cur[param]}):
+        t = _valid_tree(**{**cur, param: v})
+        if t is not None:
+            cands.append((v, parse_method(method_label("eagle2", t), t)))
+    return cands
+
+
+def search_tree(space: SearchSpace, stages: Stages) -> dict:
+    """Step 1: the EAGLE-2 tree by coordinate descent (total_tokens, depth, top_k; then the lookup chain, its score
+    and total_tokens again when a lookup won); returns the tree's fields."""
+    cur = {"top_k": space.start_top_k, "total_tokens": space.start_total_tokens, "depth": space.start_depth}
+    if _valid_tree(**cur) is None:
+        raise ValueError(f"tune: the starting tree {cur} is not valid (total_tokens - 1 must fit top_k + "
+                         "depth * top_k**2); change the grids or the start_* values")
+    for param in ("total_tokens", "depth", "top_k"):
+        cands = _tree_cands(cur, param, getattr(space, param))
+        if len(cands) < 2:  # only the incumbent: nothing to learn
+            continue
+        best, _ = stages.run(f"eagle2:{param}", cands)
+        cur = dict(best["spec"]["tree"])
+    if len(set(space.lookup) | {0}) > 1:  # the lookup chain, competing with the head's nodes for the tree's slots
+        cands = []
+        for v in sorted(set(space.lookup) | {0}):
+            kw = dict(lookup=v, lookup_logp=space.lookup_logp[0]) if v else {}
+            t = _valid_tree(**cur, **kw)
+            if t is not None:
+                cands.append((v, parse_method(method_label("eagle2", t), t)))
+        best, _ = stages.run("eagle2:lookup", cands)
+        cur = dict(best["spec"]["tree"])
+        if cur.get("lookup"):
+            for param, values in (("lookup_logp", space.lookup_logp),
+                                  ("total_tokens", tuple(cur["total_tokens"] + e for e in (-1, 1, 2)))):
+                cands = _tree_cands(cur, param, values)
+                if len(cands) < 2:
+                    continue
+                best, _ = stages.run(f"eagle2:lookup:{param}", cands)
+                cur = dict(best["spec"]["tree"])
+    return cur
+
+
+def search_ddd(space: SearchSpace, tree: TreeConfig, stages: Stages) -> MethodSpec:
+    """Step 2: DDD's rule on the tuned tree (threshold, first check offset, a step-0 check, max depth), each stage
+    varying one of them; returns the winning DDD spec."""
+    d0 = tree.depth
+    pick = {"check_offsets": sorted(space.check_offsets, key=abs)[0], "step0": space.step0[0],
+            "threshold": space.threshold[len(space.threshold) // 2], "max_depth_extra": space.max_depth_extra[0]}
+
+    def spec(p: dict) -> MethodSpec | None:
+        n = d0 + p["max_depth_extra"]
+        dd = _valid_ddd(tree, space.check_steps(d0, p["check_offsets"], n, p["step0"]), p["threshold"], n)
+        return None if dd is None else parse_method(method_label("ddd-device", tree, dd), tree, dd)
+
+    if spec(pick) is None:
+        ok = [(o, e, z) for o in space.check_offsets for e in space.max_depth_extra for z in space.step0
+              if spec({**pick, "check_offsets": o, "max_depth_extra": e, "step0": z})]
+        if not ok:
+            raise ValueError(f"no DDD setting in the search space fits the tuned tree {tree}")
+        pick.update(check_offsets=ok[0][0], max_depth_extra=ok[0][1], step0=ok[0][2])
+    for param in ("threshold", "check_offsets", "step0", "max_depth_extra"):
+        cands = [(v, s) for v in getattr(space, param) if (s := spec({**pick, param: v})) is not None]
+        if len(cands) < 2:
+            continue
+        best, _ = stages.run(f"ddd:{param}", cands)
+        pick[param] = best["value"]
+    return spec(pick)
+
+
 def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_tokens: int = 64, repeat: int = 1,
          chat: bool = True, progress: bool = True, log=print, draft_name: str | None = None,
          checkpoint_dir=None, resume: bool = True) -> dict:
@@ -136,23 +274,9 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
     prompts = normalize_prompts(prompts)
     if draft is None:
         raise ValueError("tuning needs a draft head")
-    # one capacity for every stage: the largest slack over the whole space
-    all_specs = [parse_method("vanilla")]
-    for k in set(space.top_k) | {space.start_top_k}:
-        for n in set(space.total_tokens) | {space.start_total_tokens}:
-            for dp in set(space.depth) | {space.start_depth}:
-                L = max(space.lookup)  # the deepest accepted path and the largest tree the lookup stages try
-                t = _valid_tree(k, n + 2, dp, lookup=L) if L else _valid_tree(k, n, dp)
-                if t is None:
-                    continue
-                nmax = dp + max(space.max_depth_extra)
-                dd = DDDConfig(check_steps=(nmax - 1,), threshold=-1.0, max_depth=nmax)
-                all_specs += [parse_method("eagle2", t), MethodSpec("capacity", "ddd-device", "ddd", "device", None, t, dd)]
-    bounds = [_length_bound(target, p, 0, max_new_tokens, chat) for p in prompts]
-    capacity = required_capacity(target, draft, all_specs, bounds, max_new_tokens)
+    capacity = search_capacity(target, draft, space, prompts, max_new_tokens, chat)
     common = dict(max_new_tokens=max_new_tokens, repeat=repeat, chat=chat, capacity=capacity, profile_prompts=0,
                   progress=progress, draft_name=draft_name)
-    stages = []
     journal, done = None, []
     if checkpoint_dir is not None:
         journal = Path(checkpoint_dir) / JOURNAL_NAME
@@ -160,138 +284,20 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
                                  chat=chat, capacity=capacity, target=target.name, draft=draft_name,
                                  draft_dtype=draft.weight_dtype, prompts=prompts)
         done = [g["stage"] for g in _open_partial(journal, header, resume, index="stage_index")]
-
-    def measure_stage(name: str, cands: list, ckpt) -> dict:
-        """One interleaved bench of vanilla and the candidates; the stage's record."""
-        specs = [parse_method("vanilla")] + [s for _, s in cands]
-        res = run_benchmark(target, draft, prompts, specs, **common, checkpoint=ckpt, resume=resume)
-        rows = []
-        for value, spec in cands:
-            s = res["methods"][spec.label]["summary"]
-            rows.append({"value": value, "label": spec.label, "speedup": s["speedup"], "tau": s["tau"],
-                         "tokens_per_s": s["tokens_per_s"], "mean_depth": s["mean_depth"],
-                         "mismatches": s["mismatches"], "compile_s_est": res["methods"][spec.label]["compile"]["compile_s_est"],
-                         "spec": spec.describe()})
-        return {"stage": name, "rows": rows, "best": max(rows, key=lambda r: r["speedup"] or 0.0)["label"],
-                "vanilla_tokens_per_s": res["methods"]["vanilla"]["summary"]["tokens_per_s"],
-                "identity_real_mismatches": res["identity"]["total_real_mismatches"]}
-
-    def run_stage(name: str, cands: list) -> dict:
-        """cands: [(value, MethodSpec)]; returns the best candidate row and all rows. A stage an earlier, killed run
-        journaled is taken from the journal: the same stage over the same candidates."""
-        i = len(stages)
-        if i < len(done):
-            st = done[i]
-            if st["stage"] != name or [r["label"] for r in st["rows"]] != [s.label for _, s in cands]:
-                raise ValueError(f"{journal}: stage {i + 1} is {st['stage']} over {[r['label'] for r in st['rows']]}, "
-                                 f"this search's is {name} over {[s.label for _, s in cands]}; "
-                                 "start over (--no-resume, resume=False)")
-        else:
-            ckpt = None if journal is None else journal.parent / f"tune-stage{i + 1}.partial.jsonl"
-            st = measure_stage(name, cands, ckpt)
-            if journal is not None:
-                _append_partial(journal, {"stage_index": i, "stage": st})
-                ckpt.unlink(missing_ok=True)
-        stages.append(st)
-        best = next(r for r in st["rows"] if r["label"] == st["best"])
-        if log:
-            log(f"[tune] {name}: best {best['label']} speedup {best['speedup']:.3f} tau {best['tau']:.2f}"
-                + (" (journaled)" if i < len(done) else ""))
-        return best, st["rows"]
-
-    # ---- EAGLE-2 tree
-    cur = {"top_k": space.start_top_k, "total_tokens": space.start_total_tokens, "depth": space.start_depth}
-    if _valid_tree(**cur) is None:
-        raise ValueError(f"tune: the starting tree {cur} is not valid (total_tokens - 1 must fit top_k + "
-                         "depth * top_k**2); change the grids or the start_* values")
-    for param in ("total_tokens", "depth", "top_k"):
-        cands = []
-        for v in sorted(set(getattr(space, param)) | {cur[param]}):
-            t = _valid_tree(**{**cur, param: v})
-            if t is not None:
-                cands.append((v, parse_method(method_label("eagle2", t), t)))
-        if len(cands) < 2:  # only the incumbent: nothing to learn
-            continue
-        best, _ = run_stage(f"eagle2:{param}", cands)
-        cur = dict(best["spec"]["tree"])
-    if len(set(space.lookup) | {0}) > 1:  # the lookup chain, competing with the head's nodes for the tree's slots
-        cands = []
-        for v in sorted(set(space.lookup) | {0}):
-            kw = dict(lookup=v, lookup_logp=space.lookup_logp[0]) if v else {}
-            t = _valid_tree(**cur, **kw)
-            if t is not None:
-                cands.append((v, parse_method(method_label("eagle2", t), t)))
-        best, _ = run_stage("eagle2:lookup", cands)
-        cur = dict(best["spec"]["tree"])
-        if cur.get("lookup"):
-            stages_after = (("lookup_logp", space.lookup_logp),
-                            ("total_tokens", tuple(cur["total_tokens"] + e for e in (-1, 1, 2))))
-            for param, values in stages_after:
-                cands = []
-                for v in sorted(set(values) | {cur[param]}):
-                    t = _valid_tree(**{**cur, param: v})
-                    if t is not None:
-                        cands.append((v, parse_method(method_label("eagle2", t), t)))
-                if len(cands) < 2:
-                    continue
-                best, _ = run_stage(f"eagle2:lookup:{param}", cands)
-                cur = dict(best["spec"]["tree"])
+    stages = Stages(lambda specs, ckpt: run_benchmark(target, draft, prompts, specs, **common, checkpoint=ckpt,
+                                                      resume=resume), journal, done, log)
+    cur = search_tree(space, stages)
     tree = TreeConfig(**cur)
-
-    # ---- DDD on that tree
-    d0 = tree.depth
-    off = sorted(space.check_offsets, key=abs)[0]
-    n = d0 + space.max_depth_extra[0]
-    x = space.threshold[len(space.threshold) // 2]
-    z = space.step0[0]
-
-    def ddd_spec(off, x, n, z):
-        dd = _valid_ddd(tree, space.check_steps(d0, off, n, z), x, n)
-        return None if dd is None else parse_method(method_label("ddd-device", tree, dd), tree, dd)
-
-    if ddd_spec(off, x, n, z) is None:
-        ok = [(o, e, zz) for o in space.check_offsets for e in space.max_depth_extra for zz in space.step0
-              if ddd_spec(o, x, d0 + e, zz)]
-        if not ok:
-            raise ValueError(f"no DDD setting in the search space fits the tuned tree {tree}")
-        off, n, z = ok[0][0], d0 + ok[0][1], ok[0][2]
-    for param in ("threshold", "check_offsets", "step0", "max_depth_extra"):
-        cands = []
-        for v in getattr(space, param):
-            o, xx, nn, zz = off, x, n, z
-            if param == "threshold":
-                xx = v
-            elif param == "check_offsets":
-                o = v
-            elif param == "step0":
-                zz = v
-            else:
-                nn = d0 + v
-            s = ddd_spec(o, xx, nn, zz)
-            if s is not None:
-                cands.append((v, s))
-        if len(cands) < 2:
-            continue
-        best, _ = run_stage(f"ddd:{param}", cands)
-        if param == "threshold":
-            x = best["value"]
-        elif param == "check_offsets":
-            off = best["value"]
-        elif param == "step0":
-            z = best["value"]
-        else:
-            n = d0 + best["value"]
-
-    # ---- final: the chosen EAGLE-2 and DDD settings side by side in one run (comparable numbers)
-    e2, dd = parse_method(method_label("eagle2", tree), tree), ddd_spec(off, x, n, z)
-    winner, rows = run_stage("final", [("eagle2", e2), ("ddd", dd)])
+    dd = search_ddd(space, tree, stages)
+    # step 3: the chosen EAGLE-2 and DDD settings side by side in one run (comparable numbers)
+    winner, rows = stages.run("final", [("eagle2", parse_method(method_label("eagle2", tree), tree)), ("ddd", dd)])
     fin = {r["value"]: r for r in rows}
     env = environment()
     settings = {
         "tree": dict(cur), "ddd": {"check_steps": list(dd.ddd.check_steps), "threshold": dd.ddd.threshold,
                                    "max_depth": dd.ddd.max_depth},
         # the head's weight dtype these speeds were measured with (the CLIs load it so again)
-        **({"draft_dtype": draft.weight_dtype} if draft is not None else {}),
+        "draft_dtype": draft.weight_dtype,
         "meta": {"backend": env["backend"], "device": env["device"], "date": env["date"], "target": target.name,
                  "draft": draft_name, "objective": "decode speedup over vanilla (same run)",
                  "prompts": len(prompts), "max_new_tokens": max_new_tokens,
@@ -301,7 +307,7 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
                  "search_space": space.to_dict(), "jax": env["jax"],
                  "weight_storage": weight_storage(target) or "float"},
     }
-    return {"format": "ddd-jax-tune", "settings": settings, "stages": stages, "env": env,
+    return {"format": "ddd-jax-tune", "settings": settings, "stages": stages.stages, "env": env,
             "config": {"capacity": capacity, "max_new_tokens": max_new_tokens, "repeat": repeat,
                        "prompts": len(prompts), "target": target.name, "draft": draft_name}}
 
