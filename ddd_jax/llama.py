@@ -123,8 +123,27 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.float32, std: float = 0.02) -> 
     return jax.tree.unflatten(treedef, out)
 
 
+def by_rows(rows, fn, *arrays):
+    """`fn(*arrays)` computed on the first w rows (axis 1) of the [B, T, ...] arrays only and zero-padded back to T
+    rows, w = widths[pick] for `rows` = (pick, widths): a traced index into a static ascending tuple of widths
+    ending at T, chosen with `lax.switch` (one branch per width). Only the activations pass through the switch,
+    never a cache, so no branch copies a buffer it would update. rows=None: `fn(*arrays)` over every row."""
+    if rows is None:
+        return fn(*arrays)
+    pick, widths = rows
+    T = arrays[0].shape[1]
+
+    def at(w):
+        def run(args):
+            out = fn(*(a[:, :w] for a in args))
+            return jax.tree.map(lambda o: jnp.pad(o, [(0, 0), (0, T - w)] + [(0, 0)] * (o.ndim - 2)), out)
+        return run
+
+    return jax.lax.switch(pick, [at(w) for w in widths], arrays)
+
+
 def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | None, kv_mask,
-                  aux_layers: tuple = (), qkv_input=None, attend=None):
+                  aux_layers: tuple = (), qkv_input=None, attend=None, rows=None):
     """Run stacked decoder layers.
 
     lp: stacked layer params (leading L axis); x: [B, T, D]; positions: [B, T].
@@ -135,7 +154,9 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
     (EAGLE-3's layer: cat(norm(embed), hidden_norm(x)) while the residual stream stays x).
     attend: optional (q, k, v, i) -> [B, T, N*H], with a cache, replacing masked attention over layer i of the
     stacked caches k, v [L, B, K, S, H] (kv_mask then unused): the training-time test's sparse form,
-    `layers.ttt_attention`.
+    `layers.ttt_attention`. rows (with a cache): (pick, widths) -- each layer's products and norms run on the
+    first widths[pick] rows only (`by_rows`; the other rows' K/V, attention and outputs are zeros or garbage the
+    caller never reads), while the cache writes and attention keep all T rows outside the switch.
     Returns (x, cache with k/v written; length unchanged), plus aux [A, B, T, D] when aux_layers is given.
     """
     B, T, _ = x.shape
@@ -146,13 +167,14 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
 
     # Matrix weights are read from the stacked lp by layer index (`L.linear`: no per-layer copy on the kernel
     # path); the scanned p carries the small per-layer vectors (norms).
-    def qkv(x, p, i):
+    def qkv(x, p, i, positions=positions):
         h = L.rms_norm(x, p["attn_norm"], eps) if "attn_norm" in p else x
         h = h if qkv_input is None else qkv_input(x, p)
         q, k, v = L.linear(h, lp["wq"], i), L.linear(h, lp["wk"], i), L.linear(h, lp["wv"], i)
         if "bq" in p:  # family switch: q/k/v biases
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-        q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
+        t = x.shape[1]
+        q, k, v = q.reshape(B, t, N, H), k.reshape(B, t, K, H), v.reshape(B, t, K, H)
         if "q_norm" in p:  # family switch: per-head RMSNorm before rope
             q, k = L.rms_norm(q, p["q_norm"], eps), L.rms_norm(k, p["k_norm"], eps)
         return L.apply_rope(q, positions, inv), L.apply_rope(k, positions, inv), v
@@ -189,14 +211,14 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
         x, kall, vall, aux = carry
         p, i = xs
         aux = keep(aux, x, i)
-        q, k, v = qkv(x, p, i)
+        q, k, v = by_rows(rows, lambda x, pos: qkv(x, p, i, pos), x, positions)
         # scatter straight into the carried [L, B, K, S, H] buffers, in place (the indexed view is [B, T, K, H]),
         # then attend over layer i
         at = (i, b_idx, slice(None), dst)
         kall = kall.at[at].set(k.astype(kall.dtype), mode="drop")
         vall = vall.at[at].set(v.astype(vall.dtype), mode="drop")
         a = L.attention(q, kall, vall, kv_mask, i) if attend is None else attend(q, kall, vall, i)
-        x = rest(x, p, i, a)
+        x = by_rows(rows, lambda x, a: rest(x, p, i, a), x, a)
         return (x, kall, vall, aux), None
 
     (x, kall, vall, aux), _ = jax.lax.scan(body, (x, cache.k, cache.v, aux0), (small, layer_ids))
@@ -238,7 +260,8 @@ def greedy_tokens(params, cfg: ModelConfig, hidden):
 
 
 def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None = None, attn_mask=None,
-            logit_index=None, return_logits: bool = True, aux_layers: tuple = (), greedy: bool = False) -> Output:
+            logit_index=None, return_logits: bool = True, aux_layers: tuple = (), greedy: bool = False,
+            rows=None) -> Output:
     """Target forward.
 
     tokens, positions: [B, T] int32. attn_mask: [B, T, T] bool over the new tokens (default causal);
@@ -249,8 +272,13 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None =
     length + T <= capacity (`generate` checks it on the host). aux_layers (static tuple of layer indices,
     e.g. `eagle3.feature_layers(cfg)`): Output.aux [B, T, A*D] holds the residual stream entering each of them
     (transformers' `hidden_states[i]`), concatenated in the given order, from this same pass. greedy (static): also
-    Output.greedy, the greedy token of each logits row (`lm_head_greedy`; needs return_logits).
+    Output.greedy, the greedy token of each logits row (`lm_head_greedy`; needs return_logits). rows (with a cache,
+    without logit_index): (pick, widths), a traced index into a static tuple of widths ending at T -- the products,
+    norms and output head run on the first widths[pick] rows only (`decoder_stack`, `by_rows`): what a row costs
+    is its FMAs on the CPU, and the caller reads no later row (their K/V sit past what it commits).
     """
+    if rows is not None and (cache is None or logit_index is not None):
+        raise ValueError("forward(rows=...) needs a cache and no logit_index")
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
     if attn_mask is None:
@@ -265,10 +293,11 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None =
         bad = [i for i in aux_layers if not 0 <= i < cfg.num_hidden_layers]
         if bad:
             raise ValueError(f"aux_layers {bad} outside the target's layers [0, {cfg.num_hidden_layers})")
-        x, new_cache, aux = decoder_stack(params["layers"], cfg, x, positions, cache, kv_mask, aux_layers=aux_layers)
+        x, new_cache, aux = decoder_stack(params["layers"], cfg, x, positions, cache, kv_mask, aux_layers=aux_layers,
+                                          rows=rows)
         aux = jnp.concatenate(list(aux), axis=-1)
     else:
-        x, new_cache = decoder_stack(params["layers"], cfg, x, positions, cache, kv_mask)
+        x, new_cache = decoder_stack(params["layers"], cfg, x, positions, cache, kv_mask, rows=rows)
     hidden = L.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if new_cache is not None:
         new_cache = dataclasses.replace(new_cache, length=cache.length + T)
@@ -276,9 +305,10 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache | None =
     if return_logits or greedy:
         h = hidden if logit_index is None else jnp.take_along_axis(hidden, logit_index[..., None], axis=1)
         if not return_logits:
-            ids = greedy_tokens(params, cfg, h)
+            ids = by_rows(rows, lambda h: greedy_tokens(params, cfg, h), h)
         else:
-            logits, ids = lm_head_greedy(params, cfg, h) if greedy else (lm_head(params, cfg, h), None)
+            logits, ids = by_rows(rows, lambda h: lm_head_greedy(params, cfg, h) if greedy
+                                  else (lm_head(params, cfg, h), None), h)
     return Output(logits=logits, hidden=hidden, cache=new_cache, aux=aux, greedy=ids)
 
 

@@ -114,3 +114,37 @@ def test_a_plan_compiles_only_the_widths_its_cycles_can_need(setup):
     assert widths("ddd", cpu, dataclasses.replace(rule, stop0_nodes=1)) == (2, 4, 7)
     assert widths("eagle2", TreeConfig(top_k=1, total_tokens=8, depth=7)) == (2, 4, 8)
     assert widths("ddd", TREE, dataclasses.replace(DDD, check_steps=(1,))) == (2, 4, 7)  # no step-0 check
+
+
+def test_the_width_switch_never_copies_the_cache():
+    """The switch over widths wraps each layer's products, not the KV cache: a branch that wrote the cache would
+    make XLA copy it whole every cycle (what a cycle cost on the CPU before). The compiled forward with a donated
+    cache holds no copy of a cache-sized buffer, and its rows within the width equal the full-width forward's."""
+    import re
+
+    import jax.numpy as jnp
+
+    from ddd_jax import llama
+    target = tiny_target()
+    cfg = target.config
+    cache = llama.new_cache(cfg, 2, 256)
+    toks = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (2, 7)), jnp.int32)
+    pos = jnp.arange(7, dtype=jnp.int32)[None].repeat(2, 0)
+    mask = jnp.tril(jnp.ones((2, 7, 7), bool))
+
+    def step(params, cache, pick):
+        o = llama.forward(params, cfg, toks, pos, cache, attn_mask=mask, return_logits=False, greedy=True,
+                          rows=(pick, WIDTHS))
+        return o.cache, o.greedy, o.hidden
+
+    fn = jax.jit(step, donate_argnums=1)
+    hlo = fn.lower(target.params, cache, jnp.int32(1)).compile().as_text()
+    shape = "f32[" + ",".join(map(str, cache.k.shape)) + "]"
+    copies = [line for line in hlo.splitlines() if re.search(re.escape(shape) + r"\{[^}]*\} copy\(", line)]
+    assert "conditional" in hlo and not copies, copies[:3]
+    full = llama.forward(target.params, cfg, toks, pos, llama.new_cache(cfg, 2, 256), attn_mask=mask,
+                         return_logits=False, greedy=True)
+    for pick, w in enumerate(WIDTHS):
+        _, ids, hidden = fn(target.params, llama.new_cache(cfg, 2, 256), jnp.int32(pick))
+        np.testing.assert_array_equal(np.asarray(ids)[:, :w], np.asarray(full.greedy)[:, :w])
+        np.testing.assert_allclose(np.asarray(hidden)[:, :w], np.asarray(full.hidden)[:, :w], rtol=1e-5, atol=1e-6)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .. import eagle, llama, sharding
 from ..cache import KVCache, commit, with_length
-from ..tree import truncate, verify_rows
+from ..tree import verify_rows
 from ..verify import accept_greedy, accept_sample, process_logits
 from . import drafting
 from .state import Plan, State
@@ -135,11 +135,13 @@ def _vanilla_loop(tparams, plan: Plan, s: State) -> State:
 def _verify(tparams, plan: Plan, s: State, d: drafting.Draft):
     """One target forward over the tree built from the draft's pool; greedy or lossless-sampling acceptance.
 
-    The forward covers only the rows the batch needs: the narrowest of `plan.verify_widths` that holds every live
-    sequence's root and valid nodes (a tree's valid nodes come first, `tree.verify_rows`), chosen on the device
-    with `lax.switch` on the CPU, where a row costs its FMAs (off the CPU the full width: XLA:GPU would read the
-    switch's index on the host, and its launch-bound forward costs about the same at these widths). Dropped slots
-    hold no valid node, so acceptance, the KV commit and sampling's draws are those of the full tree.
+    The forward's products run on only the rows the batch needs: the narrowest of `plan.verify_widths` that holds
+    every live sequence's root and valid nodes (a tree's valid nodes come first, `tree.verify_rows`), chosen on
+    the device with `lax.switch` on the CPU, where a row costs its FMAs (off the CPU the full width: XLA:GPU would
+    read the switch's index on the host, and its launch-bound forward costs about the same at these widths). The
+    switch sits around each layer's products (`llama.forward(rows=...)`), never around the KV cache, which a
+    branch would have to copy whole. Rows past the width hold no valid node and are never read, so acceptance, the
+    KV commit and sampling's draws are those of the full tree.
 
     Returns (the target cache with the verified rows' K/V past its length, the target features [B, M, D] along
     the accepted path, the `Accept`, the PRNG key, (the rows verified per sequence [B], the rows each sequence's
@@ -153,28 +155,21 @@ def _verify(tparams, plan: Plan, s: State, d: drafting.Draft):
     else:
         key, sub = jax.random.split(s.key)
 
-    def at(W: int):
-        def run(tcache):
-            t = truncate(tree, W)
-            o = llama.forward(tparams, plan.tcfg, t.tokens, L[:, None] + t.depth, tcache, attn_mask=t.anc,
-                              aux_layers=_aux_layers(plan), return_logits=not greedy, greedy=greedy)
-            if greedy:
-                acc = accept_greedy(t, None, plan.M, pred=o.greedy)
-            else:
-                acc = accept_sample(t, o.logits, sub, plan.temperature, plan.top_p, plan.M, draws=N)
-            feat = jnp.take_along_axis(_features(plan, o), acc.path[:, :, None], axis=1)  # [B, M, D]
-            return o.cache, feat, acc, jnp.full(L.shape, W, jnp.int32)
-        return run
-
     widths = plan.verify_widths
     need = verify_rows(tree)
-    if len(widths) == 1:
-        tc, feat, acc, rows = at(N)(s.tcache)
-    else:
+    rows, W = None, jnp.full(L.shape, N, jnp.int32)
+    if len(widths) > 1:  # the narrowest compiled width that holds every live sequence's tree (the last: N)
         pick = sum((jnp.max(jnp.where(s.done, 1, need)) > w).astype(jnp.int32) for w in widths[:-1])
-        tc, feat, acc, rows = jax.lax.platform_dependent(
-            s.tcache, cpu=lambda tc: jax.lax.switch(pick, [at(w) for w in widths], tc), default=at(N))
-    return tc, feat, acc, key, (rows, need)
+        pick = jax.lax.platform_dependent(pick, cpu=lambda p: p, default=lambda p: jnp.full_like(p, len(widths) - 1))
+        rows, W = (pick, widths), jnp.full(L.shape, jnp.asarray(widths, jnp.int32)[pick], jnp.int32)
+    o = llama.forward(tparams, plan.tcfg, tree.tokens, L[:, None] + tree.depth, s.tcache, attn_mask=tree.anc,
+                      aux_layers=_aux_layers(plan), return_logits=not greedy, greedy=greedy, rows=rows)
+    if greedy:
+        acc = accept_greedy(tree, None, plan.M, pred=o.greedy)
+    else:
+        acc = accept_sample(tree, o.logits, sub, plan.temperature, plan.top_p, plan.M, draws=N)
+    feat = jnp.take_along_axis(_features(plan, o), acc.path[:, :, None], axis=1)  # [B, M, D]
+    return o.cache, feat, acc, key, (W, need)
 
 
 def _commit(plan: Plan, s: State, tcache_new, feat, acc, key, d: drafting.Draft, rows, L=None, dlen=None) -> State:
