@@ -4,6 +4,7 @@ settings file; DDD_JAX_CALIBRATE=0 for the file). The first round compiles; the 
 timed rounds of each round's DDD / vanilla decode speed.
 
     python experiments/batch_speed.py [--batches 1,4,8,16] [--new-tokens 64] [--rounds 3] [--gguf-blocks]
+        [--method eagle2]   (EAGLE-2's defaults instead of DDD device's; the column keeps its name)
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def main(argv):
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gguf-blocks", action="store_true", help="the target kept as GGUF blocks")
+    ap.add_argument("--method", default="ddd", choices=("ddd", "eagle2"), help="the speculative method beside vanilla")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     target = load_target("smollm2-135m-instruct", gguf_blocks=args.gguf_blocks)
@@ -50,7 +52,8 @@ def main(argv):
         speed = {"vanilla": [], "ddd": []}
         for rnd in range(args.rounds + 1):  # round 0 compiles
             for m in ("vanilla", "ddd"):
-                r = generate(target, draft if m == "ddd" else None, ps, max_new_tokens=args.new_tokens, method=m)
+                r = generate(target, draft if m == "ddd" else None, ps, max_new_tokens=args.new_tokens,
+                             method=args.method if m == "ddd" else m)
                 if rnd:
                     speed[m].append(decode_speed(r, b if b > 1 else 1))
                 if m == "ddd":
@@ -59,7 +62,7 @@ def main(argv):
         s = st["settings"]
         print(json.dumps({"batch": b, "vanilla_tok_s": round(statistics.median(speed["vanilla"]), 1),
                           "ddd_tok_s": round(statistics.median(speed["ddd"]), 1),
-                          "ddd_device": round(statistics.median(ratios), 3), "ratios": [round(x, 3) for x in ratios],
+                          "method": args.method, "ddd_device": round(statistics.median(ratios), 3), "ratios": [round(x, 3) for x in ratios],
                           "decoded_as": s.get("decoded_as"), "why": s.get("why", "")[:120],
                           "tau": _mean(st, "mean_accepted"), "mean_verified": _mean(st, "mean_verified"),
                           "tree": s["tree"], "ddd": s.get("ddd"), "source": s["source"][:80]}), flush=True)
