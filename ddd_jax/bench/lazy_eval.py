@@ -88,7 +88,7 @@ def sync_work(target, draft) -> tuple:
     """The step both sync measurements run: (A [D, D], W [V', D]) -- a square weight and the rows the draft
     projects onto (the head's draft vocabulary, else the target's output embedding)."""
     from ddd_jax.llama import output_embedding
-    from ddd_jax.backends.cpu.quant import as_float
+    from ddd_jax.ops import as_float
     D = target.config.hidden_size
     W = draft.lm_sub if draft is not None and draft.lm_sub is not None else as_float(
         output_embedding(target.params, target.config))

@@ -33,9 +33,9 @@ import numpy as np
 
 import ddd_jax
 from ddd_jax.backends.cpu import kernels
-from ddd_jax.backends.cpu.quant import describe as describe_weights
 from ddd_jax.config import DDDConfig, TreeConfig, check_tree_for_ddd
 from ddd_jax.decode import bucket_length, cache_capacity, make_plan
+from ddd_jax.ops import describe_weights
 
 # name -> (method, sync, loop). loop None = generate's default for that sync.
 BASE_METHODS = {
