@@ -56,6 +56,34 @@ def test_tar_round_trip_equals_the_directory(heads):
     assert h16.params["fc_w"].dtype == np.float16 and h16.params["d2t"].dtype == np.int32
 
 
+def test_compressed_tar_holds_the_same_bfloat16_weights(heads, tmp_path):
+    """`compress=True`: one xz stream (what the recipe exports when a head's plain tar would pass a size limit),
+    smaller than the plain tar of the same dtype, with the same weights bit for bit, and a cut copy named."""
+    import ml_dtypes
+    t, dir_path, _ = heads
+    d = load_draft(dir_path, t)
+    plain, xz = tmp_path / "plain.tar", tmp_path / "xz.tar"
+    save_draft(d, plain, dtype=ml_dtypes.bfloat16)
+    save_draft(d, xz, dtype=ml_dtypes.bfloat16, compress=True)
+    assert xz.read_bytes()[:6] == b"\xfd7zXZ\x00" and xz.stat().st_size < plain.stat().st_size
+    a, b = load_draft(xz, t, dtype=ml_dtypes.bfloat16), load_draft(plain, t, dtype=ml_dtypes.bfloat16)
+    flat_a, flat_b = dio.flatten(a.params), dio.flatten(b.params)
+    assert sorted(flat_a) == sorted(flat_b)
+    for k in flat_a:
+        assert flat_a[k].dtype == flat_b[k].dtype
+        np.testing.assert_array_equal(np.asarray(flat_a[k]).view(np.uint8), np.asarray(flat_b[k]).view(np.uint8), k)
+    np.testing.assert_array_equal(np.asarray(a.params["fc_w"], np.float32),
+                                  np.asarray(d.params["fc_w"]).astype(ml_dtypes.bfloat16).astype(np.float32))
+    whole = xz.read_bytes()
+    for cut in (len(whole) - 40, len(whole) // 2, 64):
+        xz.write_bytes(whole[:cut])
+        with pytest.raises(ValueError, match=rf"{xz}: cannot read this draft head tar .*truncated or damaged copy of a "
+                                             "xz-compressed tar"):
+            load_draft(xz, t)
+    with pytest.raises(ValueError, match="compress=True needs a path ending in .tar"):
+        save_draft(d, tmp_path / "dir", compress=True)
+
+
 def test_tar_head_decodes_the_directory_heads_tokens(heads):
     t, dir_path, tar_path = heads
     prompt = [5, 9, 33, 2, 71]
@@ -92,9 +120,11 @@ def test_tar_without_a_member_names_it(heads, tmp_path):
 
 def test_foreign_tars_and_other_targets(heads, tmp_path):
     t, dir_path, tar_path = heads
-    gz = tmp_path / "gz.tar"
+    gz = tmp_path / "gz.tar"  # a gzipped head tar loads; a gzipped file that is no tar names the file
     gz.write_bytes(gzip.compress(tar_path.read_bytes()))
-    with pytest.raises(ValueError, match=rf"{gz}: .*gzip-compressed tar: a head tar must be uncompressed"):
+    assert load_draft(gz, t).config == load_draft(tar_path, t).config
+    gz.write_bytes(gzip.compress(b"not a tar at all" * 100))
+    with pytest.raises(ValueError, match=rf"{gz}: cannot read this draft head tar .*gzip-compressed tar"):
         load_draft(gz, t)
     junk = tmp_path / "junk.tar"
     junk.write_bytes(b"not a tar at all" * 100)

@@ -16,7 +16,8 @@ import pytest
 
 from ddd_jax import generate, load_draft
 from tests.test_recipe import TINY, CharChat, fake_inputs, tiny_target
-from train_draft.export_dir import MAX_FILES, ExportDir, check_limits, load_regen, save_regen
+from train_draft.export_dir import (MAX_FILES, ExportDir, HeadWriter, check_head_fits, check_limits, load_regen,
+                                   save_regen, write_head_tar)
 from train_draft.recipe import _token_set, run_recipe
 from train_draft.recipe_inputs import fit_to_bytes, load_inputs, prepare_inputs, save_inputs
 
@@ -37,6 +38,54 @@ def test_export_dir_refuses_what_would_not_come_back(tmp_path):
     (tmp_path / "out" / "a" / "b").mkdir(parents=True)
     (tmp_path / "out" / "a" / "b" / "deep.txt").write_text("z")
     assert any("9 files" in p for p in check_limits(tmp_path / "out")["problems"])
+
+
+def test_a_head_is_exported_in_the_first_form_that_fits_a_returned_file(tmp_path):
+    """float16 while it fits; else bfloat16 in one xz stream (SmolLM2's EAGLE-3 head: 19.7 MB in 16 bits, which
+    the first GPU window's export refused); else refused with the sizes. The writer works off the caller's thread."""
+    import ml_dtypes
+
+    from ddd_jax import eagle, init_draft
+    from ddd_jax.config import DraftConfig, ModelConfig
+    t = tiny_target()
+    d = eagle.with_draft_vocab(init_draft(t, 3), np.arange(64))
+    assert write_head_tar(d, tmp_path / "a.tar") == "float16"
+    plain = (tmp_path / "a.tar").stat().st_size
+    assert write_head_tar(d, tmp_path / "b.tar", limit=plain - 1) == "bfloat16+xz"
+    small = (tmp_path / "b.tar").stat().st_size
+    assert small < plain
+    back = load_draft(tmp_path / "b.tar", t)
+    np.testing.assert_array_equal(np.asarray(back.params["fc_w"], np.float32),
+                                  np.asarray(d.params["fc_w"]).astype(ml_dtypes.bfloat16).astype(np.float32))
+    with pytest.raises(ValueError, match=rf"c.tar: float16 {plain}, bfloat16\+xz \d+ bytes, over 100 a file"):
+        write_head_tar(d, tmp_path / "c.tar", limit=100)
+    assert not (tmp_path / "c.tar").exists()
+    # the writer: the newest head of a name wins, and refusals come back as reasons
+    ex = ExportDir(tmp_path / "out")
+    w = HeadWriter(ex, tmp_path)
+    w.submit("h", d, {"step": 1})
+    w.submit("h", d, {"step": 2})
+    assert w.flush(timeout=60) == {"h": (None, "float16")}
+    assert json.loads(load_draft_config(ex.path / "h.tar"))["extra"] == {"step": 2}
+    for i in range(MAX_FILES - 1):
+        assert ex.put_bytes(f"f{i}.bin", b"x") is None
+    w.submit("h2", d)
+    assert w.flush(timeout=60) == {"h2": ("h2.tar: would be file 9, over 8", "float16")}
+    # before a window is spent: SmolLM2-135M's EAGLE-3 head needs the compressed form; a 32k vocabulary fits none
+    smol = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192)
+    fits = check_head_fits(DraftConfig.from_target(smol, head_type="eagle3", fc_bias=False, draft_vocab_size=8192),
+                           "test")
+    assert fits["form"] == "bfloat16+xz" and 19_000_000 < fits["float16_bytes"] < 20_000_000
+    with pytest.raises(ValueError, match=r"test: the head's weights take .*\(draft_vocab_size=32768"):
+        check_head_fits(DraftConfig.from_target(smol, head_type="eagle3", fc_bias=False, draft_vocab_size=32768),
+                        "test")
+
+
+def load_draft_config(tar_path) -> str:
+    import tarfile
+    with tarfile.open(tar_path) as tar:
+        return tar.extractfile("config.json").read().decode()
 
 
 def test_regen_files_round_trip_from_npz_and_jsonl(tmp_path):
@@ -131,6 +180,7 @@ def test_the_export_folder_gets_each_stage_as_it_ends_and_the_run_keeps_its_dead
     assert check_limits(out)["problems"] == []
     assert sorted(p.name for p in out.iterdir()) == ["eagle3-metrics.jsonl.gz", "recipe.json", "regen.npz",
                                                       "tiny4-eagle3.tar"]
+    assert r["exported"]["tiny4-eagle3.tar"] == "written (float16)" == "written (" + r["head_forms"]["tiny4-eagle3.tar"] + ")"
     assert json.loads((out / "recipe.json").read_text()) == json.loads(json.dumps(r))
     st = r["stages"]
     assert st["eagle1"]["status"] == "skipped" and st["acceptance"]["status"] == "skipped"

@@ -1,6 +1,7 @@
 """What a remote run hands back: one folder of at most 8 files, each at most 16 MiB, 64 MiB in all, at most two
-folders deep, written file by file as each stage finishes (`ExportDir`), and the compact regenerated-replies file
-(`save_regen`, `load_regen`) that a later run can learn from again.
+folders deep, written file by file as each stage finishes (`ExportDir`); its heads, each one `.tar` in the first
+form that fits a file (`write_head_tar`), written off the training loop's thread (`HeadWriter`); and the compact
+regenerated-replies file (`save_regen`, `load_regen`) that a later run can learn from again.
 
 `regen.npz` (numpy, compressed) holds for each part P ("train", "holdout"): `P_ids` uint16 (prompt + reply of
 every record, concatenated), `P_offsets` int64 [n + 1], `P_prompt_len` int32 [n], `P_finished` bool [n] and
@@ -12,6 +13,7 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +92,115 @@ class ExportDir:
 
     def names(self) -> list[str]:
         return sorted(p.name for p in self.path.iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+# ----------------------------------------------------------------------------------------------------- heads
+
+# (dtype, xz-compressed) in the order tried: float16 as it is while it fits a file; else bfloat16 (the fits'
+# arithmetic: their held-out scores were measured at it) in one xz stream, ~0.7 of its bytes (0.71 on the shipped
+# SmolLM2 head's weights). SmolLM2's EAGLE-3 head with an 8k draft vocabulary is 19.7 MB in 16 bits: it needs the
+# second form.
+HEAD_FORMS = (("float16", False), ("bfloat16", True))
+XZ_RATIO_BOUND = 0.8  # what `check_head_fits` assumes of the compressed form (measured 0.68-0.71)
+
+
+def _form_name(dtype: str, xz: bool) -> str:
+    return dtype + ("+xz" if xz else "")
+
+
+def head_bytes(dcfg, itemsize: int = 2) -> int:
+    """The bytes of a head's weights at `itemsize` bytes a weight (d2t at 4)."""
+    from ddd_jax import eagle
+    n = {k: int(np.prod(v)) for k, v in dio.flatten(eagle.param_shapes(dcfg)).items()}
+    return sum(v * (4 if k == "d2t" else itemsize) for k, v in n.items())
+
+
+def check_head_fits(dcfg, what: str, limit: int = MAX_FILE_BYTES) -> dict:
+    """Before a run spends its window: fail when even the compressed form of the head `dcfg` would likely pass
+    `limit`; else {"float16_bytes", "form"}, the form it will be written in."""
+    b = head_bytes(dcfg)
+    if b <= limit:
+        return {"float16_bytes": b, "form": _form_name(*HEAD_FORMS[0])}
+    if b * XZ_RATIO_BOUND > limit:
+        raise ValueError(f"{what}: the head's weights take {b} bytes in 16 bits, ~{int(b * XZ_RATIO_BOUND)} "
+                         f"compressed, over the {limit} bytes a returned file may hold (draft_vocab_size="
+                         f"{dcfg.draft_vocab_size}: a smaller draft vocabulary shrinks its lm_head)")
+    return {"float16_bytes": b, "form": _form_name(*HEAD_FORMS[1])}
+
+
+def write_head_tar(draft, path, extra: dict | None = None, limit: int = MAX_FILE_BYTES) -> str:
+    """Write `draft` to the `.tar` `path` in the first of `HEAD_FORMS` that is at most `limit` bytes; returns the
+    form ("float16", "bfloat16+xz"). Raises ValueError (naming the sizes) when none fits; `path` is then absent."""
+    import ml_dtypes
+
+    from ddd_jax.checkpoints.ours import save_draft
+    path, sizes = Path(path), []
+    for dtype, xz in HEAD_FORMS:
+        save_draft(draft, path, dtype=np.float16 if dtype == "float16" else ml_dtypes.bfloat16, extra=extra,
+                   compress=xz)
+        size = path.stat().st_size
+        if size <= limit:
+            return _form_name(dtype, xz)
+        sizes.append(f"{_form_name(dtype, xz)} {size}")
+    path.unlink()
+    raise ValueError(f"{path.name}: {', '.join(sizes)} bytes, over {limit} a file")
+
+
+class HeadWriter:
+    """Writes heads into an `ExportDir` on one background thread, so a fit that finds a new best every few seconds
+    does not wait for a head's compression (xz releases the GIL; the heads come as host numpy arrays). A head
+    submitted under a name replaces one of that name still waiting. `poll()` and `flush()` run on the caller's
+    thread and return what was written since: {name: (why not | None, form | None)}."""
+
+    def __init__(self, export: ExportDir, scratch):
+        self.export, self.scratch = export, Path(scratch)
+        self._cv = threading.Condition()
+        self._todo: dict = {}
+        self._done: dict = {}
+        self._busy = False
+        self._thread = threading.Thread(target=self._loop, name="head-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, name: str, draft, extra: dict | None = None) -> dict:
+        with self._cv:
+            self._todo[name] = (draft, extra)
+            self._cv.notify_all()
+        return self.poll()
+
+    def poll(self) -> dict:
+        with self._cv:
+            done, self._done = self._done, {}
+        return done
+
+    def flush(self, timeout: float | None = None) -> dict:
+        """Wait (up to `timeout` s) until every submitted head is written or refused."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._todo and not self._busy, timeout)
+        return self.poll()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._todo)
+                name = next(iter(self._todo))
+                draft, extra = self._todo.pop(name)
+                self._busy = True
+            try:
+                tmp = self.scratch / f".{name}.tar"
+                try:
+                    form = write_head_tar(draft, tmp, extra)
+                    why = self.export.put_file(f"{name}.tar", tmp)
+                except ValueError as e:
+                    form, why = None, str(e)
+                finally:
+                    tmp.unlink(missing_ok=True)
+                result = (why, form)
+            except Exception as e:  # noqa: BLE001 -- reported to the caller, never lost on this thread
+                result = (f"{type(e).__name__}: {e}", None)
+            with self._cv:
+                self._done[name] = result
+                self._busy = False
+                self._cv.notify_all()
 
 
 # ----------------------------------------------------------------------------------------- regenerated replies

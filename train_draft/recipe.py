@@ -409,7 +409,8 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
 
     from ddd_jax import head_kinds, load_draft
 
-    from .export_dir import ExportDir
+    from .eagle3_fit import eagle3_config
+    from .export_dir import ExportDir, HeadWriter, check_head_fits
     from .regen import load_records
     check_inputs_for(target, inputs)
     for part in ("train", "holdout", "mtbench"):
@@ -424,13 +425,18 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     clock = Clock(cfg, deadline)
     backend = jax.default_backend()
     export = ExportDir(export_dir) if export_dir is not None else None
+    head_forms = {}
+    if export is not None:  # before the window is spent: the EAGLE-3 head must fit a returned file
+        dcfg3 = init_draft.config if init_draft is not None else eagle3_config(target, cfg.eagle3.draft_vocab_size)
+        head_forms[f"{target.name}-eagle3.tar"] = check_head_fits(dcfg3, f"recipe --export-dir {export_dir}")["form"]
+        writer = HeadWriter(export, out)
     rec = Record(out, {"format": RECIPE_FORMAT, "version": 2, "smoke": smoke, "config": cfg.to_dict(),
                        "device": device_info(), "target": target.name,
                        "inputs": {**inputs["meta"]["counts"], "train_order": inputs["meta"].get("train_order"),
                                   "text_tokens": inputs["meta"].get("text_tokens", 0)},
                        "deadline_s": None if deadline is None else round(deadline - process_start(), 1),
                        "budget_s": round(clock.budget, 1), "init": None if init is None else str(init),
-                       "export_dir": None if export_dir is None else str(export_dir),
+                       "export_dir": None if export_dir is None else str(export_dir), "head_forms": head_forms,
                        "started_utc": dio.utc_now()}, export)
     e1_on, acc_on = cfg.runs("train_eagle1", backend), cfg.runs("acceptance", backend)
     e3_until = cfg.eagle3_until if (e1_on or acc_on) else cfg.last_until
@@ -458,18 +464,19 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     rec.set("regenerate", train_tokens=train.n_tokens, train_loss_tokens=int(train.mask.sum()),
             text_entries=len(text), holdout_tokens=held.n_tokens)
 
-    def export_head(name: str, draft, extra=None) -> None:  # one float16 <name>.tar in the export folder
-        from ddd_jax.checkpoints.ours import save_draft
-        tmp = out / f".{name}.tar"
-        save_draft(draft, tmp, dtype=np.float16, extra=extra)
-        put(f"{name}.tar", export.put_file(f"{name}.tar", tmp))
-        tmp.unlink()
+    def record_heads(done: dict) -> None:  # what the head writer finished: <name>.tar written (in which form) or not
+        for name, (why, form) in done.items():
+            exported[f"{name}.tar"] = f"written ({form})" if why is None else f"not written: {why}"
+        if done:
+            rec.write()
+
+    def export_head(name: str, draft, extra=None) -> None:  # one <name>.tar in the export folder, off this thread
+        record_heads(writer.submit(name, draft, extra))
 
     # (b) EAGLE-3, its best head exported as it improves
     def best3(params, step, metrics):
         if export is not None:
             from ddd_jax import eagle
-            from .eagle3_fit import eagle3_config
             export_head(e3_name, eagle.Draft(eagle3_config(target, len(params["d2t"])), params, target),
                         {"trained_for": target.name, "step": step, "heldout": metrics})
 
@@ -477,6 +484,8 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
         budget = max(1.0, clock.left(e3_until) - 0.02 * clock.budget)  # the last held-out score and the export
         _stage(rec, "eagle3", eagle3_stage, target, train, held, cfg, out / "eagle3", heads_dir / e3_name, budget,
                None if init_draft is None else dict(init_draft.params), best3, progress)
+        if export is not None:
+            record_heads(writer.flush())
         if export is not None and (out / "eagle3" / "metrics.jsonl").is_file():
             put("eagle3-metrics.jsonl.gz", export.put_gzip("eagle3-metrics.jsonl.gz", out / "eagle3" / "metrics.jsonl"))
 
@@ -495,6 +504,8 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
             heads[name] = load_draft(str(heads_dir / name), target)
             if export is not None and stage == "eagle1":
                 export_head(name, heads[name])
+    if export is not None:
+        record_heads(writer.flush())
     rec.set("export", status="done" if heads else "failed", heads={n: _head_files(heads_dir / n) for n in heads})
 
     # (e) held-out top-1; a rerun measures again when a head came after the last measurement

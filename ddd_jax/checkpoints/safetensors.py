@@ -29,19 +29,26 @@ def safetensors_sources(path, offset: int = 0, size: int | None = None, where: s
     size = total - offset if size is None else size
     if size < 8 or offset + 8 > total:
         raise ValueError(f"{where}: not a safetensors file (too short)")
-    with open(path, "rb") as f:
-        f.seek(offset)
-        head = f.read(8)
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise ValueError(f"{where}: not a safetensors file (its header claims {n} bytes, the file has {size})")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{where}: not a safetensors file ({e})") from None
     mm = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(min(size, total - offset),))
+    return safetensors_buffer_sources(mm, where, size)
+
+
+def safetensors_buffer_sources(buf, where: str, size: int | None = None) -> list[SourceTensor]:
+    """The tensors of safetensors bytes already in memory or mapped (`buf`: bytes or a uint8 array), as views into
+    it; size: the bytes the container says they take (default len(buf)), so a cut copy is named as truncated."""
+    buf = np.frombuffer(buf, np.uint8) if isinstance(buf, (bytes, bytearray, memoryview)) else buf
+    size = len(buf) if size is None else size
+    if size < 8 or len(buf) < 8:
+        raise ValueError(f"{where}: not a safetensors file (too short)")
+    (n,) = struct.unpack("<Q", buf[:8].tobytes())
+    if n > size - 8:
+        raise ValueError(f"{where}: not a safetensors file (its header claims {n} bytes, the file has {size})")
+    try:
+        header = json.loads(buf[8:8 + n].tobytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: not a safetensors file ({e})") from None
     start = 8 + n
-    have = len(mm) - start  # bytes of tensor data in the file
+    have = len(buf) - start  # bytes of tensor data there are
     out = []
     for name, info in header.items():
         if name == "__metadata__":
@@ -56,11 +63,11 @@ def safetensors_sources(path, offset: int = 0, size: int | None = None, where: s
             raise ValueError(f"{where}: tensor {name!r} of shape {list(shape)} {dt} needs {need} bytes, its header "
                              f"gives it {e - b} (a corrupt file)")
         if e > have:
-            raise ValueError(f"{where}: tensor {name!r} ends at byte {start + e} but the file has {len(mm)} bytes "
+            raise ValueError(f"{where}: tensor {name!r} ends at byte {start + e} but the file has {len(buf)} bytes "
                              "(a truncated file: copy or download it again)")
 
         def load(b=b, e=e, dt=dt, shape=shape):
-            return mm[start + b:start + e].view(dt).reshape(shape)
+            return buf[start + b:start + e].view(dt).reshape(shape)
 
         out.append(SourceTensor(name, shape, load, dt))
     return out
