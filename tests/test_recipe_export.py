@@ -166,6 +166,34 @@ def test_eagle3_fit_stays_within_its_epochs_scores_held_out_and_keeps_the_best(t
     np.testing.assert_array_equal(again["params"]["d2t"], np.asarray(head.params["d2t"]))
 
 
+def test_a_fit_runs_the_programs_compiled_ahead_for_its_shapes(tmp_path):
+    """`compile_ahead` builds the step and held-out loss on another thread (the recipe: while it regenerates);
+    the fit that runs them gives the same params bit for bit, and a fit of other shapes compiles its own."""
+    from train_draft.eagle3_fit import Fit3Config, compile_ahead, fit_eagle3
+    from train_draft.regen import CompileCounter
+    t = tiny_target()
+    fs, held = _token_set(_records(12), 64), _token_set(_records(3, start=50, tag="h"), 64)
+    cfg = Fit3Config(steps=4, batch_size=2, seq_len=48, ttt_steps=2, draft_vocab_size=32, warmup=3, lr=3e-3)
+    kw = dict(ckpt_every=10 ** 9, eval_set=held, eval_every=2)
+    ahead = compile_ahead(t, cfg, 32)
+    ahead.result()
+    with CompileCounter() as cc:  # the programs came from the other thread: the counter on this one saw none
+        r = fit_eagle3(t, fs, tmp_path / "a", cfg, ahead=ahead, **kw)
+    assert r["ahead"]["status"] == "used" and r["ahead"]["compile_s"] > 0
+    assert json.loads((tmp_path / "a" / "fit.json").read_text())["ahead"]["status"] == "used"
+    plain = fit_eagle3(t, fs, tmp_path / "b", cfg, **kw)
+    assert plain["ahead"] == {"status": "none"}
+    from ddd_jax import io as dio
+    a, b = dio.flatten(r["params"]), dio.flatten(plain["params"])
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
+    assert r["best"] == plain["best"]
+    other = fit_eagle3(t, fs, tmp_path / "c", dataclasses.replace(cfg, batch_size=1), ahead=ahead, **kw)
+    assert other["ahead"]["status"] == "built for other shapes (compiled again)" and other["step"] == 4
+    assert cc.compiles < 50  # eager ops only, not the two fit programs (a bound: the step alone is one program)
+
+
 EXPORT_RUN = dataclasses.replace(TINY, train_eagle1="off", acceptance="off", eval_every=2)
 
 
@@ -186,6 +214,7 @@ def test_the_export_folder_gets_each_stage_as_it_ends_and_the_run_keeps_its_dead
     assert st["eagle1"]["status"] == "skipped" and st["acceptance"]["status"] == "skipped"
     assert st["regenerate"]["programs"] >= st["regenerate"]["compiles"] >= 0 and st["regenerate"]["programs"] >= 1 and st["regenerate"]["new_tokens_per_s"] > 0
     assert st["eagle3"]["epochs"] > 0 and st["eagle3"]["best"]["step"] >= 1
+    assert st["eagle3"]["ahead"]["status"] == "used"  # compiled while the target regenerated
     assert st["heldout"]["heads"]["tiny4-eagle3"]["step"] == st["eagle3"]["best"]["step"]
     regen = load_regen(out / "regen.npz")
     assert len(regen["train"]) == 10 and len(regen["holdout"]) == 3

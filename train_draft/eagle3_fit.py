@@ -211,6 +211,60 @@ def make_step(dcfg: DraftConfig, fcfg: Fit3Config, tcfg, tx):
     return jax.jit(step, donate_argnums=(0,))
 
 
+def make_eval(dcfg: DraftConfig, fcfg: Fit3Config, tcfg):
+    """Jitted (params, d2t, tparams, ids, msk, pos, seg) -> the held-out batch's `ttt_loss` metrics."""
+    return jax.jit(lambda p, d2t, tparams, *a: ttt_loss(p, d2t, dcfg, fcfg, tparams, tcfg, *a)[1])
+
+
+def program_key(target, cfg: Fit3Config, n_vocab: int) -> tuple:
+    """What the fit's compiled programs depend on: the target's config, the draft vocabulary's size and `cfg` but
+    for `steps` (the schedule runs on the host, and `fit_eagle3` fixes `steps` only once it runs)."""
+    return target.config, int(n_vocab), dataclasses.replace(cfg, steps=1)
+
+
+def compile_ahead(target, cfg: Fit3Config, n_vocab: int):
+    """Start compiling the fit's step and held-out loss for `cfg`'s batch shape on a background thread -- in the
+    recipe, while the target regenerates replies: on the first GPU runs these compiles took 111 s of a 310 s fit.
+    Returns a Future of {"key": `program_key`, "step", "eval"} (ahead-of-time compiled executables);
+    `fit_eagle3(ahead=...)` runs them when its own key matches, and compiles as usual otherwise."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def build():
+        t0 = time.time()
+        dcfg, tx = eagle3_config(target, n_vocab), make_optimizer(cfg)
+        sds = jax.ShapeDtypeStruct
+        params = jax.eval_shape(lambda: _trainable(eagle3.init_params(dcfg, jax.random.PRNGKey(0), jnp.float32)))
+        state = {"params": params, "opt_state": jax.eval_shape(tx.init, params), "step": sds((), jnp.int32)}
+        tparams = jax.eval_shape(lambda p: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), p), target.params)
+        shape = (cfg.batch_size, cfg.seq_len)
+        batch = (sds(shape, jnp.int32), sds(shape, jnp.float32), sds(shape, jnp.int32), sds(shape, jnp.int32))
+        d2t = sds((n_vocab,), jnp.int32)
+        step = make_step(dcfg, cfg, target.config, tx).lower(state, sds((), jnp.float32), d2t, tparams, *batch)
+        held = make_eval(dcfg, cfg, target.config).lower(params, d2t, tparams, *batch)
+        return {"key": program_key(target, cfg, n_vocab), "step": step.compile(), "eval": held.compile(),
+                "seconds": round(time.time() - t0, 1)}
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="fit-compile")
+    future = pool.submit(build)
+    pool.shutdown(wait=False)
+    return future
+
+
+def _ahead(future, key) -> tuple[dict | None, dict]:
+    """(the executables of `compile_ahead`'s future if they were built for `key`, else None; what happened)."""
+    if future is None:
+        return None, {"status": "none"}
+    t0 = time.time()
+    try:
+        got = future.result()
+    except Exception as e:  # noqa: BLE001 -- the fit compiles as usual; the reason is recorded
+        return None, {"status": f"failed: {type(e).__name__}: {e}"[:300], "waited_s": round(time.time() - t0, 1)}
+    info = {"compile_s": got["seconds"], "waited_s": round(time.time() - t0, 1)}
+    if got["key"] != key:
+        return None, {"status": "built for other shapes (compiled again)", **info}
+    return got, {"status": "used", **info}
+
+
 def eval_batches(eval_set: FeatureSet, cfg: Fit3Config, max_batches: int = 8) -> list:
     """Up to `max_batches` packed batches [B, L] of `eval_set` (sequences in order, no shuffle): (ids, msk, pos, seg)."""
     lengths = np.diff(eval_set.offsets)
@@ -271,7 +325,7 @@ def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: b
                keep: int = 3, log_every: int = 10, export_dir=None, stop_after: int | None = None,
                time_budget_s: float | None = None, probe_steps: int = 3, progress: bool = False,
                vocab=None, init: dict | None = None, eval_set: FeatureSet | None = None, eval_every: int = 0,
-               eval_max_batches: int = 8, on_best=None, groups=None) -> dict:
+               eval_max_batches: int = 8, on_best=None, groups=None, ahead=None) -> dict:
     """Train an EAGLE-3 head on the token ids of `train`; checkpoints, metrics.jsonl and fit.json go to out_dir.
 
     Steps: at most `cfg.steps`, and at most `cfg.max_epochs` passes over the packed training rows (fit.json's
@@ -287,7 +341,9 @@ def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: b
     "split": "eval", in the fit's dtype, the same `eval_max_batches` batches each time); the params with the lowest
     held-out loss are the ones returned and exported, and `on_best(params, step, metrics)` sees each new best.
     groups: [S] int per training sequence: each epoch goes through group 0 first, then group 1, ... (`RowPlan`).
-    Returns {"params" (with d2t), "step", "epochs", "last_metrics", "best", "draft_config", "fit_config"}."""
+    ahead: `compile_ahead(...)`'s future: its programs run when they were built for this fit's shapes (fit.json's
+    `ahead` says whether they were).
+    Returns {"params" (with d2t), "step", "epochs", "last_metrics", "best", "draft_config", "fit_config", "ahead"}."""
     import orbax.checkpoint as ocp
     t0 = time.time()
     out_dir = Path(out_dir)
@@ -319,7 +375,10 @@ def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: b
     tx, sched = make_optimizer(cfg), schedule(cfg)
     tparams = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target.params)
     d2t = jnp.asarray(ids_vocab, jnp.int32)
-    step_fn = make_step(dcfg, cfg, target.config, tx)
+    programs, meta["ahead"] = _ahead(ahead, program_key(target, cfg, len(ids_vocab)))
+    if ahead is not None:
+        dio.atomic_write_text(fit_json, json.dumps(meta, indent=1))
+    step_fn = programs["step"] if programs else make_step(dcfg, cfg, target.config, tx)
     mgr = _manager(ckpt_dir, keep)
     if init is not None:
         params = {k: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), v) for k, v in _trainable(init).items()}
@@ -340,8 +399,8 @@ def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: b
         state = {"params": params, "opt_state": tx.init(params), "step": jnp.asarray(0, jnp.int32)}
         if metrics_path.exists():
             metrics_path.unlink()
-    held = _HeldOut(dcfg, cfg, target, tparams, d2t, eval_set, eval_max_batches, ids_vocab, on_best) \
-        if eval_set is not None and eval_every > 0 else None
+    held = _HeldOut(programs["eval"] if programs else make_eval(dcfg, cfg, target.config), cfg, tparams, d2t,
+                    eval_set, eval_max_batches, ids_vocab, on_best) if eval_set is not None and eval_every > 0 else None
     start = int(state["step"])
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     sized = time_budget_s is None or resume
@@ -409,14 +468,14 @@ def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: b
                           "train_tokens": train.n_tokens, "epochs": round(final_step / plan.steps_per_epoch, 4),
                           "train_metrics": last, "heldout": best})
     return {"params": full, "step": final_step, "epochs": round(final_step / plan.steps_per_epoch, 4),
-            "last_metrics": last, "best": best, "draft_config": dcfg, "fit_config": cfg}
+            "last_metrics": last, "best": best, "draft_config": dcfg, "fit_config": cfg, "ahead": meta["ahead"]}
 
 
 class _HeldOut:
     """The fit's held-out scoring: one jitted loss over fixed batches, and the best params so far (by loss)."""
 
-    def __init__(self, dcfg, cfg, target, tparams, d2t, eval_set, max_batches, ids_vocab, on_best):
-        self.fn = jax.jit(lambda p, d2t, tparams, *a: ttt_loss(p, d2t, dcfg, cfg, tparams, target.config, *a)[1])
+    def __init__(self, fn, cfg, tparams, d2t, eval_set, max_batches, ids_vocab, on_best):
+        self.fn = fn
         self.batches = eval_batches(eval_set, cfg, max_batches)
         self.tparams, self.d2t, self.vocab, self.on_best = tparams, d2t, np.asarray(ids_vocab, np.int32), on_best
         self.best, self.last_step = None, None

@@ -321,16 +321,17 @@ def regenerate_stage(target, inputs: dict, cfg: RecipeConfig, regen_dir: Path, t
 
 
 def eagle3_stage(target, train, held, cfg: RecipeConfig, run_dir: Path, head_dir: Path, budget_s: float,
-                 init: dict | None, on_best, progress: bool) -> dict:
+                 init: dict | None, on_best, progress: bool, ahead=None) -> dict:
     """(b) The EAGLE-3 fit, sized to `budget_s` and to `cfg.eagle3.max_epochs`, held-out loss every
-    `cfg.eval_every` steps; the best head is written to `head_dir` at the end and passed to `on_best` as it comes."""
+    `cfg.eval_every` steps; the best head is written to `head_dir` at the end and passed to `on_best` as it comes.
+    ahead: `compile_ahead`'s future (its programs are used when they were built for the fit's shapes)."""
     from .eagle3_fit import fit_eagle3
     r, _, retries = halving_batch(lambda fc: fit_eagle3(
         target, train, _fresh(run_dir), fc, time_budget_s=budget_s, probe_steps=cfg.probe_steps,
         ckpt_every=10 ** 9, log_every=10, export_dir=head_dir, progress=progress, init=init, eval_set=held,
         eval_every=cfg.eval_every, eval_max_batches=cfg.eval_batches, on_best=on_best,
-        groups=fit_groups(train, cfg.data)), cfg.eagle3)
-    return {"steps": r["step"], "epochs": r["epochs"], "fit_config": r["fit_config"].to_dict(),
+        groups=fit_groups(train, cfg.data), ahead=ahead), cfg.eagle3)
+    return {"steps": r["step"], "epochs": r["epochs"], "fit_config": r["fit_config"].to_dict(), "ahead": r["ahead"],
             "train_tokens": train.n_tokens, "train_loss_tokens": int(train.mask.sum()),
             "last_metrics": r["last_metrics"], "best": r["best"], "init": init is not None,
             "head": str(head_dir), "export": _head_files(head_dir), "batch_retries": retries}
@@ -449,6 +450,14 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
         exported[name] = "written" if why is None else f"not written: {why}"
         rec.write()
 
+    # the fit's programs compile on a background thread while (a) runs
+    ahead = None
+    if not rec.done("eagle3"):
+        from .eagle3_fit import compile_ahead
+        n_vocab = (len(init_draft.params["d2t"]) if init_draft is not None
+                   else min(cfg.eagle3.draft_vocab_size, target.config.vocab_size))
+        ahead = compile_ahead(target, cfg.eagle3, n_vocab)
+
     # (a) regenerate
     if not rec.done("regenerate"):
         _stage(rec, "regenerate", regenerate_stage, target, inputs, cfg, regen_dir,
@@ -483,7 +492,7 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     if not rec.done("eagle3"):
         budget = max(1.0, clock.left(e3_until) - 0.02 * clock.budget)  # the last held-out score and the export
         _stage(rec, "eagle3", eagle3_stage, target, train, held, cfg, out / "eagle3", heads_dir / e3_name, budget,
-               None if init_draft is None else dict(init_draft.params), best3, progress)
+               None if init_draft is None else dict(init_draft.params), best3, progress, ahead)
         if export is not None:
             record_heads(writer.flush())
         if export is not None and (out / "eagle3" / "metrics.jsonl").is_file():

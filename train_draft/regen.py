@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -38,14 +39,16 @@ _counting: list = []  # the CompileCounters now active (one pair of jax listener
 def _on_duration(event: str, seconds: float, **_) -> None:
     if event == _COMPILE_EVENT:
         for c in _counting:
-            c.built += 1
-            c.seconds += seconds
+            if c.thread == threading.get_ident():
+                c.built += 1
+                c.seconds += seconds
 
 
 def _on_event(event: str, **_) -> None:
     if event == _CACHE_HIT_EVENT:
         for c in _counting:
-            c.cache_hits += 1
+            if c.thread == threading.get_ident():
+                c.cache_hits += 1
 
 
 class CompileCounter:
@@ -54,8 +57,9 @@ class CompileCounter:
     `built`: executables jax had to make (its backend-compile event: a jit, or an eager op, on shapes, dtypes or
     static arguments it had not seen in this process); `cache_hits`: those of them loaded from jax's persistent
     compilation cache instead of compiled; `compiles` = built - cache_hits, the real XLA compiles; `seconds`: the
-    time spent building all of them. Programs already in jax's in-memory caches count nothing. The listeners are
-    process-wide: compiles by other threads while the counter is active are counted too.
+    time spent building all of them. Programs already in jax's in-memory caches count nothing. Only the thread that
+    entered the counter is counted (jax builds a program on the thread that calls it): the recipe compiles the
+    fit's programs on another thread meanwhile (`eagle3_fit.compile_ahead`).
     """
 
     _listening = False
@@ -66,6 +70,7 @@ class CompileCounter:
             monitoring.register_event_listener(_on_event)
             CompileCounter._listening = True
         self.built, self.cache_hits, self.seconds = 0, 0, 0.0
+        self.thread = threading.get_ident()
         _counting.append(self)
         return self
 
