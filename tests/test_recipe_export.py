@@ -166,6 +166,7 @@ def test_eagle3_fit_stays_within_its_epochs_scores_held_out_and_keeps_the_best(t
     np.testing.assert_array_equal(again["params"]["d2t"], np.asarray(head.params["d2t"]))
 
 
+@pytest.mark.slow  # three small fits (test-fast's budget); `make test` runs it
 def test_a_fit_runs_the_programs_compiled_ahead_for_its_shapes(tmp_path):
     """`compile_ahead` builds the step and held-out loss on another thread (the recipe: while it regenerates);
     the fit that runs them gives the same params bit for bit, and a fit of other shapes compiles its own."""

@@ -40,22 +40,25 @@ def full_width(monkeypatch):
     jax.clear_caches()
 
 
-def test_every_width_is_lossless_in_every_sync_mode(setup):
+@pytest.mark.parametrize("sync", [pytest.param("host", marks=pytest.mark.slow),  # test-fast: one sync mode
+                                  pytest.param("callback", marks=pytest.mark.slow), "device"])
+def test_every_width_is_lossless_in_every_sync_mode(setup, sync):
     target, draft, ps, ref = setup
     seen = set()
-    for sync in ("host", "callback", "device"):
-        for p, r in zip(ps[:4], ref.tokens[:4]):
-            for ddd in (DDD, dataclasses.replace(DDD, stop0_nodes=-1), dataclasses.replace(DDD, threshold=-math.inf)):
-                g = generate(target, draft, p, max_new_tokens=24, method="ddd", sync=sync, tree=TREE, ddd=ddd)
-                check_identical(target, [p], [r], [g.tokens], f"ddd {sync}")
-                st = g.stats
-                assert len(st["verified_per_call"]) == st["target_calls"]
-                for rows, depth, acc, needed in zip(st["verified_per_call"], st["depth_per_call"],
-                                                    st["accepted_per_call"], st["needed_per_call"]):
-                    need = (1 if ddd.stop0_nodes == 0 else 2) if depth == 0 else 2 + depth  # stopped at step 0
-                    assert rows == width(need) and needed == need and acc <= need, (rows, depth, acc, needed)
-                seen.update(st["verified_per_call"])
+    for p, r in zip(ps[:4], ref.tokens[:4]):
+        for ddd in (DDD, dataclasses.replace(DDD, stop0_nodes=-1), dataclasses.replace(DDD, threshold=-math.inf)):
+            g = generate(target, draft, p, max_new_tokens=24, method="ddd", sync=sync, tree=TREE, ddd=ddd)
+            check_identical(target, [p], [r], [g.tokens], f"ddd {sync}")
+            st = g.stats
+            assert len(st["verified_per_call"]) == st["target_calls"]
+            for rows, depth, acc, needed in zip(st["verified_per_call"], st["depth_per_call"],
+                                                st["accepted_per_call"], st["needed_per_call"]):
+                need = (1 if ddd.stop0_nodes == 0 else 2) if depth == 0 else 2 + depth  # stopped at step 0
+                assert rows == width(need) and needed == need and acc <= need, (rows, depth, acc, needed)
+            seen.update(st["verified_per_call"])
     assert seen == {1, 2, 4, 7}, seen
+    if sync != "device":
+        return
     e = generate(target, draft, ps[:2], max_new_tokens=24, method="eagle2",
                  tree=TreeConfig(top_k=1, total_tokens=2, depth=0))  # one drafted node: width 2
     check_identical(target, ps[:2], ref.tokens[:2], e.tokens, "eagle2 depth 0")
