@@ -410,7 +410,7 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
 
     from ddd_jax import head_kinds, load_draft
 
-    from .eagle3_fit import eagle3_config
+    from .eagle3_fit import compile_ahead, eagle3_config
     from .export_dir import ExportDir, HeadWriter, check_head_fits
     from .regen import load_records
     check_inputs_for(target, inputs)
@@ -453,7 +453,6 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     # the fit's programs compile on a background thread while (a) runs
     ahead = None
     if not rec.done("eagle3"):
-        from .eagle3_fit import compile_ahead
         n_vocab = (len(init_draft.params["d2t"]) if init_draft is not None
                    else min(cfg.eagle3.draft_vocab_size, target.config.vocab_size))
         ahead = compile_ahead(target, cfg.eagle3, n_vocab)
