@@ -209,11 +209,14 @@ def test_the_export_folder_gets_each_stage_as_it_ends_and_the_run_keeps_its_dead
     assert check_limits(out)["problems"] == []
     assert sorted(p.name for p in out.iterdir()) == ["eagle3-metrics.jsonl.gz", "recipe.json", "regen.npz",
                                                       "tiny4-eagle3.tar"]
-    assert r["exported"]["tiny4-eagle3.tar"] == "written (float16)" == "written (" + r["head_forms"]["tiny4-eagle3.tar"] + ")"
+    assert r["head_forms"]["tiny4-eagle3.tar"] == "float16" and r["exported"]["tiny4-eagle3.tar"] == "written (float16)"
     assert json.loads((out / "recipe.json").read_text()) == json.loads(json.dumps(r))
     st = r["stages"]
     assert st["eagle1"]["status"] == "skipped" and st["acceptance"]["status"] == "skipped"
-    assert st["regenerate"]["programs"] >= st["regenerate"]["compiles"] >= 0 and st["regenerate"]["programs"] >= 1 and st["regenerate"]["new_tokens_per_s"] > 0
+    assert st["regenerate"]["programs"] >= st["regenerate"]["compiles"] >= 0
+    assert st["regenerate"]["new_tokens_per_s"] > 0
+    # every bucket's prefill and the loop were built ahead, on other threads
+    assert set(st["regenerate"]["compiled_ahead_s"]) == {"loop", *map(str, st["regenerate"]["buckets"])}
     assert st["eagle3"]["epochs"] > 0 and st["eagle3"]["best"]["step"] >= 1
     assert st["eagle3"]["ahead"]["status"] == "used"  # compiled while the target regenerated
     assert st["heldout"]["heads"]["tiny4-eagle3"]["step"] == st["eagle3"]["best"]["step"]

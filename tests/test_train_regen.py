@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from ddd_jax import generate
-from train_draft.regen import CompileCounter, choose_buckets, example_from_record, load_records, regen_plan, regenerate
+from train_draft.regen import (CompileCounter, choose_buckets, compile_plan, example_from_record, load_records,
+                               regen_plan, regenerate)
 from test_train_fit import tiny_target
 
 
@@ -74,6 +75,23 @@ def test_one_plan_compiles_once_for_every_mix_and_keeps_the_greedy_replies(targe
         with CompileCounter() as inner:
             jax.jit(lambda x: x * 3 + fresh)(np.arange(5))
     assert cc.compiles == inner.compiles >= 1 and cc.built == inner.built >= 1 and cc.seconds > 0
+
+
+def test_a_plan_compiled_ahead_leaves_its_calls_no_program_to_build(target, tmp_path):
+    """`compile_plan` builds every bucket's prefill and the decoding loop on other threads at once; a call with
+    `warm=` waits for its batches' programs and builds none of them on its own thread, with the same replies."""
+    rng = np.random.default_rng(2)
+    prompts = [(f"w{i}", [int(x) for x in rng.integers(1, 60, size=n)]) for i, n in enumerate([4, 30, 140, 9, 70])]
+    plan = regen_plan(target, [prompts], batch_size=2, max_new_tokens=5)  # shapes no other test decodes
+    warm = compile_plan(target, plan, 5)
+    assert set(warm) == {"loop", *plan["buckets"]} and len(plan["buckets"]) >= 2
+    r = regenerate(target, prompts, tmp_path / "w.jsonl", max_new_tokens=5, progress=False, warm=warm, **plan)
+    assert all(f.result() > 0 for f in warm.values())
+    # on this thread at most the batches' host-to-device copies (one small program per shape), no prefill or loop
+    assert r["programs"] <= len(plan["buckets"]) + 1 and r["warm_wait_s"] >= 0
+    plain = regenerate(target, prompts, tmp_path / "p.jsonl", max_new_tokens=5, progress=False, **plan)
+    assert plain["programs"] == 0  # the same programs, already built
+    assert load_records(tmp_path / "w.jsonl") == load_records(tmp_path / "p.jsonl")
 
 
 def test_max_records_and_bad_arguments(target, tmp_path):

@@ -81,6 +81,7 @@ class RecipeConfig:
     tau_batch: int = 80
     tau_labels: int = 0  # how many of stage (f)'s runs each head gets, most important first (0: all of them)
     probe_steps: int = 3
+    compile_ahead: bool = True  # build (a)'s and (b)'s programs on background threads from the start (off: as met)
     reference_head: str = "shipped"  # measured beside the new heads in (f): a head name or directory; "shipped":
     # the packaged "<target>-eagle" when there is one; "": none
 
@@ -302,20 +303,23 @@ def regenerate_stage(target, inputs: dict, cfg: RecipeConfig, regen_dir: Path, t
     """(a) The target's replies: the held-out prompts first (few), then the training prompts until `time_limit_s`
     after the stage starts, at least one batch of them (later stages need training data). Every batch has
     `cfg.regen_batch` rows, over one plan of prompt buckets and cache capacity for both parts."""
-    from .regen import regen_plan, regenerate
+    from .regen import compile_plan, regen_plan, regenerate
     t = time.time()
     parts = {"holdout": inputs["holdout"][:cfg.holdout_prompts] if cfg.holdout_prompts else inputs["holdout"],
              "train": inputs["train"][:cfg.train_prompts] if cfg.train_prompts else inputs["train"]}
     plan = regen_plan(target, list(parts.values()), cfg.regen_batch, cfg.regen_max_new)
+    warm = compile_plan(target, plan, cfg.regen_max_new) if cfg.compile_ahead else {}  # all at once, other threads
     out = {}
     for part, prompts in parts.items():
         limit = max(0.0, time_limit_s - (time.time() - t)) if part == "train" else None
         out[part] = regenerate(target, prompts, regen_dir / f"{part}.jsonl", max_new_tokens=cfg.regen_max_new,
-                               time_limit_s=limit, min_batches=int(part == "train"), progress=progress, **plan)
+                               time_limit_s=limit, min_batches=int(part == "train"), progress=progress, warm=warm,
+                               **plan)
     new = sum(r["new_reply_tokens"] for r in out.values())
     seconds = time.time() - t
+    built = {str(k): f.result() for k, f in warm.items() if f.done() and f.exception() is None}
     return {**out, "compiles": sum(r["compiles"] for r in out.values()),
-            "programs": sum(r["programs"] for r in out.values()), "new_reply_tokens": new,
+            "programs": sum(r["programs"] for r in out.values()), "compiled_ahead_s": built, "new_reply_tokens": new,
             "new_tokens_per_s": round(new / max(seconds, 1e-9), 1), "rows": plan["batch_size"],
             "buckets": list(plan["buckets"]), "capacity": plan["capacity"]}
 
@@ -452,7 +456,7 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
 
     # the fit's programs compile on a background thread while (a) runs
     ahead = None
-    if not rec.done("eagle3"):
+    if cfg.compile_ahead and not rec.done("eagle3"):
         n_vocab = (len(init_draft.params["d2t"]) if init_draft is not None
                    else min(cfg.eagle3.draft_vocab_size, target.config.vocab_size))
         ahead = compile_ahead(target, cfg.eagle3, n_vocab)

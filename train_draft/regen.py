@@ -203,24 +203,61 @@ def regen_plan(target, prompt_lists: list, batch_size: int, max_new_tokens: int,
             "capacity": cache_capacity(buckets[-1], _vanilla_plan(target, max_new_tokens))}
 
 
+def compile_plan(target, plan: dict, max_new_tokens: int) -> dict:
+    """Start building a `regen_plan`'s programs on background threads, one for each prompt bucket's prefill and one
+    for the decoding loop, all at once: {bucket or "loop": Future of the seconds it took}. `regenerate(warm=...)`
+    waits only for the programs its next batch runs. On the second H200 run the plan's programs were built one
+    after another as batches first met them: 98 s of a 186 s stage."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ddd_jax.decode import compile_vanilla
+
+    def build(prompt_len: int, parts) -> float:
+        t0 = time.time()
+        compile_vanilla(target, plan["batch_size"], prompt_len, plan["capacity"], max_new_tokens, parts=parts)
+        return round(time.time() - t0, 1)
+
+    buckets = list(plan["buckets"])
+    pool = ThreadPoolExecutor(len(buckets) + 1, thread_name_prefix="regen-compile")
+    jobs = {"loop": pool.submit(build, buckets[0], ("loop",))}
+    jobs.update({b: pool.submit(build, b, ("prefill",)) for b in buckets})
+    pool.shutdown(wait=False)
+    return jobs
+
+
+def _wait(warm: dict | None, keys) -> float:
+    """Wait for `compile_plan`'s programs named by `keys`; seconds waited (a failed build is left to `generate`)."""
+    t0 = time.time()
+    for k in keys:
+        if warm and k in warm:
+            try:
+                warm[k].result()
+            except Exception:  # noqa: BLE001 -- generate compiles the program itself
+                pass
+    return time.time() - t0
+
+
 def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, batch_size: int = 16,
                time_limit_s: float | None = None, max_records: int | None = None, min_batches: int = 0,
-               progress: bool = True, buckets=None, capacity: int | None = None, max_buckets: int = 3) -> dict:
+               progress: bool = True, buckets=None, capacity: int | None = None, max_buckets: int = 3,
+               warm: dict | None = None) -> dict:
     """Append the target's greedy replies to `prompts` ((id, token ids) pairs) to `out_path`, skipping ids there.
 
     Batches are formed from prompts of similar length (sorted within windows of 8 batches); every batch has
     `batch_size` rows (a short last one is padded with copies of its last prompt), its prompts padded to the
     smallest of `buckets` that holds its longest, and one KV cache of `capacity` slots serves the whole call: the
     call compiles one prefill per bucket and one decoding loop, whatever the mix of prompts, and a later call with
-    the same batch_size, buckets and capacity (`regen_plan`) compiles nothing. buckets: ascending padded prompt
+    the same batch_size, buckets and capacity (`regen_plan`) compiles nothing; warm: `compile_plan`'s futures for
+    that plan (built on other threads; each batch waits for its own programs only). buckets: ascending padded prompt
     lengths, None = `choose_buckets` of the prompts' lengths (at most `max_buckets`); capacity: None = the largest
     bucket's `cache_capacity`. Stops at the first batch boundary after `time_limit_s` (but not before
     `min_batches` batches of this call), or once the file holds `max_records` records.
 
     Returns a summary: out, records (in the file), new_records, new_reply_tokens (stop tokens included),
     remaining, seconds (the whole call), new_tokens_per_s (new_reply_tokens / seconds, compiles included),
-    compiles (real XLA compiles during the call: `CompileCounter`), programs (executables built, persistent-cache
-    loads included: 0 when every program was already in memory), compile_s, rows, buckets, capacity.
+    compiles (real XLA compiles during the call, on its thread: `CompileCounter`), programs (executables built,
+    persistent-cache loads included: 0 when every program was already in memory), compile_s, warm_wait_s (time spent
+    waiting for `warm`'s programs), rows, buckets, capacity.
     """
     from ddd_jax import generate
     t0 = time.time()
@@ -255,6 +292,7 @@ def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, ba
         batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
     stops = set(target.eos_token_ids)
     n_new = n_tok = 0
+    waited = 0.0
     bar = None
     if progress:
         from tqdm import tqdm
@@ -266,8 +304,10 @@ def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, ba
             # a short last batch is padded with copies of its last prompt (results dropped): one batch shape
             prompts_b = [ids for _, ids in batch] + [batch[-1][1]] * (batch_size - len(batch))
             longest = max(len(ids) for _, ids in batch)
+            bucket = next(n for n in buckets if n >= longest)
+            waited += _wait(warm, ("loop", bucket))
             res = generate(target, None, prompts_b, max_new_tokens=max_new_tokens, capacity=capacity,
-                           prompt_len=next(n for n in buckets if n >= longest))
+                           prompt_len=bucket)
             lines = []
             for (conv_id, ids), toks in zip(batch, res.tokens):
                 finished = bool(toks) and toks[-1] in stops
@@ -287,4 +327,5 @@ def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, ba
     return {"out": str(out_path), "records": len(done) + n_new, "new_records": n_new, "new_reply_tokens": n_tok,
             "remaining": len(todo) - n_new, "seconds": round(seconds, 1),
             "new_tokens_per_s": round(n_tok / max(seconds, 1e-9), 1), "compiles": cc.compiles,
-            "programs": cc.built, "compile_s": round(cc.seconds, 1), "rows": batch_size, "buckets": list(buckets), "capacity": capacity}
+            "programs": cc.built, "compile_s": round(cc.seconds, 1), "warm_wait_s": round(waited, 1),
+            "rows": batch_size, "buckets": list(buckets), "capacity": capacity}

@@ -24,7 +24,7 @@ Every sync counted in ``stats["host_syncs"]`` happens during decoding; the final
 counted. ``draft_syncs`` counts those inside draft phases (one per DDD check executed in host and callback
 modes; 0 in device mode and for EAGLE-2).
 """
-from .api import generate, stream
+from .api import compile_vanilla, generate, stream
 from .state import (METHODS, PROMPT_BUCKETS, SYNCS, GenerateResult, Plan, State, bucket_length, cache_capacity,
                     cache_slack, make_plan)
 

@@ -107,6 +107,31 @@ def stream(target, draft, prompt_ids, max_new_tokens: int = 128, method: str = "
             yield new
 
 
+def compile_vanilla(target, n_rows: int, prompt_len: int, capacity: int, max_new_tokens: int = 128,
+                    parts=("prefill", "loop")) -> None:
+    """Compile, without running anything, the programs `generate(target, None, prompts, max_new_tokens,
+    capacity=capacity, prompt_len=prompt_len)` runs for `n_rows` prompts (greedy vanilla, the device loop): its
+    prefill and its decoding loop (`parts`). jax keeps them, so a later such call in this process -- on any thread
+    -- compiles nothing; several threads can build different ones at once (`train_draft.regen`: one per prompt
+    bucket). A target on a mesh is not supported."""
+    if getattr(target, "mesh", None) is not None:
+        raise ValueError("compile_vanilla: a target on a mesh is not supported")
+    unknown = set(parts) - {"prefill", "loop"}
+    if unknown:
+        raise ValueError(f"compile_vanilla: parts must be 'prefill' and/or 'loop', got {sorted(unknown)}")
+    # the plan and arguments `_decode` makes for method="vanilla" with the default sync, temperature and top_p
+    plan = make_plan(target, None, method="vanilla", sync="device", tree=TreeConfig(), ddd=DDDConfig(),
+                     temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, policy=None)
+    sds = jax.ShapeDtypeStruct
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    prefill = C._prefill.lower(target.params, None, plan, sds((n_rows, prompt_len), jnp.int32),
+                               sds((n_rows,), jnp.int32), key, capacity=capacity, mesh=None)
+    if "prefill" in parts:
+        prefill.compile()
+    if "loop" in parts:
+        C._vanilla_loop.lower(target.params, plan, prefill.out_info).compile()
+
+
 def _decode(target, draft, prompt_ids, max_new_tokens, method, sync, tree, ddd, temperature, top_p, seed, loop,
             profile, policy, capacity, *, streaming: bool, prompt_len: int | None = None):
     """generate's body as a generator: yields each cycle's new tokens when streaming, returns the GenerateResult."""
