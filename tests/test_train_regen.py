@@ -77,6 +77,7 @@ def test_one_plan_compiles_once_for_every_mix_and_keeps_the_greedy_replies(targe
     assert cc.compiles == inner.compiles >= 1 and cc.built == inner.built >= 1 and cc.seconds > 0
 
 
+@pytest.mark.slow  # a plan's programs built on three threads (test-fast's budget); `make test` runs it
 def test_a_plan_compiled_ahead_leaves_its_calls_no_program_to_build(target, tmp_path):
     """`compile_plan` builds every bucket's prefill and the decoding loop on other threads at once; a call with
     `warm=` waits for its batches' programs and builds none of them on its own thread, with the same replies."""
