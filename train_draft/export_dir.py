@@ -185,18 +185,16 @@ class HeadWriter:
                 name = next(iter(self._todo))
                 draft, extra = self._todo.pop(name)
                 self._busy = True
+            tmp = self.scratch / f".{name}.tar"
             try:
-                tmp = self.scratch / f".{name}.tar"
-                try:
-                    form = write_head_tar(draft, tmp, extra)
-                    why = self.export.put_file(f"{name}.tar", tmp)
-                except ValueError as e:
-                    form, why = None, str(e)
-                finally:
-                    tmp.unlink(missing_ok=True)
-                result = (why, form)
+                form = write_head_tar(draft, tmp, extra)
+                result = (self.export.put_file(f"{name}.tar", tmp), form)
+            except ValueError as e:  # no form fits
+                result = (str(e), None)
             except Exception as e:  # noqa: BLE001 -- reported to the caller, never lost on this thread
                 result = (f"{type(e).__name__}: {e}", None)
+            finally:
+                tmp.unlink(missing_ok=True)
             with self._cv:
                 self._done[name] = result
                 self._busy = False

@@ -430,10 +430,12 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     clock = Clock(cfg, deadline)
     backend = jax.default_backend()
     export = ExportDir(export_dir) if export_dir is not None else None
+    n_vocab3 = (len(init_draft.params["d2t"]) if init_draft is not None  # the EAGLE-3 head's draft vocabulary
+                else min(cfg.eagle3.draft_vocab_size, target.config.vocab_size))
     head_forms = {}
     if export is not None:  # before the window is spent: the EAGLE-3 head must fit a returned file
-        dcfg3 = init_draft.config if init_draft is not None else eagle3_config(target, cfg.eagle3.draft_vocab_size)
-        head_forms[f"{target.name}-eagle3.tar"] = check_head_fits(dcfg3, f"recipe --export-dir {export_dir}")["form"]
+        head_forms[f"{target.name}-eagle3.tar"] = check_head_fits(
+            eagle3_config(target, n_vocab3), f"recipe --export-dir {export_dir}")["form"]
         writer = HeadWriter(export, out)
     rec = Record(out, {"format": RECIPE_FORMAT, "version": 2, "smoke": smoke, "config": cfg.to_dict(),
                        "device": device_info(), "target": target.name,
@@ -457,9 +459,7 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     # the fit's programs compile on a background thread while (a) runs
     ahead = None
     if cfg.compile_ahead and not rec.done("eagle3"):
-        n_vocab = (len(init_draft.params["d2t"]) if init_draft is not None
-                   else min(cfg.eagle3.draft_vocab_size, target.config.vocab_size))
-        ahead = compile_ahead(target, cfg.eagle3, n_vocab)
+        ahead = compile_ahead(target, cfg.eagle3, n_vocab3)
 
     # (a) regenerate
     if not rec.done("regenerate"):

@@ -180,27 +180,19 @@ def choose_buckets(lengths, max_buckets: int = 3) -> tuple:
     return best[-1][1]
 
 
-def _vanilla_plan(target, max_new_tokens: int):
-    """The static plan of `generate(target, None, ..., max_new_tokens=max_new_tokens)` (vanilla, greedy)."""
-    from ddd_jax.config import DDDConfig, TreeConfig
-    from ddd_jax.decode.state import make_plan
-    return make_plan(target, None, method="vanilla", sync="device", tree=TreeConfig(), ddd=DDDConfig(),
-                     temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens)
-
-
 def regen_plan(target, prompt_lists: list, batch_size: int, max_new_tokens: int, max_buckets: int = 3) -> dict:
     """One set of decoding shapes for several `regenerate` calls (e.g. a held-out part, then a training part):
     `{"batch_size": rows, "buckets": (padded prompt lengths), "capacity": KV-cache slots}`, to pass as keywords
     (`regenerate(target, part, out, max_new_tokens=max_new_tokens, **plan)`) so every call runs the programs the
     first one compiled. rows: `batch_size`, or the longest list's length when every list is shorter; buckets:
     `choose_buckets` of all the prompts' lengths; capacity: the largest bucket's `cache_capacity`."""
-    from ddd_jax.decode.state import cache_capacity
+    from ddd_jax.decode.state import cache_capacity, vanilla_plan
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
     buckets = choose_buckets([len(ids) for prompts in prompt_lists for _, ids in prompts], max_buckets)
     rows = min(batch_size, max([len(prompts) for prompts in prompt_lists] + [1]))
     return {"batch_size": rows, "buckets": buckets,
-            "capacity": cache_capacity(buckets[-1], _vanilla_plan(target, max_new_tokens))}
+            "capacity": cache_capacity(buckets[-1], vanilla_plan(target, max_new_tokens))}
 
 
 def compile_plan(target, plan: dict, max_new_tokens: int) -> dict:
@@ -271,8 +263,8 @@ def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, ba
     if too_long:
         raise ValueError(f"{len(too_long)} prompts (e.g. {too_long[0]!r}) are longer than the largest bucket, "
                          f"{buckets[-1]} tokens")
-    from ddd_jax.decode.state import cache_capacity, cache_slack
-    vplan = _vanilla_plan(target, max_new_tokens)
+    from ddd_jax.decode.state import cache_capacity, cache_slack, vanilla_plan
+    vplan = vanilla_plan(target, max_new_tokens)
     need = buckets[-1] + max_new_tokens + cache_slack(vplan)
     if capacity is None:
         capacity = cache_capacity(buckets[-1], vplan)

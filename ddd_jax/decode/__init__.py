@@ -26,7 +26,7 @@ modes; 0 in device mode and for EAGLE-2).
 """
 from .api import compile_vanilla, generate, stream
 from .state import (METHODS, PROMPT_BUCKETS, SYNCS, GenerateResult, Plan, State, bucket_length, cache_capacity,
-                    cache_slack, make_plan)
+                    cache_slack, make_plan, vanilla_plan)
 
 __all__ = ["generate", "stream", "GenerateResult", "Plan", "State", "make_plan", "bucket_length", "cache_capacity",
            "cache_slack", "METHODS", "SYNCS", "PROMPT_BUCKETS"]

@@ -13,7 +13,7 @@ from ..config import DDDConfig, TreeConfig
 from . import cycle as C
 from . import drivers
 from .drafting import SyncCounter
-from .state import GenerateResult, Plan, bucket_length, cache_capacity, cache_slack, make_plan
+from .state import GenerateResult, Plan, bucket_length, cache_capacity, cache_slack, make_plan, vanilla_plan
 
 
 def _batched(prompt_ids) -> bool:
@@ -119,9 +119,7 @@ def compile_vanilla(target, n_rows: int, prompt_len: int, capacity: int, max_new
     unknown = set(parts) - {"prefill", "loop"}
     if unknown:
         raise ValueError(f"compile_vanilla: parts must be 'prefill' and/or 'loop', got {sorted(unknown)}")
-    # the plan and arguments `_decode` makes for method="vanilla" with the default sync, temperature and top_p
-    plan = make_plan(target, None, method="vanilla", sync="device", tree=TreeConfig(), ddd=DDDConfig(),
-                     temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, policy=None)
+    plan = vanilla_plan(target, max_new_tokens)  # the plan `_decode` makes for such a call
     sds = jax.ShapeDtypeStruct
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     prefill = C._prefill.lower(target.params, None, plan, sds((n_rows, prompt_len), jnp.int32),

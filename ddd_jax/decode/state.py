@@ -154,3 +154,9 @@ def make_plan(target, draft, *, method: str, sync: str, tree: TreeConfig, ddd: D
                 temperature=float(temperature), top_p=float(top_p), max_new_tokens=int(max_new_tokens),
                 eos=tuple(target.eos_token_ids), policy=policy, lookup=tree.lookup, lookup_ngram=tree.lookup_ngram,
                 lookup_logp=float(tree.lookup_logp), stop0_nodes=int(ddd.stop0_nodes) if method == "ddd" else -1)
+
+
+def vanilla_plan(target, max_new_tokens: int) -> Plan:
+    """The plan of `generate(target, None, ..., max_new_tokens=max_new_tokens)`: greedy vanilla, default sync."""
+    return make_plan(target, None, method="vanilla", sync="device", tree=TreeConfig(), ddd=DDDConfig(),
+                     temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens)
