@@ -94,6 +94,42 @@ def test_torch_step0_check_takes_jax_decisions(tiny):
     assert 0 in depths and len(depths) >= 2, depths
 
 
+# the rule variants a host-synced torch DDD must follow: a step-0 check whose stop leaves a pool (the root's top_k
+# children) shorter than total_tokens - 1, keeping all of them (-1) or none (0); a tree wider than the plan's
+# narrowest verify width; a check at step 0 alone
+RULES = {
+    "s0-pool-shorter-than-tree": (TreeConfig(top_k=2, total_tokens=6, depth=2),
+                                  DDDConfig(check_steps=(0, 2), threshold=-0.4, max_depth=4)),
+    "s0-keep0": (TreeConfig(top_k=2, total_tokens=6, depth=2),
+                 DDDConfig(check_steps=(0, 2), threshold=-0.4, max_depth=4, stop0_nodes=0)),
+    "s0-keep1-wide": (TreeConfig(top_k=3, total_tokens=9, depth=2),
+                      DDDConfig(check_steps=(0, 1, 3), threshold=-0.6, max_depth=5, stop0_nodes=1)),
+    "s0-only": (TreeConfig(top_k=2, total_tokens=5, depth=1),
+                DDDConfig(check_steps=(0,), threshold=-0.4, max_depth=2, stop0_nodes=-1)),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_torch_host_and_device_ddd_equal_vanilla_over_rule_variants(tiny, rule):
+    """Every torch sync mode emits torch vanilla's tokens and takes JAX's depths, for rules whose stops leave fewer
+    candidates than the tree holds (the host mode's tree once read past the pool there)."""
+    target, draft, m = tiny
+    tree, ddd = RULES[rule]
+    depths = set()
+    for p in PROMPTS:
+        van = td.generate(m, p, MAX_NEW).tokens
+        jx = ddd_jax.generate(target, draft, p, max_new_tokens=MAX_NEW, method="ddd", sync="device", tree=tree,
+                              ddd=ddd)
+        assert jx.tokens == van
+        for sync in td.SYNCS:
+            got = td.generate(m, p, MAX_NEW, method="ddd", sync=sync, tree=tree, ddd=ddd)
+            assert got.tokens == van, (rule, sync)
+            assert got.stats["depth_per_call"] == jx.stats["depth_per_call"], (rule, sync)
+            assert got.stats["accepted_per_call"] == jx.stats["accepted_per_call"], (rule, sync)
+        depths.update(jx.stats["depth_per_call"])
+    assert 0 in depths and len(depths) >= 2, (rule, depths)  # the step-0 stop and a deeper draft both happened
+
+
 def test_torch_decoding_refuses_bad_input(tiny):
     target, _, m = tiny
     with pytest.raises(ValueError, match="callback"):

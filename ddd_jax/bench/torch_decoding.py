@@ -341,9 +341,11 @@ def _tree(plan, root, d: _Drafted, counter: SyncCounter):
     ones first, each group in pool order (as `tree.build_tree`), and read their parents, tokens and how many are
     real to the host (one sync); the tree is the root and its real nodes (what JAX's narrowest width verifies).
     Returns (tokens [n] on device, parents, tokens, depth)."""
-    N = plan.total_tokens
     P = d.pool_score.shape[0]
-    order = torch.sort(-d.pool_score, stable=True).indices[: N - 1]
+    # the kept nodes: total_tokens - 1, or the whole pool when it is shorter (host mode: a stop at a step-0 check
+    # leaves the top_k first-beam candidates alone, fewer than total_tokens - 1 when N > k + 1)
+    K = min(plan.total_tokens - 1, P)
+    order = torch.sort(-d.pool_score, stable=True).indices[:K]
     key = torch.sort(torch.where(torch.isfinite(d.pool_score[order]), 0, P) + order).values
     kept = key % P  # real nodes first, each group in pool order: parents before children
     ppool = d.pool_parent[kept]
@@ -353,7 +355,7 @@ def _tree(plan, root, d: _Drafted, counter: SyncCounter):
     real = torch.isfinite(d.pool_score[kept]).sum()
     host = counter.tolist(torch.cat([parent, tokens, depth.reshape(1), real.reshape(1)]), "verify")
     n = 1 + host[-1]
-    return tokens[:n], ([0] + host[: N - 1])[:n], host[N - 1: 2 * N - 1][:n], host[-2]
+    return tokens[:n], ([0] + host[:K])[:n], host[K: 2 * K + 1][:n], host[-2]
 
 
 def _retrieve_indices(parents: list[int]) -> tuple[list[int], list[list[int]]]:
