@@ -27,7 +27,13 @@
 #                         ../shared/gpu-runs/*/regen-train.jsonl.gz and gpu-runs/*/regen.npz there is; set empty
 #                         for none)
 #   INPUTS_EXTRA="..."    more `recipe-inputs` flags, e.g. --max-context-len 384
-#   INIT_HEAD=head.tar    copied into call 2 and passed to the recipe as --init (counted in the totals)
+#   INIT_HEAD=head.tar    copied into call 2 and passed to the recipe as --init (counted in the totals); by default
+#                         the best head an earlier run returned: RUNS/*/*.tar with the highest held-out top-1 in the
+#                         recipe.json beside it (scripts/recipe_prepare.py best-head); set empty for none
+#   RUNS=gpu-runs         the earlier runs' records (heads, recipe.json, replies)
+#   LIMIT_S=600           the second call's limit, for the warning below
+# Warnings (prepare goes on): a tree grown past the TREE_BYTES given; an EAGLE-3 fit whose predicted steps (the
+# newest run's step time) exceed its epoch cap over these inputs (scripts/recipe_prepare.py check).
 #   RECIPE_EXTRA="..."    recipe flags baked into call 2 (more can be given as RECIPE_EXTRA to its run.sh)
 #   LIMIT_BYTES, SPARE_BYTES, XZ_PRESET (9e), DEVICE_DIR (.device)
 set -euo pipefail
@@ -51,6 +57,24 @@ prepare)
             awk '{s += $1} END {print s + 0}')
   fi
   [[ "$tree" =~ ^[0-9]+$ ]] || fail "TREE_BYTES must be a number of bytes, got '$tree'"
+  if [ -n "${2:-}" ] && git rev-parse --git-dir >/dev/null 2>&1; then
+    actual=$( { git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null || true; } |
+              awk '{s += $1} END {print s + 0}')
+    if [ "$actual" -gt "$tree" ]; then
+      echo "prepare: warning: this checkout's tree is $actual bytes, over TREE_BYTES=$tree: a call carrying it" \
+        "may pass the limit (run prepare again with a larger TREE_BYTES)" >&2
+    fi
+  fi
+  RUNS=${RUNS:-gpu-runs}
+  if [ -z "${INIT_HEAD+set}" ]; then
+    best=$("$PY" scripts/recipe_prepare.py best-head "$RUNS" || true)
+    INIT_HEAD=${best%%$'\t'*}
+    if [ -n "$INIT_HEAD" ]; then
+      echo "prepare: --init $INIT_HEAD (held-out top-1 ${best##*$'\t'}, the best head returned so far)"
+    else
+      echo "prepare: no earlier head with a recorded held-out score in $RUNS: the fit starts from scratch"
+    fi
+  fi
   GGUF=${GGUF:-$("$PY" -c "from ddd_jax.checkpoints.registry import named_source; print(named_source('smollm2-135m-instruct'))")}
   [ -f "$GGUF" ] || fail "no target GGUF at '$GGUF'"
   mkdir -p "$DEV/cache"
@@ -141,6 +165,8 @@ EOF
     # shellcheck disable=SC2086  # the extra flags are words
     "$PY" -m ddd_jax.cli train-draft recipe-inputs "${args[@]}" ${INPUTS_EXTRA:-}
   fi
+
+  "$PY" scripts/recipe_prepare.py check "$RUNS" "$DEV/call2/recipe_inputs.npz" "${LIMIT_S:-600}" || true
 
   call1=$(( tree + $(bytes_of "$DEV/call1") ))
   call2=$(( tree + $(bytes_of "$DEV/call2") ))

@@ -12,20 +12,26 @@
 #    into $OUT as it ends, within what a remote run hands back (8 files, two folders down). This script writes
 #    nothing into $OUT; the recipe's log goes to stdout and to $DDD_RECIPE_STAGE/recipe.log.
 # 3. Timing: the remote limit is $LIMIT_S (default 600 s) from the command's start. The recipe gets
-#    --deadline-s LIMIT_S - SECONDS - 40 (SECONDS: this script's own time so far: copies, joins, checks), its wall
-#    time from process start, loading and compiling included, and exits by itself then. The 40 s margin: 30 s before
-#    the limit to spare, 10 s for the recipe's last write after its deadline and the exit. As a safety net,
-#    `timeout` sends SIGINT 15 s before the limit and SIGKILL 5 s later.
+#    --deadline-s LIMIT_S - SECONDS - MARGIN_S (SECONDS: this script's own time so far: copies, joins, checks;
+#    MARGIN_S 40), its wall time from process start, loading and compiling included, and exits by itself then. The
+#    40 s margin: 30 s before the limit to spare, 10 s for the recipe's exit after its deadline. As a safety net,
+#    `timeout` sends SIGINT INT_BEFORE_S (15) s before the limit and SIGKILL KILL_AFTER_S (5) s later; then any
+#    temporary file of a write the signals cut short (a dotfile: the export folder's own names never start with a
+#    dot) is removed from $OUT, so what comes back is whole files only.
 #
 # Environment: RECIPE_EXTRA (more recipe flags, after those `prepare` baked into settings.sh), LIMIT_S, OUT (default
 # $DDD_RECIPE_STAGE/out off a remote machine), PY_RUN (the python that runs the recipe, default python3), PY_TOOL
-# (the python that joins and checks, default python3), SKIP_DEP_CHECK=1.
+# (the python that joins and checks, default python3), SKIP_DEP_CHECK=1; MARGIN_S, INT_BEFORE_S, KILL_AFTER_S and
+# MIN_RECIPE_S (the least --deadline-s worth starting, 60) for tests with a short LIMIT_S.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 STAGE=${DDD_RECIPE_STAGE:-/tmp/ddd-recipe}
 LIMIT_S=${LIMIT_S:-600}
-MARGIN_S=40
+MARGIN_S=${MARGIN_S:-40}
+INT_BEFORE_S=${INT_BEFORE_S:-15}
+KILL_AFTER_S=${KILL_AFTER_S:-5}
+MIN_RECIPE_S=${MIN_RECIPE_S:-60}
 PY_RUN=${PY_RUN:-python3}
 PY_TOOL=${PY_TOOL:-python3}
 BAKED_RECIPE_EXTRA=
@@ -95,17 +101,21 @@ for f in "$HERE"/init/*; do
   if [ -f "$f" ]; then init=(--init "$f"); fi
 done
 S=$(( LIMIT_S - SECONDS - MARGIN_S ))
-[ "$S" -ge 60 ] || { echo "call 2: only $S s would be left for the recipe (LIMIT_S=$LIMIT_S, $SECONDS s spent)" >&2; exit 2; }
+[ "$S" -ge "$MIN_RECIPE_S" ] || { echo "call 2: only $S s would be left for the recipe (LIMIT_S=$LIMIT_S, $SECONDS s spent)" >&2; exit 2; }
 echo "call 2: $SECONDS s spent; the recipe gets --deadline-s $S (limit $LIMIT_S s, $MARGIN_S s margin)," \
   "products to $OUT, log also in $STAGE/recipe.log"
 set +e
 # shellcheck disable=SC2086  # the extra flags are words
-timeout -s INT -k 5 $(( S + MARGIN_S - 15 )) "$PY_RUN" -m ddd_jax.cli train-draft recipe --out "$STAGE/run" \
+timeout -s INT -k "$KILL_AFTER_S" $(( LIMIT_S - INT_BEFORE_S - SECONDS )) "$PY_RUN" -m ddd_jax.cli train-draft recipe --out "$STAGE/run" \
   --inputs "$HERE/recipe_inputs.npz" --target "$STAGE/target.gguf" --export-dir "$OUT" --deadline-s "$S" \
   ${init[@]+"${init[@]}"} $BAKED_RECIPE_EXTRA ${RECIPE_EXTRA:-} 2>&1 | tee "$STAGE/recipe.log"
 rc=${PIPESTATUS[0]}
 set -e
-[ "$rc" -eq 124 ] && echo "call 2: the recipe ran past its deadline and was interrupted at $SECONDS s"
+case "$rc" in
+124) echo "call 2: the recipe ran past its deadline and was interrupted (SIGINT) at $SECONDS s" ;;
+137) echo "call 2: the recipe ignored SIGINT and was killed (SIGKILL) at $SECONDS s" ;;
+esac
+find "$OUT" -mindepth 1 -maxdepth 3 -type f -name '.*' -print -delete | sed 's/^/call 2: removed a cut-short write: /'
 echo "call 2: exit $rc after $SECONDS s; \$OUT holds $(find "$OUT" -type f | wc -l) files:"
 (cd "$OUT" && find . -type f -printf '%s\t%p\n' | sort -k2)
 exit "$rc"

@@ -3,13 +3,16 @@ with small fake files: no GPU, no real GGUF, no recipe (a stub python records th
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +41,7 @@ def files(tmp_path):
 
 def prepare(tmp_path, gguf, inputs, tree=TREE, **env):
     e = {**os.environ, "DEVICE_DIR": str(tmp_path / "prep" / ".device"), "GGUF": str(gguf), "INPUTS": str(inputs),
-         "PY": sys.executable, "LIMIT_BYTES": str(LIMIT), "XZ_PRESET": "1", **env}
+         "RUNS": str(tmp_path / "no-runs"), "PY": sys.executable, "LIMIT_BYTES": str(LIMIT), "XZ_PRESET": "1", **env}
     return subprocess.run(["bash", str(SCRIPT), "prepare", str(tree)], env=e, capture_output=True, text=True,
                           timeout=120)
 
@@ -134,3 +137,66 @@ def test_call2_needs_call1_and_enough_time(tmp_path, files):
     r = run_call(co, 2, tmp_path / "stage", out, PY_RUN="false", LIMIT_S="90")
     assert r.returncode == 2 and "would be left for the recipe" in r.stderr, r.stderr
     assert list(out.iterdir()) == []
+
+
+DEAF = """#!/usr/bin/env bash
+# a recipe that ignores its deadline and SIGINT: logs when it starts and when SIGINT comes, leaves a temporary file of
+# a write in $OUT, and sleeps forever
+log="$DDD_RECIPE_STAGE/deaf.log"
+echo "start $(date +%s.%N)" >> "$log"
+trap 'echo "INT $(date +%s.%N)" >> "$log"' INT
+echo '{}' > "$OUT/recipe.json"
+echo 'half a head' > "$OUT/.h.tar.x1y2z3"
+while true; do sleep 0.2; done
+"""
+
+
+def test_call2_interrupts_then_kills_a_recipe_that_ignores_its_deadline_before_the_limit(tmp_path, files):
+    gguf, inputs, _ = files
+    assert prepare(tmp_path, gguf, inputs, INIT_HEAD="").returncode == 0
+    co = tmp_path / "checkout"
+    for n in (1, 2):
+        shutil.copytree(tmp_path / "prep" / ".device" / f"call{n}", co / ".device" / f"call{n}")
+    stage, out = tmp_path / "stage", tmp_path / "out"
+    out.mkdir()
+    assert run_call(co, 1, stage, out).returncode == 0
+    deaf = tmp_path / "deaf-python"
+    deaf.write_text(DEAF)
+    deaf.chmod(0o755)
+    limit = 20
+    t0 = time.time()
+    r = run_call(co, 2, stage, out, PY_RUN=str(deaf), SKIP_DEP_CHECK="1", LIMIT_S=str(limit), MARGIN_S="8",
+                 INT_BEFORE_S="5", KILL_AFTER_S="2", MIN_RECIPE_S="1")
+    took = time.time() - t0
+    assert r.returncode == 137 and "killed (SIGKILL)" in r.stdout, r.stdout + r.stderr
+    assert took < limit, took
+    log = dict(line.split() for line in (stage / "deaf.log").read_text().splitlines())
+    assert t0 + limit - 5 - 1 <= float(log["INT"]) < t0 + limit - 2, (float(log["INT"]) - t0)
+    assert sorted(p.name for p in out.iterdir()) == ["recipe.json"]  # the cut-short write is gone
+    assert "removed a cut-short write" in r.stdout
+
+
+def test_prepare_starts_from_the_best_head_returned_and_warns(tmp_path, files):
+    gguf, inputs, _ = files
+    runs = tmp_path / "runs"
+    for name, acc, steps in (("2026-01-01-h200", 0.55, 100), ("2026-01-02-h200", 0.61, 100),
+                             ("2026-01-03-h200", None, 100)):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "m-eagle3.tar").write_bytes(name.encode())
+        st = {"eagle3": {"steps": steps, "seconds": 10.0, "step_s": 0.1,
+                         **({"best": {"eval": {"acc0": acc}}} if acc is not None else {})},
+              "regenerate": {"train_tokens": 10_000}}
+        cfg = {"eagle3": {"seq_len": 100, "batch_size": 1, "max_epochs": 2.0}}
+        (runs / name / "recipe.json").write_text(json.dumps({"stages": st, "config": cfg, "inputs": {}}))
+    np.savez(tmp_path / "inputs.npz", meta=np.asarray(json.dumps({"text_tokens": 5_000})))
+    r = prepare(tmp_path, gguf, tmp_path / "inputs.npz", tree=TREE + 1, RUNS=str(runs))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"--init {runs}/2026-01-02-h200/m-eagle3.tar (held-out top-1 0.6100" in r.stdout
+    init = tmp_path / "prep" / ".device" / "call2" / "init" / "m-eagle3.tar"
+    assert init.read_bytes() == b"2026-01-02-h200"
+    # 0.1 s a step over (0.97 - 0.35) of a 537 s window: ~3,300 steps, against 2 epochs of 150 steps
+    assert "exceed its epoch cap of 300" in r.stderr, r.stderr
+    assert "over TREE_BYTES" in r.stderr  # this checkout is larger than the 300 kB given
+    r = prepare(tmp_path, gguf, tmp_path / "inputs.npz", RUNS=str(runs), INIT_HEAD="")
+    assert r.returncode == 0 and "--init" not in r.stdout
+    assert not (tmp_path / "prep" / ".device" / "call2" / "init").exists()

@@ -215,10 +215,10 @@ def test_a_fit_out_of_device_memory_or_data_halves_its_batch():
 
 def test_eagle3_fit_sizes_itself_to_a_budget(tmp_path):
     from train_draft.eagle3_fit import Fit3Config, fit_eagle3
-    from train_draft.recipe import _token_set
+    from train_draft.recipe import token_set
     t = tiny_target()
     recs = [{"id": f"s{i}", "prompt_len": 3, "ids": list(range(2 + i, 40 + i))} for i in range(12)]
-    fs = _token_set(recs, 64)
+    fs = token_set(recs, 64)
     cfg = Fit3Config(steps=10 ** 6, batch_size=1, seq_len=48, ttt_steps=2, draft_vocab_size=32, warmup=10)
     # the budget also holds the first step's compile (5-10 s here, more on a loaded machine)
     r = fit_eagle3(t, fs, tmp_path / "f", cfg, time_budget_s=20.0, probe_steps=2, log_every=1, ckpt_every=10 ** 9)
@@ -258,18 +258,18 @@ def test_a_rerun_fits_what_failed_and_measures_the_new_head(tmp_path, monkeypatc
     measured then, while what was measured before is kept."""
     import train_draft.recipe as recipe
     t = tiny_target()
-    real = recipe._fit_eagle1
+    real = recipe.eagle1_stage
 
     def broken(*a, **k):
         raise RuntimeError("a fit that failed")
 
-    monkeypatch.setattr(recipe, "_fit_eagle1", broken)
+    monkeypatch.setattr(recipe, "eagle1_stage", broken)
     st = run_recipe(t, fake_inputs(t), tmp_path / "run", TINY, smoke=True, progress=False)["stages"]
     assert st["eagle1"]["status"] == "failed" and "a fit that failed" in st["eagle1"]["error"]
     assert set(st["heldout"]["heads"]) == {"tiny4-eagle3"}
     first = json.loads(json.dumps(st["acceptance"]["results"]))  # as recipe.json holds it
     assert first and all(k.startswith("tiny4-eagle3/") for k in first)
-    monkeypatch.setattr(recipe, "_fit_eagle1", real)
+    monkeypatch.setattr(recipe, "eagle1_stage", real)
     # the rerun also measures a reference head (a directory) beside the new ones
     ref = tmp_path / "ref"
     shutil.copytree(tmp_path / "run" / "heads" / "tiny4-eagle3", ref)

@@ -18,7 +18,7 @@ from ddd_jax import generate, load_draft
 from tests.test_recipe import TINY, CharChat, fake_inputs, tiny_target
 from train_draft.export_dir import (MAX_FILES, ExportDir, HeadWriter, check_head_fits, check_limits, load_regen,
                                    save_regen, write_head_tar)
-from train_draft.recipe import _token_set, run_recipe
+from train_draft.recipe import run_recipe, token_set
 from train_draft.recipe_inputs import fit_to_bytes, load_inputs, prepare_inputs, save_inputs
 
 
@@ -138,7 +138,7 @@ def test_inputs_carry_earlier_replies_and_sharegpt_text_within_a_size(tmp_path):
 def test_eagle3_fit_stays_within_its_epochs_scores_held_out_and_keeps_the_best(tmp_path):
     from train_draft.eagle3_fit import Fit3Config, RowPlan, fit_eagle3
     t = tiny_target()
-    fs, held = _token_set(_records(12), 64), _token_set(_records(3, start=50, tag="h"), 64)
+    fs, held = token_set(_records(12), 64), token_set(_records(3, start=50, tag="h"), 64)
     cfg = Fit3Config(steps=1000, batch_size=1, seq_len=48, ttt_steps=2, draft_vocab_size=32, warmup=3, lr=3e-3,
                      max_epochs=2.0)
     per_epoch = RowPlan(fs, cfg).steps_per_epoch
@@ -173,7 +173,7 @@ def test_a_fit_runs_the_programs_compiled_ahead_for_its_shapes(tmp_path):
     from train_draft.eagle3_fit import Fit3Config, compile_ahead, fit_eagle3
     from train_draft.regen import CompileCounter
     t = tiny_target()
-    fs, held = _token_set(_records(12), 64), _token_set(_records(3, start=50, tag="h"), 64)
+    fs, held = token_set(_records(12), 64), token_set(_records(3, start=50, tag="h"), 64)
     cfg = Fit3Config(steps=4, batch_size=2, seq_len=48, ttt_steps=2, draft_vocab_size=32, warmup=3, lr=3e-3)
     kw = dict(ckpt_every=10 ** 9, eval_set=held, eval_every=2)
     ahead = compile_ahead(t, cfg, 32)
@@ -272,7 +272,7 @@ def test_regen_first_takes_the_targets_replies_before_sharegpt_in_every_epoch():
     inputs = {"text": text}
     assert [k for k, _, _ in fit_text(inputs, "regen")] == ["regen:0", "regen:1"]
     assert [k for k, _, _ in fit_text(inputs, "regen-first")][:2] == ["regen:0", "regen:1"]
-    fs = _token_set(_records(4), 64, fit_text(inputs, "regen-first"))  # 4 replies of this run, 2 earlier, 6 ShareGPT
+    fs = token_set(_records(4), 64, fit_text(inputs, "regen-first"))  # 4 replies of this run, 2 earlier, 6 ShareGPT
     groups = fit_groups(fs, "regen-first")
     assert groups.tolist() == [0] * 6 + [1] * 6 and fit_groups(fs, "all") is None
     plan = RowPlan(fs, Fit3Config(batch_size=1, seq_len=40), groups)

@@ -233,7 +233,7 @@ def compile_ahead(target, cfg: Fit3Config, n_vocab: int):
         t0 = time.time()
         dcfg, tx = eagle3_config(target, n_vocab), make_optimizer(cfg)
         sds = jax.ShapeDtypeStruct
-        params = jax.eval_shape(lambda: _trainable(eagle3.init_params(dcfg, jax.random.PRNGKey(0), jnp.float32)))
+        params = jax.eval_shape(lambda: trainable(eagle3.init_params(dcfg, jax.random.PRNGKey(0), jnp.float32)))
         state = {"params": params, "opt_state": jax.eval_shape(tx.init, params), "step": sds((), jnp.int32)}
         tparams = jax.eval_shape(lambda p: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), p), target.params)
         shape = (cfg.batch_size, cfg.seq_len)
@@ -302,7 +302,7 @@ def evaluate(target, params: dict, eval_set: FeatureSet, cfg: Fit3Config, max_ba
     dcfg = eagle3_config(target, len(params["d2t"]))
     tparams = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target.params)
     loss = jax.jit(lambda p, d2t, tparams, *a: ttt_loss(p, d2t, dcfg, cfg, tparams, target.config, *a)[1])
-    return eval_metrics(loss, _trainable(params), d2t, tparams, eval_batches(eval_set, cfg, max_batches))
+    return eval_metrics(loss, trainable(params), d2t, tparams, eval_batches(eval_set, cfg, max_batches))
 
 
 def eagle3_config(target, draft_vocab_size: int) -> DraftConfig:
@@ -311,8 +311,12 @@ def eagle3_config(target, draft_vocab_size: int) -> DraftConfig:
                                    draft_vocab_size=int(draft_vocab_size))
 
 
-def _trainable(params: dict) -> dict:
+def trainable(params: dict) -> dict:
+    """A head's params without d2t (what the fit trains)."""
     return {k: v for k, v in params.items() if k != "d2t"}
+
+
+_trainable = trainable  # the old name, which experiments/recipe_memory.py still imports
 
 
 def _manager(ckpt_dir: Path, keep: int):
@@ -321,33 +325,81 @@ def _manager(ckpt_dir: Path, keep: int):
     return ocp.CheckpointManager(ckpt_dir.absolute(), options=opts)
 
 
-def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: bool = False, ckpt_every: int = 200,
-               keep: int = 3, log_every: int = 10, export_dir=None, stop_after: int | None = None,
-               time_budget_s: float | None = None, probe_steps: int = 3, progress: bool = False,
-               vocab=None, init: dict | None = None, eval_set: FeatureSet | None = None, eval_every: int = 0,
-               eval_max_batches: int = 8, on_best=None, groups=None, ahead=None) -> dict:
-    """Train an EAGLE-3 head on the token ids of `train`; checkpoints, metrics.jsonl and fit.json go to out_dir.
+def initial_params(dcfg: DraftConfig, cfg: Fit3Config, init: dict | None = None) -> dict:
+    """The fit's float32 starting weights without d2t: `init`'s (checked against this head's shapes), else a random
+    head from `cfg.seed`."""
+    if init is None:
+        return trainable(eagle3.init_params(dcfg, jax.random.PRNGKey(cfg.seed), jnp.float32))
+    params = {k: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), v) for k, v in trainable(init).items()}
+    want = jax.eval_shape(lambda: trainable(eagle3.init_params(dcfg, jax.random.PRNGKey(0), jnp.float32)))
+    if jax.tree.map(lambda x: x.shape, params) != jax.tree.map(lambda x: x.shape, want):
+        raise ValueError("init: the head's weights do not have this target's EAGLE-3 head shapes")
+    return params
 
-    Steps: at most `cfg.steps`, and at most `cfg.max_epochs` passes over the packed training rows (fit.json's
-    `epoch_cap`; every metrics line has its `epoch`). time_budget_s (a fresh run): after the first step (the
-    compile) and `probe_steps` timed steps, `cfg.steps` becomes the number of steps that fit the budget (never more
-    than given); fit.json and the schedule follow it. The probe runs inside the warmup (warmup > probe_steps + 1
-    keeps its learning rates independent of the final count). The budget is also a hard stop: a step that starts
-    past it is not taken.
-    vocab: the draft vocabulary (target token ids) to use instead of `draft_vocab(train, ...)`, e.g. one shared
-    by heads fitted on different data. init: a head's params (with d2t, e.g. `load_draft(...).params`) to start
-    from instead of a random head; its d2t is the draft vocabulary.
-    eval_set / eval_every: held-out TTT metrics every `eval_every` steps and at the end (metrics lines with
-    "split": "eval", in the fit's dtype, the same `eval_max_batches` batches each time); the params with the lowest
-    held-out loss are the ones returned and exported, and `on_best(params, step, metrics)` sees each new best.
-    groups: [S] int per training sequence: each epoch goes through group 0 first, then group 1, ... (`RowPlan`).
-    ahead: `compile_ahead(...)`'s future: its programs run when they were built for this fit's shapes (fit.json's
-    `ahead` says whether they were).
-    Returns {"params" (with d2t), "step", "epochs", "last_metrics", "best", "draft_config", "fit_config", "ahead"}."""
-    import orbax.checkpoint as ocp
-    t0 = time.time()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+
+def measure_step(target, cfg: Fit3Config, programs: dict, n_vocab: int, steps: int = 3) -> dict:
+    """Seconds a step and a held-out batch of the fit take on this device, timed on a synthetic batch with
+    `compile_ahead`'s executables (`programs`: its future's result): one untimed call each, then `steps` timed
+    steps. What the recipe predicts its fit's steps from before the fit starts."""
+    dcfg, tx = eagle3_config(target, n_vocab), make_optimizer(cfg)
+    params = initial_params(dcfg, cfg)
+    state = {"params": params, "opt_state": tx.init(params), "step": jnp.asarray(0, jnp.int32)}
+    tparams = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target.params)
+    B, L = cfg.batch_size, cfg.seq_len
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, target.config.vocab_size, (B, L)), jnp.int32)
+    batch = (ids, jnp.ones((B, L), jnp.float32), jnp.tile(jnp.arange(L, dtype=jnp.int32), (B, 1)),
+             jnp.ones((B, L), jnp.int32))
+    d2t, lr = jnp.arange(n_vocab, dtype=jnp.int32), jnp.float32(0.0)
+    state, _ = programs["step"](state, lr, d2t, tparams, *batch)
+    jax.block_until_ready(state["step"])
+    t = time.time()
+    for _ in range(steps):
+        state, _ = programs["step"](state, lr, d2t, tparams, *batch)
+    jax.block_until_ready(state["step"])
+    step_s = (time.time() - t) / steps
+    jax.block_until_ready(programs["eval"](state["params"], d2t, tparams, *batch))
+    t = time.time()
+    jax.block_until_ready(programs["eval"](state["params"], d2t, tparams, *batch))
+    return {"step_s": step_s, "eval_batch_s": time.time() - t, "steps_timed": steps}
+
+
+@dataclass
+class _Run:
+    """One fit's moving parts, shared by the named parts of `fit_eagle3`."""
+
+    cfg: Fit3Config
+    dcfg: DraftConfig
+    plan: RowPlan
+    vocab: np.ndarray  # the draft vocabulary (sorted target ids)
+    meta: dict  # fit.json
+    out: Path
+    mgr: object = None  # orbax's CheckpointManager, None without checkpoints
+    state: dict | None = None
+    last: dict | None = None  # the last training metrics line
+    held: "_HeldOut | None" = None
+
+    def write_meta(self) -> None:
+        dio.atomic_write_text(self.out / "fit.json", json.dumps(self.meta, indent=1))
+
+    def log(self, line: dict) -> None:
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def epoch(self, step: int) -> float:
+        return round(step / self.plan.steps_per_epoch, 4)
+
+    def save(self, step: int) -> None:
+        import orbax.checkpoint as ocp
+        if self.mgr is not None:
+            self.mgr.save(step, args=ocp.args.StandardSave(self.state), force=True)
+            self.mgr.wait_until_finished()
+
+
+def _open_run(target, train: FeatureSet, out_dir, cfg: Fit3Config, vocab, init, groups, resume: bool,
+              ckpt_every) -> _Run:
+    """The draft vocabulary, the row plan, the epoch cap and fit.json (checked against a resumed run's)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     if init is not None:
         vocab = init["d2t"]
     ids_vocab = (draft_vocab(train, cfg.draft_vocab_size, target.config.vocab_size, always=target.eos_token_ids)
@@ -362,7 +414,9 @@ def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: b
             "train_loss_tokens": int(train.mask.sum()), "draft_vocab": ids_vocab.tolist(),
             "epoch_cap": {"max_epochs": cfg.max_epochs, "steps_per_epoch": plan.steps_per_epoch, "steps": cap},
             "init": None if init is None else "given"}
-    fit_json, ckpt_dir, metrics_path = out_dir / "fit.json", out_dir / "checkpoints", out_dir / "metrics.jsonl"
+    fit_json, ckpt_dir = out / "fit.json", out / "checkpoints"
+    if resume and ckpt_every is None:
+        raise ValueError("resume needs checkpoints (ckpt_every=None writes none)")
     if resume and fit_json.exists():
         old = dio.read_json(fit_json)
         for k in ("fit_config", "draft_config", "train_tokens", "draft_vocab"):
@@ -370,105 +424,154 @@ def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: b
                 raise ValueError(f"--resume: {fit_json} was written with a different {k}")
     elif not resume and ckpt_dir.exists() and any(ckpt_dir.iterdir()):
         raise ValueError(f"{ckpt_dir} already holds checkpoints: pass --resume or use a new output directory")
-    dio.atomic_write_text(fit_json, json.dumps(meta, indent=1))
+    run = _Run(cfg, dcfg, plan, ids_vocab, meta, out)
+    run.write_meta()
+    return run
 
-    tx, sched = make_optimizer(cfg), schedule(cfg)
-    tparams = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target.params)
-    d2t = jnp.asarray(ids_vocab, jnp.int32)
-    programs, meta["ahead"] = _ahead(ahead, program_key(target, cfg, len(ids_vocab)))
-    if ahead is not None:
-        dio.atomic_write_text(fit_json, json.dumps(meta, indent=1))
-    step_fn = programs["step"] if programs else make_step(dcfg, cfg, target.config, tx)
-    mgr = _manager(ckpt_dir, keep)
-    if init is not None:
-        params = {k: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), v) for k, v in _trainable(init).items()}
-        want = jax.eval_shape(lambda: _trainable(eagle3.init_params(dcfg, jax.random.PRNGKey(0), jnp.float32)))
-        if jax.tree.map(lambda x: x.shape, params) != jax.tree.map(lambda x: x.shape, want):
-            raise ValueError("init: the head's weights do not have this target's EAGLE-3 head shapes")
-    else:
-        params = _trainable(eagle3.init_params(dcfg, jax.random.PRNGKey(cfg.seed), jnp.float32))
-    if resume and mgr.latest_step() is not None:
+
+def _start_state(run: _Run, tx, init, resume: bool, keep: int, ckpt_every) -> None:
+    """run.state: restored from the latest checkpoint (metrics.jsonl cut back to it), else fresh; run.mgr."""
+    import orbax.checkpoint as ocp
+    params = initial_params(run.dcfg, run.cfg, init)
+    metrics_path = run.out / "metrics.jsonl"
+    run.mgr = None if ckpt_every is None else _manager(run.out / "checkpoints", keep)
+    if resume and run.mgr.latest_step() is not None:
         abstract = {"params": jax.eval_shape(lambda: params), "opt_state": jax.eval_shape(tx.init, params),
                     "step": jax.ShapeDtypeStruct((), jnp.int32)}
-        state = mgr.restore(mgr.latest_step(), args=ocp.args.StandardRestore(abstract))
+        run.state = run.mgr.restore(run.mgr.latest_step(), args=ocp.args.StandardRestore(abstract))
         if metrics_path.exists():
             keep_lines = [ln for ln in metrics_path.read_text().splitlines()
-                          if ln.strip() and json.loads(ln)["step"] <= int(state["step"])]
+                          if ln.strip() and json.loads(ln)["step"] <= int(run.state["step"])]
             dio.atomic_write_text(metrics_path, "".join(ln + "\n" for ln in keep_lines))
     else:
-        state = {"params": params, "opt_state": tx.init(params), "step": jnp.asarray(0, jnp.int32)}
+        run.state = {"params": params, "opt_state": tx.init(params), "step": jnp.asarray(0, jnp.int32)}
         if metrics_path.exists():
             metrics_path.unlink()
-    held = _HeldOut(programs["eval"] if programs else make_eval(dcfg, cfg, target.config), cfg, tparams, d2t,
-                    eval_set, eval_max_batches, ids_vocab, on_best) if eval_set is not None and eval_every > 0 else None
-    start = int(state["step"])
-    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    sized = time_budget_s is None or resume
-    deadline = None if time_budget_s is None else t0 + time_budget_s
-    pending, last, t_probe = [], None, None
 
-    def save(step):
-        mgr.save(step, args=ocp.args.StandardSave(state), force=True)
-        mgr.wait_until_finished()
 
-    def log(rec):
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+def _size_to_budget(run: _Run, done: int, per_step: float, deadline: float, budget_s: float) -> None:
+    """Fix `steps` to what fits before `deadline` at `per_step` seconds a step (never more than given)."""
+    fits = done + int(max(0.0, deadline - time.time()) * 0.95 / per_step)
+    run.cfg = dataclasses.replace(run.cfg, steps=max(done, min(run.cfg.steps, fits)))
+    run.meta["fit_config"] = run.cfg.to_dict()
+    run.meta["sized_to_budget"] = {"budget_s": budget_s, "probe_s_per_step": per_step}
+    run.write_meta()
 
-    step = start
-    while step < end:
-        if deadline is not None and time.time() > deadline and step > start:
+
+def _train(run: _Run, step_fn, d2t, tparams, *, stop_after, budget_s, probe_steps, log_every, eval_every,
+           ckpt_every, stop, progress, t0) -> None:
+    """The training loop: steps until `cfg.steps` (sized to the budget after the probe), the deadline, `stop()` or
+    `stop_after`; metrics every `log_every` steps, held-out scores every `eval_every`, checkpoints every
+    `ckpt_every` (None: none)."""
+    start = step = int(run.state["step"])
+    sched = schedule(run.cfg)
+    ends = lambda: run.cfg.steps if stop_after is None else min(run.cfg.steps, stop_after)  # noqa: E731
+    sized = budget_s is None or start > 0
+    deadline = None if budget_s is None else t0 + budget_s
+    pending, t_probe = [], None
+    while step < ends():
+        if step > start and ((deadline is not None and time.time() > deadline) or (stop is not None and stop())):
             break
-        ids, msk, pos, seg = plan.batch(step)
-        state, m = step_fn(state, jnp.float32(sched(step)), d2t, tparams, ids, msk, pos, seg)
+        run.state, m = step_fn(run.state, jnp.float32(sched(step)), d2t, tparams, *run.plan.batch(step))
         pending.append(m)
         step = done = step + 1
         if not sized and done in (start + 1, start + 1 + probe_steps):
-            jax.block_until_ready(state["step"])
+            jax.block_until_ready(run.state["step"])
             if done == start + 1:
                 t_probe = time.time()
-            else:  # size the run to the budget (upper bound: cfg.steps)
-                per_step = (time.time() - t_probe) / probe_steps
-                fits = done + int(max(0.0, deadline - time.time()) * 0.95 / per_step)
-                cfg = dataclasses.replace(cfg, steps=max(done, min(cfg.steps, fits)))
-                sched, sized = schedule(cfg), True
-                end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-                meta["fit_config"] = cfg.to_dict()
-                meta["sized_to_budget"] = {"budget_s": time_budget_s, "probe_s_per_step": per_step}
-                dio.atomic_write_text(fit_json, json.dumps(meta, indent=1))
+            else:
+                _size_to_budget(run, done, (time.time() - t_probe) / probe_steps, deadline, budget_s)
+                sched, sized = schedule(run.cfg), True
+        end = ends()
         if done % log_every == 0 or done == end:
             ms = jax.device_get(pending)
-            last = {"step": done, "epoch": round(done / plan.steps_per_epoch, 4), "lr": float(sched(done - 1)),
-                    **{k: float(np.mean([x[k] for x in ms])) for k in ms[0]}, "elapsed_s": time.time() - t0}
-            log(last)
+            run.last = {"step": done, "epoch": run.epoch(done), "lr": float(sched(done - 1)),
+                        **{k: float(np.mean([x[k] for x in ms])) for k in ms[0]}, "elapsed_s": time.time() - t0}
+            run.log(run.last)
             if progress:
-                print(f"fit-eagle3 step {done}/{end} (epoch {last['epoch']:.2f}): loss {last['loss']:.4f} "
-                      f"acc0 {last['acc0']:.3f}", flush=True)
+                print(f"fit-eagle3 step {done}/{end} (epoch {run.last['epoch']:.2f}): loss {run.last['loss']:.4f} "
+                      f"acc0 {run.last['acc0']:.3f}", flush=True)
             pending = []
-        if held is not None and (done % eval_every == 0 or done == end):
-            log({"split": "eval", "step": done, "epoch": round(done / plan.steps_per_epoch, 4),
-                 **held.score(state["params"], done), "elapsed_s": time.time() - t0})
-        if done % ckpt_every == 0 or done == end:
-            save(done)
-    if held is not None and held.last_step != int(state["step"]):  # a deadline ended the loop between scores
-        log({"split": "eval", "step": int(state["step"]), "epoch": round(int(state["step"]) / plan.steps_per_epoch, 4),
-             **held.score(state["params"], int(state["step"])), "elapsed_s": time.time() - t0})
-    if mgr.latest_step() != int(state["step"]):
-        save(int(state["step"]))
-    mgr.close()
-    final_step = int(state["step"])
+        if run.held is not None and (done % eval_every == 0 or done == end):
+            run.log({"split": "eval", "step": done, "epoch": run.epoch(done),
+                     **run.held.score(run.state["params"], done), "elapsed_s": time.time() - t0})
+        if ckpt_every is not None and (done % ckpt_every == 0 or done == end):
+            run.save(done)
+
+
+def _finish(run: _Run, target, train: FeatureSet, export_dir, ckpt_every, t0) -> dict:
+    """The last held-out score (when a deadline ended the loop between scores), the last checkpoint, the best
+    head exported; `fit_eagle3`'s result."""
+    final_step = int(run.state["step"])
+    held = run.held
+    if held is not None and held.last_step != final_step:
+        run.log({"split": "eval", "step": final_step, "epoch": run.epoch(final_step),
+                 **held.score(run.state["params"], final_step), "elapsed_s": time.time() - t0})
+    if run.mgr is not None:
+        if run.mgr.latest_step() != final_step:
+            run.save(final_step)
+        run.mgr.close()
     if held is not None:
         full, out_step = held.best["params"], held.best["step"]
     else:
-        full, out_step = {**jax.tree.map(np.asarray, state["params"]), "d2t": np.asarray(ids_vocab, np.int32)}, final_step
+        full = {**jax.tree.map(np.asarray, run.state["params"]), "d2t": np.asarray(run.vocab, np.int32)}
+        out_step = final_step
     best = None if held is None else {"step": held.best["step"], "eval": held.best["metrics"]}
     if export_dir is not None:
-        save_draft(eagle.Draft(dcfg, full, target), export_dir, dtype=np.float16,
-                   extra={"trained_for": target.name, "step": out_step, "fit_config": cfg.to_dict(),
-                          "train_tokens": train.n_tokens, "epochs": round(final_step / plan.steps_per_epoch, 4),
-                          "train_metrics": last, "heldout": best})
-    return {"params": full, "step": final_step, "epochs": round(final_step / plan.steps_per_epoch, 4),
-            "last_metrics": last, "best": best, "draft_config": dcfg, "fit_config": cfg, "ahead": meta["ahead"]}
+        save_draft(eagle.Draft(run.dcfg, full, target), export_dir, dtype=np.float16,
+                   extra={"trained_for": target.name, "step": out_step, "fit_config": run.cfg.to_dict(),
+                          "train_tokens": train.n_tokens, "epochs": run.epoch(final_step),
+                          "train_metrics": run.last, "heldout": best})
+    return {"params": full, "step": final_step, "epochs": run.epoch(final_step), "last_metrics": run.last,
+            "best": best, "draft_config": run.dcfg, "fit_config": run.cfg, "ahead": run.meta["ahead"],
+            "epoch_cap": run.meta["epoch_cap"], "sized_to_budget": run.meta.get("sized_to_budget"),
+            "seconds": round(time.time() - t0, 1)}
+
+
+def fit_eagle3(target, train: FeatureSet, out_dir, cfg: Fit3Config, *, resume: bool = False,
+               ckpt_every: int | None = 200, keep: int = 3, log_every: int = 10, export_dir=None,
+               stop_after: int | None = None, time_budget_s: float | None = None, probe_steps: int = 3,
+               progress: bool = False, vocab=None, init: dict | None = None, eval_set: FeatureSet | None = None,
+               eval_every: int = 0, eval_max_batches: int = 8, on_best=None, groups=None, ahead=None,
+               stop=None) -> dict:
+    """Train an EAGLE-3 head on the token ids of `train`; metrics.jsonl, fit.json and checkpoints go to out_dir.
+
+    Steps: at most `cfg.steps`, and at most `cfg.max_epochs` passes over the packed training rows (fit.json's
+    `epoch_cap`; every metrics line has its `epoch`). time_budget_s (a fresh run): after the first step (the
+    compile) and `probe_steps` timed steps, `cfg.steps` becomes the number of steps that fit the budget (never more
+    than given); fit.json and the schedule follow it. The probe runs inside the warmup (warmup > probe_steps + 1
+    keeps its learning rates independent of the final count). The budget is also a hard stop: a step that starts
+    past it is not taken; so is one that starts once `stop()` (a callable, checked before every step but the first)
+    returns true.
+    ckpt_every: an orbax checkpoint of the params and optimizer state every N steps and at the end, what `resume`
+    continues from; None writes none (the recipe, which never resumes a fit).
+    vocab: the draft vocabulary (target token ids) to use instead of `draft_vocab(train, ...)`, e.g. one shared
+    by heads fitted on different data. init: a head's params (with d2t, e.g. `load_draft(...).params`) to start
+    from instead of a random head; its d2t is the draft vocabulary.
+    eval_set / eval_every: held-out TTT metrics every `eval_every` steps and at the end (metrics lines with
+    "split": "eval", in the fit's dtype, the same `eval_max_batches` batches each time); the params with the lowest
+    held-out loss are the ones returned and exported, and `on_best(params, step, metrics)` sees each new best.
+    groups: [S] int per training sequence: each epoch goes through group 0 first, then group 1, ... (`RowPlan`).
+    ahead: `compile_ahead(...)`'s future: its programs run when they were built for this fit's shapes (fit.json's
+    `ahead` says whether they were).
+    Returns {"params" (with d2t), "step", "epochs", "last_metrics", "best", "draft_config", "fit_config", "ahead",
+    "epoch_cap", "sized_to_budget", "seconds"}."""
+    t0 = time.time()
+    run = _open_run(target, train, out_dir, cfg, vocab, init, groups, resume, ckpt_every)
+    tx = make_optimizer(run.cfg)
+    tparams = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target.params)
+    d2t = jnp.asarray(run.vocab, jnp.int32)
+    programs, run.meta["ahead"] = _ahead(ahead, program_key(target, run.cfg, len(run.vocab)))
+    if ahead is not None:
+        run.write_meta()
+    step_fn = programs["step"] if programs else make_step(run.dcfg, run.cfg, target.config, tx)
+    _start_state(run, tx, init, resume, keep, ckpt_every)
+    if eval_set is not None and eval_every > 0:
+        run.held = _HeldOut(programs["eval"] if programs else make_eval(run.dcfg, run.cfg, target.config), run.cfg,
+                            tparams, d2t, eval_set, eval_max_batches, run.vocab, on_best)
+    _train(run, step_fn, d2t, tparams, stop_after=stop_after, budget_s=time_budget_s, probe_steps=probe_steps,
+           log_every=log_every, eval_every=eval_every, ckpt_every=ckpt_every, stop=stop, progress=progress, t0=t0)
+    return _finish(run, target, train, export_dir, ckpt_every, t0)
 
 
 class _HeldOut:

@@ -14,6 +14,7 @@ import gzip
 import json
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -150,22 +151,44 @@ class HeadWriter:
     """Writes heads into an `ExportDir` on one background thread, so a fit that finds a new best every few seconds
     does not wait for a head's compression (xz releases the GIL; the heads come as host numpy arrays). A head
     submitted under a name replaces one of that name still waiting. `poll()` and `flush()` run on the caller's
-    thread and return what was written since: {name: (why not | None, form | None)}."""
+    thread and return what was written since: {name: (why not | None, form | None)}.
+
+    Time: `time_write(draft)` writes a head of the final one's shapes to scratch only, so `expected_s()` (the
+    longest write so far) is known before a fit starts; `flush(timeout)` gives up at its timeout, and `close()`
+    lets no write reach the export folder afterwards (a process that exits then leaves no half-copied file)."""
 
     def __init__(self, export: ExportDir, scratch):
         self.export, self.scratch = export, Path(scratch)
         self._cv = threading.Condition()
         self._todo: dict = {}
         self._done: dict = {}
-        self._busy = False
+        self._busy, self._current, self._closed = False, None, False
+        self.write_s: list = []  # seconds of every write so far (timing writes included)
         self._thread = threading.Thread(target=self._loop, name="head-writer", daemon=True)
         self._thread.start()
 
     def submit(self, name: str, draft, extra: dict | None = None) -> dict:
         with self._cv:
-            self._todo[name] = (draft, extra)
+            self._todo[name] = (draft, extra, True)
             self._cv.notify_all()
         return self.poll()
+
+    def time_write(self, draft) -> None:
+        """Write `draft` as a head would be written, to scratch only: its seconds join `write_s`."""
+        with self._cv:
+            self._todo[".timing"] = (draft, None, False)
+            self._cv.notify_all()
+
+    def expected_s(self) -> float | None:
+        """The longest write so far (None before the first ends)."""
+        with self._cv:
+            return max(self.write_s) if self.write_s else None
+
+    def pending(self) -> list[str]:
+        """The heads submitted and not yet written (the one being written included)."""
+        with self._cv:
+            names = [*self._todo, *([self._current] if self._busy else [])]
+            return [n for n in names if not n.startswith(".")]
 
     def poll(self) -> dict:
         with self._cv:
@@ -175,30 +198,47 @@ class HeadWriter:
     def flush(self, timeout: float | None = None) -> dict:
         """Wait (up to `timeout` s) until every submitted head is written or refused."""
         with self._cv:
-            self._cv.wait_for(lambda: not self._todo and not self._busy, timeout)
+            self._cv.wait_for(lambda: not self.pending(), timeout)
         return self.poll()
+
+    def close(self) -> None:
+        """No write reaches the export folder after this (one being copied in finishes first: milliseconds)."""
+        with self._cv:
+            self._closed = True
+            self._todo.clear()
 
     def _loop(self) -> None:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._todo)
-                name = next(iter(self._todo))
-                draft, extra = self._todo.pop(name)
+                name = self._current = next(iter(self._todo))
+                draft, extra, export = self._todo.pop(name)
                 self._busy = True
-            tmp = self.scratch / f".{name}.tar"
-            try:
-                form = write_head_tar(draft, tmp, extra)
-                result = (self.export.put_file(f"{name}.tar", tmp), form)
-            except ValueError as e:  # no form fits
-                result = (str(e), None)
-            except Exception as e:  # noqa: BLE001 -- reported to the caller, never lost on this thread
-                result = (f"{type(e).__name__}: {e}", None)
-            finally:
-                tmp.unlink(missing_ok=True)
+            t0 = time.time()
+            result = self._write(name, draft, extra, export)
             with self._cv:
-                self._done[name] = result
+                self.write_s.append(time.time() - t0)
+                if export:
+                    self._done[name] = result
                 self._busy = False
                 self._cv.notify_all()
+
+    def _write(self, name: str, draft, extra, export: bool) -> tuple:
+        tmp = self.scratch / f".{name.lstrip('.')}.tar"
+        try:
+            form = write_head_tar(draft, tmp, extra)
+            if not export:
+                return None, form
+            with self._cv:  # close() waits for a copy under way, and none starts after it
+                if self._closed:
+                    return "the run's deadline came first", form
+                return self.export.put_file(f"{name}.tar", tmp), form
+        except ValueError as e:  # no form fits
+            return str(e), None
+        except Exception as e:  # noqa: BLE001 -- reported to the caller, never lost on this thread
+            return f"{type(e).__name__}: {e}", None
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------------------- regenerated replies

@@ -46,6 +46,7 @@ from .train import FitConfig
 RECIPE_FORMAT = "ddd-jax-recipe"
 MODES = ("auto", "on", "off")
 DATA = ("regen", "regen-first", "all")
+SPARE_TO = ("regenerate", "epochs")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,9 @@ class RecipeConfig:
     tau_labels: int = 0  # how many of stage (f)'s runs each head gets, most important first (0: all of them)
     probe_steps: int = 3
     compile_ahead: bool = True  # build (a)'s and (b)'s programs on background threads from the start (off: as met)
+    spare_to: str = "regenerate"  # the time the EAGLE-3 fit's epoch cap leaves it unable to use (`FitPlan`):
+    # "regenerate" (regeneration runs longer: more of the target's own replies) or "epochs" (no epoch cap)
+    fit_overhead_s: float = 10.0  # what `FitPlan` predicts the fit spends outside its steps and held-out scores
     reference_head: str = "shipped"  # measured beside the new heads in (f): a head name or directory; "shipped":
     # the packaged "<target>-eagle" when there is one; "": none
 
@@ -96,6 +100,8 @@ class RecipeConfig:
         for name in ("train_eagle1", "acceptance"):
             if getattr(self, name) not in MODES:
                 raise ValueError(f"RecipeConfig.{name} must be one of {MODES}, got {getattr(self, name)!r}")
+        if self.spare_to not in SPARE_TO:
+            raise ValueError(f"RecipeConfig.spare_to must be one of {SPARE_TO}, got {self.spare_to!r}")
         if self.data not in DATA:
             raise ValueError(f"RecipeConfig.data must be one of {DATA}, got {self.data!r}")
         if self.eagle3.warmup <= self.probe_steps + 1:
@@ -243,7 +249,7 @@ def _stage(rec: Record, name: str, fn, *args, fatal: bool = False, **kwargs):
     return result
 
 
-def _token_set(records: list, max_len: int, text: list = ()):
+def token_set(records: list, max_len: int, text: list = ()):
     """FeatureSet of the regenerated records' ids and loss masks (replies count), then of the `text` entries
     ((key, ids, mask)), no features."""
     from .extract import FeatureSet
@@ -266,6 +272,11 @@ def fit_text(inputs: dict, data: str) -> list:
     text = inputs.get(TEXT, [])
     return [e for e in text if e[0].startswith("regen:")] + ([] if data == "regen" else
                                                              [e for e in text if not e[0].startswith("regen:")])
+
+
+def text_tokens(inputs: dict, data: str, max_len: int) -> int:
+    """Tokens of the inputs' text the EAGLE-3 fit learns from (`fit_text`), each entry cut to `max_len`."""
+    return sum(min(len(ids), max_len) for _, ids, _ in fit_text(inputs, data))
 
 
 def fit_groups(fs, data: str):
@@ -299,10 +310,11 @@ def _fresh(path: Path) -> Path:
 
 
 def regenerate_stage(target, inputs: dict, cfg: RecipeConfig, regen_dir: Path, time_limit_s: float,
-                     progress: bool) -> dict:
+                     progress: bool, stop=None) -> dict:
     """(a) The target's replies: the held-out prompts first (few), then the training prompts until `time_limit_s`
-    after the stage starts, at least one batch of them (later stages need training data). Every batch has
-    `cfg.regen_batch` rows, over one plan of prompt buckets and cache capacity for both parts."""
+    after the stage starts or until `stop(done)` (`FitPlan.stop_regen`) says so, at least one batch of them (later
+    stages need training data). Every batch has `cfg.regen_batch` rows, over one plan of prompt buckets and cache
+    capacity for both parts."""
     from .regen import compile_plan, regen_plan, regenerate
     t = time.time()
     parts = {"holdout": inputs["holdout"][:cfg.holdout_prompts] if cfg.holdout_prompts else inputs["holdout"],
@@ -314,7 +326,7 @@ def regenerate_stage(target, inputs: dict, cfg: RecipeConfig, regen_dir: Path, t
         limit = max(0.0, time_limit_s - (time.time() - t)) if part == "train" else None
         out[part] = regenerate(target, prompts, regen_dir / f"{part}.jsonl", max_new_tokens=cfg.regen_max_new,
                                time_limit_s=limit, min_batches=int(part == "train"), progress=progress, warm=warm,
-                               **plan)
+                               stop=stop if part == "train" else None, **plan)
     new = sum(r["new_reply_tokens"] for r in out.values())
     seconds = time.time() - t
     built = {str(k): f.result() for k, f in warm.items() if f.done() and f.exception() is None}
@@ -325,26 +337,26 @@ def regenerate_stage(target, inputs: dict, cfg: RecipeConfig, regen_dir: Path, t
 
 
 def eagle3_stage(target, train, held, cfg: RecipeConfig, run_dir: Path, head_dir: Path, budget_s: float,
-                 init: dict | None, on_best, progress: bool, ahead=None) -> dict:
-    """(b) The EAGLE-3 fit, sized to `budget_s` and to `cfg.eagle3.max_epochs`, held-out loss every
-    `cfg.eval_every` steps; the best head is written to `head_dir` at the end and passed to `on_best` as it comes.
-    ahead: `compile_ahead`'s future (its programs are used when they were built for the fit's shapes)."""
+                 init: dict | None, on_best, progress: bool, ahead=None, stop=None) -> dict:
+    """(b) The EAGLE-3 fit, sized to `budget_s` and to `cfg.eagle3.max_epochs` (none with `spare_to="epochs"`),
+    held-out loss every `cfg.eval_every` steps; the best head is written to `head_dir` at the end and passed to
+    `on_best` as it comes. One clock: a retry with half the batch (`halving_batch`) gets what is left of `budget_s`.
+    ahead: `compile_ahead`'s future (its programs are used when they were built for the fit's shapes); stop: ends the
+    fit before its next step when it returns true. No optimizer state is saved (the recipe never resumes a fit)."""
     from .eagle3_fit import fit_eagle3
+    end = time.time() + budget_s
+    fit_cfg = cfg.eagle3 if cfg.spare_to == "regenerate" else dataclasses.replace(cfg.eagle3, max_epochs=0.0)
     r, _, retries = halving_batch(lambda fc: fit_eagle3(
-        target, train, _fresh(run_dir), fc, time_budget_s=budget_s, probe_steps=cfg.probe_steps,
-        ckpt_every=10 ** 9, log_every=10, export_dir=head_dir, progress=progress, init=init, eval_set=held,
+        target, train, _fresh(run_dir), fc, time_budget_s=max(1.0, end - time.time()), probe_steps=cfg.probe_steps,
+        ckpt_every=None, log_every=10, export_dir=head_dir, progress=progress, init=init, eval_set=held,
         eval_every=cfg.eval_every, eval_max_batches=cfg.eval_batches, on_best=on_best,
-        groups=fit_groups(train, cfg.data), ahead=ahead), cfg.eagle3)
+        groups=fit_groups(train, cfg.data), ahead=ahead, stop=stop), fit_cfg)
+    sized = r["sized_to_budget"] or {}
     return {"steps": r["step"], "epochs": r["epochs"], "fit_config": r["fit_config"].to_dict(), "ahead": r["ahead"],
             "train_tokens": train.n_tokens, "train_loss_tokens": int(train.mask.sum()),
-            "last_metrics": r["last_metrics"], "best": r["best"], "init": init is not None,
+            "epoch_cap_steps": r["epoch_cap"]["steps"], "step_s": sized.get("probe_s_per_step"),
+            "fit_s": r["seconds"], "last_metrics": r["last_metrics"], "best": r["best"], "init": init is not None,
             "head": str(head_dir), "export": _head_files(head_dir), "batch_retries": retries}
-
-
-def eagle1_stage(target, train, cfg: RecipeConfig, out: Path, head_dir: Path, budget_s: float,
-                 progress: bool) -> dict:
-    """(c) The EAGLE-1/2 fit on the same replies (`_fit_eagle1`)."""
-    return _fit_eagle1(target, train, out, head_dir, cfg, budget_s, progress)
 
 
 def heldout_stage(target, heads: dict, held, cfg: RecipeConfig, fit3: dict | None) -> dict:
@@ -401,22 +413,144 @@ def acceptance_runs(heads: dict, reference: dict | None = None, labels: int = 0)
     return dict(new[:len(heads)] + ref[:1] + new[len(heads):] + ref[1:])
 
 
+# ------------------------------------------------------------------------------------------- the fit's plan
+
+
+class FitPlan:
+    """How the run shares its time between regeneration and the EAGLE-3 fit, so the GPU is never idle.
+
+    Once the fit's programs are built (`eagle3_fit.compile_ahead`, on another thread while (a) runs), `measure`
+    times its step on this device (`eagle3_fit.measure_step`). From then on, before every batch of training
+    prompts, `stop_regen` predicts the steps the fit's share of the budget and its epoch cap allow over the data
+    so far: a fit that its epoch cap would stop early cannot use the rest of its share, so regeneration goes on past
+    `regen_until` (more replies: more rows for the fit, and the target's own replies teach most per token, see
+    docs/training.md) until the rest of the share is what the fit can use. `cfg.spare_to="epochs"` instead keeps
+    regeneration to its share and lifts the fit's epoch cap. Without a measurement (no programs built ahead, or
+    not yet built), regeneration ends at `regen_until`. recipe.json's `plan` records the prediction;
+    `stages.eagle3` what happened."""
+
+    def __init__(self, cfg: RecipeConfig, clock: Clock, fit_end: float, text_tokens: int, ahead=None, reserve=None):
+        self.cfg, self.clock, self.fit_end, self.ahead = cfg, clock, fit_end, ahead
+        self.reserve = reserve or (lambda: 0.0)  # seconds kept after the fit (the head writer's)
+        self.tokens0 = text_tokens  # training tokens the fit has before this run's replies
+        self.timing: dict | None = None
+        self.record: dict = {"spare_to": cfg.spare_to, "step_s": None}
+
+    def measure(self, target, n_vocab: int) -> None:
+        """Time the fit's step once its programs are ready (a no-op before, and after the first time)."""
+        if self.timing is not None or self.ahead is None or not self.ahead.done() or self.ahead.exception():
+            return
+        from .eagle3_fit import measure_step
+        t = time.time()
+        self.timing = measure_step(target, self.cfg.eagle3, self.ahead.result(), n_vocab)
+        self.record.update(step_s=round(self.timing["step_s"], 4), eval_batch_s=round(self.timing["eval_batch_s"], 4),
+                           measured_at_s=round(t - self.clock.t0, 1), measure_s=round(time.time() - t, 2))
+
+    def fit_seconds(self, steps: int) -> float:
+        """Predicted seconds of a fit of `steps` steps: its steps, its held-out scores, its fixed costs."""
+        evals = steps // max(self.cfg.eval_every, 1) + 1
+        return (self.cfg.fit_overhead_s + steps * self.timing["step_s"]
+                + evals * self.cfg.eval_batches * self.timing["eval_batch_s"])
+
+    def predict(self, tokens: int, steps_per_epoch: int | None = None, now: float | None = None) -> dict:
+        """The fit's steps over `tokens` training tokens (rows estimated from them unless `steps_per_epoch`), if it
+        started at `now`: {"steps", "epoch_cap_steps", "share_s", "limited_by"}."""
+        e3 = self.cfg.eagle3
+        now = time.time() if now is None else now
+        spe = max(1, tokens // (e3.seq_len * e3.batch_size)) if steps_per_epoch is None else steps_per_epoch
+        cap = min(e3.steps, int(e3.max_epochs * spe)) if e3.max_epochs and self.cfg.spare_to == "regenerate" \
+            else e3.steps
+        share = max(0.0, self.fit_end - self.reserve() - now)
+        fits = int(max(0.0, share - self.fit_seconds(0)) / max(self.timing["step_s"], 1e-9))
+        return {"steps": min(cap, fits), "epoch_cap_steps": cap, "share_s": round(share, 1),
+                "limited_by": "epoch cap" if cap < fits else "time"}
+
+    def stop_regen(self, target, n_vocab: int, done: dict, now: float | None = None) -> bool:
+        """Whether regeneration's training part should stop before its next batch (`regen.regenerate(stop=...)`)."""
+        self.measure(target, n_vocab)
+        now = time.time() if now is None else now
+        if now < self.clock.at(self.cfg.regen_until):
+            return False
+        stop = self.timing is None or self.cfg.spare_to != "regenerate"
+        if not stop:
+            p = self.predict(self.tokens0 + done["new_ids"], now=now)
+            stop = p["limited_by"] == "time" or self.fit_seconds(p["steps"]) >= p["share_s"]
+        if stop:
+            self.record.update(regen_ended_s=round(now - self.clock.t0, 1),
+                               regen_past_share_s=round(now - self.clock.at(self.cfg.regen_until), 1))
+        return stop
+
+
 # ------------------------------------------------------------------------------------------------ the driver
 
 
-def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig(), *, smoke: bool = False,
-               progress: bool = True, export_dir=None, deadline: float | None = None, init=None) -> dict:
-    """Run stages (a)-(f) into `out_dir`, each stage's product copied to `export_dir` as it finishes; returns
-    recipe.json's content. deadline: a time.time() value the whole run ends before (the stages are fractions of
-    the time left to it); None: `cfg.budget_s` from now. init: an EAGLE-3 head (name, directory or .tar) the fit
-    continues from."""
+@dataclass
+class _Run:
+    """One recipe run's shared parts (`run_recipe`'s steps read and update it)."""
+
+    target: object
+    inputs: dict
+    cfg: RecipeConfig
+    out: Path
+    clock: Clock
+    rec: Record
+    backend: str
+    progress: bool
+    init_draft: object = None
+    n_vocab3: int = 0  # the EAGLE-3 head's draft vocabulary
+    export: object = None  # ExportDir, or None
+    writer: object = None  # HeadWriter, or None
+
+    @property
+    def exported(self) -> dict:
+        return self.rec.data.setdefault("exported", {})
+
+    def put(self, name: str, why: str | None) -> None:
+        """Record what reached the export folder, or why not."""
+        self.exported[name] = "written" if why is None else f"not written: {why}"
+        self.rec.write()
+
+    def record_heads(self, done: dict) -> None:
+        """Record what the head writer finished: <name>.tar written (in which form) or not."""
+        for name, (why, form) in done.items():
+            self.exported[f"{name}.tar"] = f"written ({form})" if why is None else f"not written: {why}"
+        if done:
+            self.rec.write()
+
+    def export_head(self, name: str, draft, extra=None) -> None:
+        """One <name>.tar in the export folder, written off this thread."""
+        if self.writer is not None:
+            self.record_heads(self.writer.submit(name, draft, extra))
+
+    def write_reserve(self) -> float:
+        """Seconds kept after the fit for the head writer: a write under way and the last best's (the longest write
+        so far, twice), at least 2% of the budget."""
+        w = self.writer.expected_s() if self.writer is not None else None
+        return max(0.02 * self.clock.budget, 0.0 if w is None else 2 * w + 1.0)
+
+    def flush_heads(self, exit_margin_s: float = 2.0) -> None:
+        """Wait for the head writer, but never past the deadline (less `exit_margin_s`); heads it did not finish
+        are recorded as not written."""
+        if self.writer is None:
+            return
+        self.record_heads(self.writer.flush(max(0.0, self.clock.end - time.time() - exit_margin_s)))
+        late = self.writer.pending()
+        if late:
+            self.writer.close()
+            self.record_heads({n: (f"the deadline came first (a write takes ~{self.writer.expected_s() or 0:.0f} s)",
+                                   None) for n in late})
+
+
+def _open_run(target, inputs: dict, out_dir, cfg: RecipeConfig, smoke: bool, export_dir, deadline, init,
+              progress: bool) -> _Run:
+    """Check the inputs and the --init head, start the clock, the export folder, its head writer (timing a write
+    of the head's shapes at once) and recipe.json."""
     import jax
 
-    from ddd_jax import head_kinds, load_draft
+    from ddd_jax import eagle, eagle3, head_kinds, load_draft
 
-    from .eagle3_fit import compile_ahead, eagle3_config
+    from .eagle3_fit import eagle3_config
     from .export_dir import ExportDir, HeadWriter, check_head_fits
-    from .regen import load_records
     check_inputs_for(target, inputs)
     for part in ("train", "holdout", "mtbench"):
         if not inputs[part]:
@@ -428,16 +562,16 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     clock = Clock(cfg, deadline)
-    backend = jax.default_backend()
-    export = ExportDir(export_dir) if export_dir is not None else None
-    n_vocab3 = (len(init_draft.params["d2t"]) if init_draft is not None  # the EAGLE-3 head's draft vocabulary
+    n_vocab3 = (len(init_draft.params["d2t"]) if init_draft is not None
                 else min(cfg.eagle3.draft_vocab_size, target.config.vocab_size))
-    head_forms = {}
-    if export is not None:  # before the window is spent: the EAGLE-3 head must fit a returned file
-        head_forms[f"{target.name}-eagle3.tar"] = check_head_fits(
-            eagle3_config(target, n_vocab3), f"recipe --export-dir {export_dir}")["form"]
-        writer = HeadWriter(export, out)
-    rec = Record(out, {"format": RECIPE_FORMAT, "version": 2, "smoke": smoke, "config": cfg.to_dict(),
+    export, writer, head_forms = None, None, {}
+    if export_dir is not None:  # before the window is spent: the EAGLE-3 head must fit a returned file
+        dcfg = eagle3_config(target, n_vocab3)
+        head_forms[f"{target.name}-eagle3.tar"] = check_head_fits(dcfg, f"recipe --export-dir {export_dir}")["form"]
+        export, writer = ExportDir(export_dir), HeadWriter(ExportDir(export_dir), out)
+        params = jax.tree.map(np.asarray, eagle3.init_params(dcfg, jax.random.PRNGKey(0), np.float32))
+        writer.time_write(eagle.Draft(dcfg, {**params, "d2t": np.arange(n_vocab3, dtype=np.int32)}, target))
+    rec = Record(out, {"format": RECIPE_FORMAT, "version": 3, "smoke": smoke, "config": cfg.to_dict(),
                        "device": device_info(), "target": target.name,
                        "inputs": {**inputs["meta"]["counts"], "train_order": inputs["meta"].get("train_order"),
                                   "text_tokens": inputs["meta"].get("text_tokens", 0)},
@@ -445,102 +579,138 @@ def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig()
                        "budget_s": round(clock.budget, 1), "init": None if init is None else str(init),
                        "export_dir": None if export_dir is None else str(export_dir), "head_forms": head_forms,
                        "started_utc": dio.utc_now()}, export)
-    e1_on, acc_on = cfg.runs("train_eagle1", backend), cfg.runs("acceptance", backend)
-    e3_until = cfg.eagle3_until if (e1_on or acc_on) else cfg.last_until
-    e1_until = cfg.eagle1_until if acc_on else cfg.last_until
-    e3_name, e1_name = f"{target.name}-eagle3", f"{target.name}-eagle"
-    heads_dir, regen_dir = out / "heads", out / "regen"
-    exported = rec.data.setdefault("exported", {})
+    return _Run(target, inputs, cfg, out, clock, rec, jax.default_backend(), progress, init_draft, n_vocab3,
+                export, writer)
 
-    def put(name: str, why: str | None) -> None:  # what reached the export folder, or why not
-        exported[name] = "written" if why is None else f"not written: {why}"
-        rec.write()
 
-    # the fit's programs compile on a background thread while (a) runs
-    ahead = None
-    if cfg.compile_ahead and not rec.done("eagle3"):
-        ahead = compile_ahead(target, cfg.eagle3, n_vocab3)
+def _fit_end(run: _Run) -> float:
+    """When the EAGLE-3 fit's share ends: `eagle3_until`, or `last_until` when no later stage runs."""
+    later = run.cfg.runs("train_eagle1", run.backend) or run.cfg.runs("acceptance", run.backend)
+    return run.clock.at(run.cfg.eagle3_until if later else run.cfg.last_until)
 
-    # (a) regenerate
-    if not rec.done("regenerate"):
-        _stage(rec, "regenerate", regenerate_stage, target, inputs, cfg, regen_dir,
-               clock.left(cfg.regen_until), progress, fatal=True)
+
+def _regenerate(run: _Run, plan: FitPlan) -> tuple:
+    """(a) and its export; the training and held-out token sets the fits learn from and are scored on."""
+    from .export_dir import regen_bytes
+    from .regen import load_records
+    cfg, regen_dir = run.cfg, run.out / "regen"
+    if not run.rec.done("regenerate"):
+        stop = lambda done: plan.stop_regen(run.target, run.n_vocab3, done)  # noqa: E731
+        _stage(run.rec, "regenerate", regenerate_stage, run.target, run.inputs, cfg, regen_dir,
+               max(0.0, plan.fit_end - time.time()), run.progress, stop, fatal=True)
     recs = {p: load_records(regen_dir / f"{p}.jsonl") for p in ("train", "holdout")}
-    if export is not None:
-        from .export_dir import regen_bytes
-        put("regen.npz", export.put_bytes("regen.npz", regen_bytes(recs, {"target": target.name})))
-    max_len = max(len(p) for _, p in inputs["train"] + inputs["holdout"]) + cfg.regen_max_new + 1
-    text = fit_text(inputs, cfg.data)
-    train = _token_set(recs["train"], max_len, text)
-    held = _token_set(recs["holdout"], max_len)
-    rec.set("regenerate", train_tokens=train.n_tokens, train_loss_tokens=int(train.mask.sum()),
-            text_entries=len(text), holdout_tokens=held.n_tokens)
+    if run.export is not None:
+        run.put("regen.npz", run.export.put_bytes("regen.npz", regen_bytes(recs, {"target": run.target.name})))
+    max_len = max(len(p) for _, p in run.inputs["train"] + run.inputs["holdout"]) + cfg.regen_max_new + 1
+    text = fit_text(run.inputs, cfg.data)
+    train, held = token_set(recs["train"], max_len, text), token_set(recs["holdout"], max_len)
+    run.rec.set("regenerate", train_tokens=train.n_tokens, train_loss_tokens=int(train.mask.sum()),
+                text_entries=len(text), holdout_tokens=held.n_tokens)
+    return train, held
 
-    def record_heads(done: dict) -> None:  # what the head writer finished: <name>.tar written (in which form) or not
-        for name, (why, form) in done.items():
-            exported[f"{name}.tar"] = f"written ({form})" if why is None else f"not written: {why}"
-        if done:
-            rec.write()
 
-    def export_head(name: str, draft, extra=None) -> None:  # one <name>.tar in the export folder, off this thread
-        record_heads(writer.submit(name, draft, extra))
+def _eagle3(run: _Run, plan: FitPlan, train, held, ahead) -> None:
+    """(b), sized by the plan's prediction, its best head exported as it improves; the head writer keeps its
+    reserve before the fit's share ends (`write_reserve`, also while the fit runs)."""
+    from ddd_jax import eagle
 
-    # (b) EAGLE-3, its best head exported as it improves
+    from .eagle3_fit import RowPlan, eagle3_config
+    name = f"{run.target.name}-eagle3"
+    plan.measure(run.target, run.n_vocab3)  # a run whose regeneration ended before the programs were built
+    if plan.timing is not None:
+        spe = RowPlan(train, run.cfg.eagle3, fit_groups(train, run.cfg.data)).steps_per_epoch
+        plan.record.update(predicted=plan.predict(train.n_tokens, spe))
+
     def best3(params, step, metrics):
-        if export is not None:
-            from ddd_jax import eagle
-            export_head(e3_name, eagle.Draft(eagle3_config(target, len(params["d2t"])), params, target),
-                        {"trained_for": target.name, "step": step, "heldout": metrics})
+        run.export_head(name, eagle.Draft(eagle3_config(run.target, len(params["d2t"])), params, run.target),
+                        {"trained_for": run.target.name, "step": step, "heldout": metrics})
 
-    if not rec.done("eagle3"):
-        budget = max(1.0, clock.left(e3_until) - 0.02 * clock.budget)  # the last held-out score and the export
-        _stage(rec, "eagle3", eagle3_stage, target, train, held, cfg, out / "eagle3", heads_dir / e3_name, budget,
-               None if init_draft is None else dict(init_draft.params), best3, progress, ahead)
-        if export is not None:
-            record_heads(writer.flush())
-        if export is not None and (out / "eagle3" / "metrics.jsonl").is_file():
-            put("eagle3-metrics.jsonl.gz", export.put_gzip("eagle3-metrics.jsonl.gz", out / "eagle3" / "metrics.jsonl"))
+    ends = lambda: plan.fit_end - run.write_reserve()  # noqa: E731
+    init = None if run.init_draft is None else dict(run.init_draft.params)
+    _stage(run.rec, "eagle3", eagle3_stage, run.target, train, held, run.cfg, run.out / "eagle3",
+           run.out / "heads" / name, max(1.0, ends() - time.time()), init, best3, run.progress, ahead,
+           stop=lambda: time.time() > ends())
+    if (plan.record.get("predicted") or {}).get("steps") is not None and run.rec.done("eagle3"):
+        run.rec.set("eagle3", predicted_steps=plan.record["predicted"]["steps"])
+    run.flush_heads()
+    if run.export is not None and (run.out / "eagle3" / "metrics.jsonl").is_file():
+        run.put("eagle3-metrics.jsonl.gz",
+                run.export.put_gzip("eagle3-metrics.jsonl.gz", run.out / "eagle3" / "metrics.jsonl"))
 
-    # (c) EAGLE-1/2
-    if not e1_on:
-        rec.set("eagle1", status="skipped", reason=f"train_eagle1={cfg.train_eagle1} on {backend}")
-    elif not rec.done("eagle1") and clock.left(e1_until) > 0:
-        _stage(rec, "eagle1", eagle1_stage, target, train, cfg, out, heads_dir / e1_name, clock.left(e1_until),
-               progress)
+
+def _eagle1(run: _Run, train) -> None:
+    """(c), when it runs on this backend and time is left before its end."""
+    cfg, rec = run.cfg, run.rec
+    e1_until = cfg.eagle1_until if cfg.runs("acceptance", run.backend) else cfg.last_until
+    if not cfg.runs("train_eagle1", run.backend):
+        rec.set("eagle1", status="skipped", reason=f"train_eagle1={cfg.train_eagle1} on {run.backend}")
+    elif not rec.done("eagle1") and run.clock.left(e1_until) > 0:
+        _stage(rec, "eagle1", eagle1_stage, run.target, train, cfg, run.out, run.out / "heads" /
+               f"{run.target.name}-eagle", run.clock.left(e1_until), run.progress)
     elif not rec.done("eagle1"):
         rec.set("eagle1", status="skipped", reason="no time left in the budget")
 
-    heads = {}
-    for name, stage in ((e3_name, "eagle3"), (e1_name, "eagle1")):
-        if rec.done(stage):
-            heads[name] = load_draft(str(heads_dir / name), target)
-            if export is not None and stage == "eagle1":
-                export_head(name, heads[name])
-    if export is not None:
-        record_heads(writer.flush())
-    rec.set("export", status="done" if heads else "failed", heads={n: _head_files(heads_dir / n) for n in heads})
 
+def _heads(run: _Run) -> dict:
+    """(d) The heads the fits finished, loaded; EAGLE-1/2's exported (EAGLE-3's was as it improved)."""
+    from ddd_jax import load_draft
+    heads, heads_dir = {}, run.out / "heads"
+    for name, stage in ((f"{run.target.name}-eagle3", "eagle3"), (f"{run.target.name}-eagle", "eagle1")):
+        if run.rec.done(stage):
+            heads[name] = load_draft(str(heads_dir / name), run.target)
+            if stage == "eagle1":
+                run.export_head(name, heads[name])
+    run.flush_heads()
+    run.rec.set("export", status="done" if heads else "failed", heads={n: _head_files(heads_dir / n) for n in heads})
+    return heads
+
+
+def _acceptance(run: _Run, heads: dict) -> None:
+    """(f) τ over the MT-bench first turns, while the budget lasts (what earlier runs measured is kept)."""
+    cfg, rec = run.cfg, run.rec
+    if not cfg.runs("acceptance", run.backend):
+        rec.set("acceptance", status="skipped", reason=f"acceptance={cfg.acceptance} on {run.backend}: measure τ "
+                                                       "with `ddd-jax train-draft accept` on the CPU")
+        return
+    if not heads:
+        return
+    from .accept import reference_head
+    reference, rec.data["reference"] = reference_head(run.target, cfg.reference_head)
+    runs = acceptance_runs(heads, reference, cfg.tau_labels)
+    measured = (rec.done("acceptance") or {}).get("results", {})
+    if any(k not in measured for k in runs):
+        prompts = [ids for _, ids in run.inputs["mtbench"][:cfg.tau_prompts]]
+        _stage(rec, "acceptance", acceptance_stage, run.target, runs, prompts, cfg, measured, run.clock.end,
+               lambda results: rec.set("acceptance", results=results), run.progress)
+
+
+def run_recipe(target, inputs: dict, out_dir, cfg: RecipeConfig = RecipeConfig(), *, smoke: bool = False,
+               progress: bool = True, export_dir=None, deadline: float | None = None, init=None) -> dict:
+    """Run stages (a)-(f) into `out_dir`, each stage's product copied to `export_dir` as it finishes; returns
+    recipe.json's content. deadline: a time.time() value the whole run ends before (the stages are fractions of
+    the time left to it); None: `cfg.budget_s` from now. init: an EAGLE-3 head (name, directory or .tar) the fit
+    continues from."""
+    from .eagle3_fit import compile_ahead
+    run = _open_run(target, inputs, out_dir, cfg, smoke, export_dir, deadline, init, progress)
+    ahead = None  # the fit's programs compile on a background thread while (a) runs
+    if cfg.compile_ahead and not run.rec.done("eagle3"):
+        ahead = compile_ahead(target, cfg.eagle3, run.n_vocab3)
+    plan = FitPlan(cfg, run.clock, _fit_end(run), text_tokens(inputs, cfg.data, cfg.eagle3.seq_len), ahead,
+                   run.write_reserve)
+    run.rec.data["plan"] = plan.record
+    train, held = _regenerate(run, plan)
+    if not run.rec.done("eagle3"):
+        _eagle3(run, plan, train, held, ahead)
+    _eagle1(run, train)
+    heads = _heads(run)
     # (e) held-out top-1; a rerun measures again when a head came after the last measurement
-    if heads and set((rec.done("heldout") or {}).get("heads", {})) != set(heads):
-        _stage(rec, "heldout", heldout_stage, target, heads, held, cfg, rec.done("eagle3"))
-
-    # (f) acceptance over the MT-bench first turns, while the budget lasts
-    if not acc_on:
-        rec.set("acceptance", status="skipped", reason=f"acceptance={cfg.acceptance} on {backend}: measure τ with "
-                                                       "`ddd-jax train-draft accept` on the CPU")
-    elif heads:
-        from .accept import reference_head
-        reference, rec.data["reference"] = reference_head(target, cfg.reference_head)
-        runs = acceptance_runs(heads, reference, cfg.tau_labels)
-        measured = (rec.done("acceptance") or {}).get("results", {})
-        if any(k not in measured for k in runs):
-            prompts = [ids for _, ids in inputs["mtbench"][:cfg.tau_prompts]]
-            _stage(rec, "acceptance", acceptance_stage, target, runs, prompts, cfg, measured, clock.end,
-                   lambda results: rec.set("acceptance", results=results), progress)
-    rec.data["total_s"] = round(time.time() - clock.t0, 1)
-    rec.data["finished_utc"] = dio.utc_now()
-    rec.write()
-    return rec.data
+    if heads and set((run.rec.done("heldout") or {}).get("heads", {})) != set(heads):
+        _stage(run.rec, "heldout", heldout_stage, target, heads, held, cfg, run.rec.done("eagle3"))
+    _acceptance(run, heads)
+    run.rec.data["total_s"] = round(time.time() - run.clock.t0, 1)
+    run.rec.data["finished_utc"] = dio.utc_now()
+    run.rec.write()
+    return run.rec.data
 
 
 def halving_batch(run, cfg):
@@ -569,8 +739,9 @@ def _head_files(path: Path) -> dict:
     return {p.name: p.stat().st_size for p in sorted(Path(path).iterdir())} if Path(path).is_dir() else {}
 
 
-def _fit_eagle1(target, train, out: Path, head_dir: Path, cfg: RecipeConfig, budget: float, progress: bool) -> dict:
-    """EAGLE-1/2 objective over features of the replies: a short probe fit sizes the run to `budget` seconds."""
+def eagle1_stage(target, train, cfg: RecipeConfig, out: Path, head_dir: Path, budget: float, progress: bool) -> dict:
+    """(c) The EAGLE-1/2 fit on the same replies, over their target features: a short probe fit sizes the run to
+    `budget` seconds."""
     from ddd_jax import eagle
     from ddd_jax.checkpoints.ours import save_draft
 
@@ -609,7 +780,7 @@ def _eval_eagle1(target, draft, held, cfg: RecipeConfig) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from .train import _finish, eval_rows, frozen_target_arrays, make_eval_step
+    from .train import eval_rows, frozen_target_arrays, make_eval_step, metric_means as _finish
     fs = _with_features(target, held, cfg, None, False)
     fcfg = dataclasses.replace(cfg.eagle1, dtype="float32")
     embed, lm_w = frozen_target_arrays(target)

@@ -229,10 +229,74 @@ def _wait(warm: dict | None, keys) -> float:
     return time.time() - t0
 
 
+def _shapes(target, prompts: list, max_new_tokens: int, buckets, capacity, max_buckets: int) -> tuple:
+    """(buckets, capacity) of a `regenerate` call, checked: every prompt fits the largest bucket, and the cache
+    holds it and `max_new_tokens`."""
+    from ddd_jax.decode.state import cache_capacity, cache_slack, vanilla_plan
+    buckets = tuple(int(b) for b in (choose_buckets([len(ids) for _, ids in prompts], max_buckets)
+                                     if buckets is None else buckets))
+    if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+        raise ValueError(f"buckets must be ascending positive lengths, got {buckets}")
+    too_long = [i for i, ids in prompts if len(ids) > buckets[-1]]
+    if too_long:
+        raise ValueError(f"{len(too_long)} prompts (e.g. {too_long[0]!r}) are longer than the largest bucket, "
+                         f"{buckets[-1]} tokens")
+    vplan = vanilla_plan(target, max_new_tokens)
+    need = buckets[-1] + max_new_tokens + cache_slack(vplan)
+    if capacity is None:
+        capacity = cache_capacity(buckets[-1], vplan)
+    elif capacity < need:
+        raise ValueError(f"capacity={capacity} is under the {need} slots a {buckets[-1]}-token bucket + "
+                         f"max_new_tokens={max_new_tokens} needs")
+    return buckets, capacity
+
+
+def _batches(todo: list, batch_size: int) -> list:
+    """`todo` in batches of `batch_size`, prompts of similar length together (sorted within windows of 8 batches)."""
+    window, batches = batch_size * 8, []
+    for w in range(0, len(todo), window):
+        chunk = sorted(todo[w:w + window], key=lambda x: len(x[1]))
+        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    return batches
+
+
+def _decode_batches(target, batches: list, f, *, max_new_tokens: int, batch_size: int, buckets: tuple,
+                    capacity: int, warm, ends, bar, t0: float, cc: CompileCounter) -> dict:
+    """Decode `batches` one by one, appending each one's records to the open file `f` (flushed and synced), until
+    `ends(b, done)` says so before batch b; {"new_records", "new_reply_tokens", "new_ids", "warm_wait_s"}."""
+    from ddd_jax import generate
+    stops = set(target.eos_token_ids)
+    done = {"new_records": 0, "new_reply_tokens": 0, "new_ids": 0, "warm_wait_s": 0.0}
+    for b, batch in enumerate(batches):
+        if ends(b, done):
+            break
+        # a short last batch is padded with copies of its last prompt (results dropped): one batch shape
+        prompts_b = [ids for _, ids in batch] + [batch[-1][1]] * (batch_size - len(batch))
+        bucket = next(n for n in buckets if n >= max(len(ids) for _, ids in batch))
+        done["warm_wait_s"] += _wait(warm, ("loop", bucket))
+        res = generate(target, None, prompts_b, max_new_tokens=max_new_tokens, capacity=capacity, prompt_len=bucket)
+        lines = []
+        for (conv_id, ids), toks in zip(batch, res.tokens):
+            finished = bool(toks) and toks[-1] in stops
+            lines.append(json.dumps({"id": conv_id, "prompt_len": len(ids), "ids": list(ids) + list(toks),
+                                     "finished": finished}) + "\n")
+            done["new_reply_tokens"] += len(toks)
+            done["new_ids"] += len(ids) + len(toks)
+        f.write("".join(lines))
+        f.flush()
+        os.fsync(f.fileno())
+        done["new_records"] += len(batch)
+        if bar is not None:
+            bar.update(len(batch))
+            bar.set_postfix(gen_tok_s=f"{done['new_reply_tokens'] / max(time.time() - t0, 1e-9):.0f}",
+                            compiles=cc.compiles)
+    return done
+
+
 def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, batch_size: int = 16,
                time_limit_s: float | None = None, max_records: int | None = None, min_batches: int = 0,
                progress: bool = True, buckets=None, capacity: int | None = None, max_buckets: int = 3,
-               warm: dict | None = None) -> dict:
+               warm: dict | None = None, stop=None) -> dict:
     """Append the target's greedy replies to `prompts` ((id, token ids) pairs) to `out_path`, skipping ids there.
 
     Batches are formed from prompts of similar length (sorted within windows of 8 batches); every batch has
@@ -242,8 +306,10 @@ def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, ba
     the same batch_size, buckets and capacity (`regen_plan`) compiles nothing; warm: `compile_plan`'s futures for
     that plan (built on other threads; each batch waits for its own programs only). buckets: ascending padded prompt
     lengths, None = `choose_buckets` of the prompts' lengths (at most `max_buckets`); capacity: None = the largest
-    bucket's `cache_capacity`. Stops at the first batch boundary after `time_limit_s` (but not before
-    `min_batches` batches of this call), or once the file holds `max_records` records.
+    bucket's `cache_capacity`. Stops at the first batch boundary after `time_limit_s`, or where `stop(done)`
+    returns true (done: {"new_records", "new_reply_tokens", "new_ids" (prompt and reply tokens), "seconds"} of
+    this call so far) -- but not before `min_batches` batches of this call --, or once the file holds
+    `max_records` records.
 
     Returns a summary: out, records (in the file), new_records, new_reply_tokens (stop tokens included),
     remaining, seconds (the whole call), new_tokens_per_s (new_reply_tokens / seconds, compiles included),
@@ -251,73 +317,36 @@ def regenerate(target, prompts: list, out_path, *, max_new_tokens: int = 256, ba
     persistent-cache loads included: 0 when every program was already in memory), compile_s, warm_wait_s (time spent
     waiting for `warm`'s programs), rows, buckets, capacity.
     """
-    from ddd_jax import generate
     t0 = time.time()
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
-    buckets = tuple(int(b) for b in (choose_buckets([len(ids) for _, ids in prompts], max_buckets)
-                                     if buckets is None else buckets))
-    if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
-        raise ValueError(f"buckets must be ascending positive lengths, got {buckets}")
-    too_long = [i for i, ids in prompts if len(ids) > buckets[-1]]
-    if too_long:
-        raise ValueError(f"{len(too_long)} prompts (e.g. {too_long[0]!r}) are longer than the largest bucket, "
-                         f"{buckets[-1]} tokens")
-    from ddd_jax.decode.state import cache_capacity, cache_slack, vanilla_plan
-    vplan = vanilla_plan(target, max_new_tokens)
-    need = buckets[-1] + max_new_tokens + cache_slack(vplan)
-    if capacity is None:
-        capacity = cache_capacity(buckets[-1], vplan)
-    elif capacity < need:
-        raise ValueError(f"capacity={capacity} is under the {need} slots a {buckets[-1]}-token bucket + "
-                         f"max_new_tokens={max_new_tokens} needs")
+    buckets, capacity = _shapes(target, prompts, max_new_tokens, buckets, capacity, max_buckets)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = {r["id"] for r in _read_records(out_path, repair=True)}
-    todo = [(i, ids) for i, ids in prompts if i not in done]
+    old = {r["id"] for r in _read_records(out_path, repair=True)}
+    todo = [(i, ids) for i, ids in prompts if i not in old]
     if max_records is not None:
-        todo = todo[:max(0, max_records - len(done))]
-    window = batch_size * 8
-    batches = []
-    for w in range(0, len(todo), window):
-        chunk = sorted(todo[w:w + window], key=lambda x: len(x[1]))
-        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
-    stops = set(target.eos_token_ids)
-    n_new = n_tok = 0
-    waited = 0.0
+        todo = todo[:max(0, max_records - len(old))]
+
+    def ends(b: int, done: dict) -> bool:  # before batch b
+        if b < min_batches:
+            return False
+        return ((time_limit_s is not None and time.time() - t0 > time_limit_s)
+                or (stop is not None and bool(stop({**done, "seconds": time.time() - t0}))))
+
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(todo), desc="regenerate", unit="conv", initial=0)
     with open(out_path, "a", encoding="utf-8") as f, CompileCounter() as cc:
-        for b, batch in enumerate(batches):
-            if time_limit_s is not None and b >= min_batches and time.time() - t0 > time_limit_s:
-                break
-            # a short last batch is padded with copies of its last prompt (results dropped): one batch shape
-            prompts_b = [ids for _, ids in batch] + [batch[-1][1]] * (batch_size - len(batch))
-            longest = max(len(ids) for _, ids in batch)
-            bucket = next(n for n in buckets if n >= longest)
-            waited += _wait(warm, ("loop", bucket))
-            res = generate(target, None, prompts_b, max_new_tokens=max_new_tokens, capacity=capacity,
-                           prompt_len=bucket)
-            lines = []
-            for (conv_id, ids), toks in zip(batch, res.tokens):
-                finished = bool(toks) and toks[-1] in stops
-                lines.append(json.dumps({"id": conv_id, "prompt_len": len(ids), "ids": list(ids) + list(toks),
-                                         "finished": finished}) + "\n")
-                n_tok += len(toks)
-            f.write("".join(lines))
-            f.flush()
-            os.fsync(f.fileno())
-            n_new += len(batch)
-            if bar is not None:
-                bar.update(len(batch))
-                bar.set_postfix(gen_tok_s=f"{n_tok / max(time.time() - t0, 1e-9):.0f}", compiles=cc.compiles)
+        done = _decode_batches(target, _batches(todo, batch_size), f, max_new_tokens=max_new_tokens,
+                               batch_size=batch_size, buckets=buckets, capacity=capacity, warm=warm, ends=ends,
+                               bar=bar, t0=t0, cc=cc)
     if bar is not None:
         bar.close()
-    seconds = time.time() - t0
-    return {"out": str(out_path), "records": len(done) + n_new, "new_records": n_new, "new_reply_tokens": n_tok,
-            "remaining": len(todo) - n_new, "seconds": round(seconds, 1),
+    seconds, n_tok = time.time() - t0, done["new_reply_tokens"]
+    return {"out": str(out_path), "records": len(old) + done["new_records"], "new_records": done["new_records"],
+            "new_reply_tokens": n_tok, "remaining": len(todo) - done["new_records"], "seconds": round(seconds, 1),
             "new_tokens_per_s": round(n_tok / max(seconds, 1e-9), 1), "compiles": cc.compiles,
-            "programs": cc.built, "compile_s": round(cc.seconds, 1), "warm_wait_s": round(waited, 1),
+            "programs": cc.built, "compile_s": round(cc.seconds, 1), "warm_wait_s": round(done["warm_wait_s"], 1),
             "rows": batch_size, "buckets": list(buckets), "capacity": capacity}
