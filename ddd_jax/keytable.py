@@ -145,32 +145,108 @@ def convert(slots: list[_Slot], expected: dict, dtype, transforms: dict | None =
     return dio.unflatten(out)
 
 
-def export(params: dict, rules, what: str) -> dict:
+def export(params: dict, rules, what: str, inverse: dict | None = None) -> dict:
     """The inverse of `plan` + `convert`: our params -> {source name: numpy array} by the same rules (layer
     tensors unstacked, `transpose` undone). Every param must be covered by a rule; rules whose key is absent
-    (e.g. an untied lm_head) are skipped; rules with a transform `fn` cannot be inverted."""
+    (e.g. an untied lm_head) are skipped. A rule with a transform `fn` needs `inverse[fn]` (our array -> the source
+    array before its transpose). A pattern's alternatives `(?:a|b)` export as their first one; a stacked key whose
+    layer group sits in a branch not taken (EAGLE-3's `midlayer.`) must hold one layer, written unstacked."""
     flat = dio.flatten(params)
+    inverse = inverse or {}
     out, used = {}, set()
     for r in rules:
         if r.key not in flat:
             continue
-        if r.fn:
-            raise ValueError(f"{what}: rule {r.pattern!r} has a transform ({r.fn}) and cannot be exported")
+        if r.fn and r.fn not in inverse:
+            raise ValueError(f"{what}: rule {r.pattern!r} has a transform ({r.fn}) and no inverse to export it with")
         x = np.asarray(flat[r.key])
-        template = r.pattern.replace(r"(\d+)", "{}")
-        if re.compile(r.pattern).groups != template.count("{}") or template.count("{}") > 1:
-            raise ValueError(f"{what}: cannot invert rule pattern {r.pattern!r}")
-        unescape = lambda name: re.sub(r"\\(.)", r"\1", name)  # noqa: E731
-        if "{}" in template:
-            for i in range(x.shape[0]):
-                out[unescape(template.format(i))] = x[i].T if r.transpose else x[i]
+        template = source_name(r.pattern, what)
+        stacked = re.compile(r.pattern).groups > 0
+        if stacked and "{}" not in template:  # an optional layer group: the one layer, unstacked
+            if x.shape[0] != 1:
+                raise ValueError(f"{what}: {r.key} holds {x.shape[0]} layers but {template!r} names one")
+            items = [(template, x[0])]
+        elif "{}" in template:
+            items = [(template.format(i), x[i]) for i in range(x.shape[0])]
         else:
-            out[unescape(template)] = x.T if r.transpose else x
+            items = [(template, x)]
+        for name, a in items:
+            if r.fn:
+                a = np.asarray(inverse[r.fn](a))
+            if name in out:
+                raise ValueError(f"{what}: two rules export {name!r}")
+            out[name] = a.T if r.transpose else a
         used.add(r.key)
     left = sorted(set(flat) - used)
     if left:
         raise ValueError(f"{what}: no rule exports {left}")
     return out
+
+
+def source_name(pattern: str, what: str = "key table") -> str:
+    """The source name a rule's pattern exports to: escapes undone, a layer group `(\\d+)` as "{}", the first
+    branch of each `(?:a|b)`. Fails for anything else a name could not be written from (`*`, `?`, classes, ...)."""
+    out, i, n = [], 0, len(pattern)
+    slots = 0
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            if i + 1 >= n or pattern[i + 1].isalnum():  # \d, \w, ...: a class, not a literal
+                raise ValueError(f"{what}: cannot invert rule pattern {pattern!r}")
+            out.append(pattern[i + 1])
+            i += 2
+        elif pattern.startswith(r"(\d+)", i):
+            out.append("{}")
+            slots += 1
+            i += len(r"(\d+)")
+        elif pattern.startswith("(?:", i):
+            end = _group_end(pattern, i, what)
+            first = _split_branches(pattern[i + 3:end], what)[0]
+            out.append(source_name(first, what))
+            slots += out[-1].count("{}")
+            i = end + 1
+        elif c in "()[]{}|?*+.^$":
+            raise ValueError(f"{what}: cannot invert rule pattern {pattern!r}")
+        else:
+            out.append(c)
+            i += 1
+    if slots > 1:
+        raise ValueError(f"{what}: cannot invert rule pattern {pattern!r} (more than one layer group)")
+    return "".join(out)
+
+
+def _group_end(pattern: str, start: int, what: str) -> int:
+    """The index of the `)` closing the group opened at `start`."""
+    depth, i = 0, start
+    while i < len(pattern):
+        if pattern[i] == "\\":
+            i += 2
+            continue
+        depth += {"(": 1, ")": -1}.get(pattern[i], 0)
+        if depth == 0:
+            return i
+        i += 1
+    raise ValueError(f"{what}: unbalanced group in rule pattern {pattern!r}")
+
+
+def _split_branches(body: str, what: str) -> list[str]:
+    """A group's body split at its top-level `|`."""
+    parts, depth, cur, i = [], 0, [], 0
+    while i < len(body):
+        c = body[i]
+        if c == "\\":
+            cur.append(body[i:i + 2])
+            i += 2
+            continue
+        if c == "|" and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            depth += {"(": 1, ")": -1}.get(c, 0)
+            cur.append(c)
+        i += 1
+    parts.append("".join(cur))
+    return parts
 
 
 def flat_shapes(nested_shapes: dict) -> dict:

@@ -24,7 +24,7 @@ import numpy as np
 from .. import eagle
 from .. import io as dio
 from ..config import DraftConfig
-from .official import compare_embedding, draft_config_from_official
+from .official import check_draft_ids, compare_embedding, draft_config_from_official
 from .hf import checkpoint_sources
 from ..keytable import Rule, convert, flat_shapes, plan, resolve_dtype, source_dtype
 
@@ -38,11 +38,34 @@ EAGLE3_RULES = (
     *(Rule(_P + f"mlp\\.{n}_proj\\.weight", f"layers.w_{n}", transpose=True) for n in ("gate", "up", "down")),
     Rule(r"norm\.weight", "final_norm"),
     Rule(r"lm_head\.weight", "lm_head", transpose=True),
-    Rule(r"d2t", "d2t"),
+    Rule(r"d2t", "d2t", fn="d2t_offsets"),  # official offsets <-> our target ids (int: read apart from the floats)
     Rule(r"embed_tokens\.weight", "embed"),
 )
 EAGLE3_IGNORE = (r".*rotary_emb\.inv_freq", r"t2d")
 EMBED_KEY = "embed_tokens.weight"
+
+
+def ids_from_offsets(off):
+    """Official d2t (draft id i is target id i + d2t[i]) -> the target ids themselves (our d2t)."""
+    off = np.asarray(off)
+    return np.arange(off.shape[0], dtype=np.int64) + off.astype(np.int64)
+
+
+def offsets_from_ids(ids):
+    """Our d2t (target ids) -> the official offsets, int64 as EAGLE's `torch.long` buffer."""
+    ids = np.asarray(ids).astype(np.int64)
+    return ids - np.arange(ids.shape[0], dtype=np.int64)
+
+
+TRANSFORMS = {"d2t_offsets": ids_from_offsets}  # import direction (source -> ours)
+INVERSE = {"d2t_offsets": offsets_from_ids}  # export direction (ours -> source): `keytable.export(inverse=...)`
+
+
+def t2d_mask(ids, vocab_size: int) -> np.ndarray:
+    """[V] bool: which target ids are in the draft vocabulary (EAGLE's `t2d` buffer), from our d2t."""
+    mask = np.zeros(vocab_size, bool)
+    mask[np.asarray(ids)] = True
+    return mask
 
 
 def is_eagle3(names) -> bool:
@@ -91,13 +114,7 @@ def convert_official_eagle3(src, target, dtype=None, embed_check: str = "warn") 
     off = np.asarray(d2t_slot.src.load())
     if off.dtype.kind not in "iu":
         raise ValueError(f"{what}: d2t must hold integer offsets, got dtype {off.dtype}")
-    ids = np.arange(dcfg.draft_vocab_size, dtype=np.int64) + off.astype(np.int64)
-    V = target.config.vocab_size
-    if ids.min() < 0 or ids.max() >= V:
-        raise ValueError(f"{what}: d2t points outside the target vocabulary [0, {V}): draft ids map to target ids "
-                         f"in [{int(ids.min())}, {int(ids.max())}]")
-    if len(np.unique(ids)) != ids.size:
-        raise ValueError(f"{what}: d2t maps two draft ids to the same target id")
+    ids = check_draft_ids(TRANSFORMS[d2t_slot.rule.fn](off), target.config.vocab_size, what, "d2t")
     if t2d is not None:
         mask = np.asarray(t2d.load()).astype(bool)
         if mask.sum() != ids.size or not mask[ids].all():

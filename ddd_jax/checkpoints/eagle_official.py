@@ -9,6 +9,9 @@ biases) + `pytorch_model.bin` or `model.safetensors` holding
     layers.0.self_attn.{q,k,v,o}_proj.weight, layers.0.mlp.{gate,up,down}_proj.weight,
     layers.0.post_attention_layernorm.weight      (no input_layernorm on layer 0)
     layers.0.self_attn.{q,k,v}_proj.bias          (only with "qkv_bias": true)
+and one ddd-jax extension, which EAGLE's loader (`load_state_dict(strict=False)`) and SGLang's ignore:
+    draft_token_ids [V'] int64      a reduced draft vocabulary: the target ids the head drafts over (our `d2t`;
+                                    SGLang's FR-Spec "hot" tokens). Absent: the whole target vocabulary.
 
 The layer is EAGLE's own LLaMA layer whatever the config's `model_type` says: head_dim is hidden_size /
 num_attention_heads (cnets1 ignores a `head_dim` field; so do we, with a warning when it differs), there are no
@@ -17,21 +20,27 @@ head (not supported) or one of ours (`DraftConfig.from_target` keeps the target'
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+
+import numpy as np
 
 from .. import eagle
 from .. import io as dio
 from .hf import checkpoint_sources, llama_layer_rules
 from ..keytable import Rule, convert, flat_shapes, plan, resolve_dtype, source_dtype
-from .official import compare_embedding, draft_config_from_official
+from .official import check_draft_ids, compare_embedding, draft_config_from_official
 from .ours import save_draft
 
 EAGLE1_RULES = (
     Rule(r"fc\.weight", "fc_w", transpose=True),
     Rule(r"fc\.bias", "fc_b"),
     *llama_layer_rules("", input_norm=False),  # EAGLE-1/2 layer 0 has no input_layernorm
+    Rule(r"draft_token_ids", "d2t"),  # ddd-jax's extension (int: read apart from the floats)
 )
 EMBED_KEY = "embed_tokens.weight"
+DRAFT_IDS_KEY = "draft_token_ids"
+EXTENSIONS = (DRAFT_IDS_KEY,)  # tensors official loaders do not know (and ignore)
 EAGLE1_IGNORE = (r".*rotary_emb\.inv_freq", r"embed_tokens\.weight")  # embed: compared, then dropped
 
 
@@ -48,6 +57,9 @@ def convert_official_head(src, target, dtype=None, embed_check: str = "warn") ->
     if is_eagle3(names):  # midlayer / hidden_norm / d2t / t2d tensors
         return convert_official_eagle3(src, target, dtype, embed_check)
     dcfg = draft_config_from_official(raw, what, target_name=getattr(target, "name", None))
+    ids_src = [s for s in sources if s.name == DRAFT_IDS_KEY]
+    if len(ids_src) == 1 and len(ids_src[0].shape) == 1:  # a reduced draft vocabulary (misshaped: `plan` says so)
+        dcfg = dataclasses.replace(dcfg, draft_vocab_size=int(ids_src[0].shape[0]))
     embed = [s for s in sources if s.name == EMBED_KEY]
     if len(embed) > 1:
         raise ValueError(f"{what}: duplicate tensors ['{EMBED_KEY}']")
@@ -69,7 +81,13 @@ def convert_official_head(src, target, dtype=None, embed_check: str = "warn") ->
     if embed:
         compare_embedding(embed[0].load(), target, what, embed_check)
     dt = resolve_dtype(dtype) or source_dtype(sources, "fc.weight")
-    params = convert(slots, expected, dt)
+    params = convert([s for s in slots if s.rule.key != "d2t"], {k: v for k, v in expected.items() if k != "d2t"}, dt)
+    if "d2t" in expected:
+        ids = np.asarray(ids_src[0].load())
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"{what}: {DRAFT_IDS_KEY} must hold integer token ids, got dtype {ids.dtype}")
+        import jax.numpy as jnp
+        params["d2t"] = jnp.asarray(check_draft_ids(ids, target.config.vocab_size, what, DRAFT_IDS_KEY), jnp.int32)
     return eagle.Draft(dcfg, params, target)
 
 

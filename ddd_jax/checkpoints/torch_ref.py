@@ -198,7 +198,9 @@ def load_official_head(src, dtype=torch.float32) -> TorchEagleHead:
     src = Path(src)
     cfg = json.loads((src / "config.json").read_text())
     head = TorchEagleHead(cfg)
-    sd = {s.name: torch.from_numpy(np.array(s.load(), np.float32)) for s in checkpoint_sources(src)}
+    from .eagle_official import EXTENSIONS  # ddd-jax's extra tensors: EAGLE's loader (strict=False) skips them too
+    sd = {s.name: torch.from_numpy(np.array(s.load(), np.float32)) for s in checkpoint_sources(src)
+          if s.name not in EXTENSIONS}
     sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
     if "embed_tokens.weight" not in sd:
         sd["embed_tokens.weight"] = head.embed_tokens.weight.detach()
