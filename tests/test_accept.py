@@ -97,3 +97,14 @@ def test_accept_heads_errors(tmp_path):
     assert r["results"] == {} and "broken" in r["errors"] and "cannot read this draft head tar" in r["errors"]["broken"]
     assert r["reference"]["head"] is None
     assert "Heads that did not load" in (tmp_path / "out" / "accept.md").read_text()
+
+
+def test_accept_measures_at_the_runs_of_the_recipe():
+    from train_draft import recipe
+    for heads, ref, labels in [({"e3": "d3", "e1": "d1"}, {"ref": "dr"}, 0), ({"e3": "d3"}, None, 2)]:
+        runs = accept.acceptance_runs(heads, ref, labels)
+        assert list(runs) == list(recipe.acceptance_runs(heads, ref, labels))
+        assert list(runs)[:3 if ref else 1] == ["e3/eagle2-default"] + (["e1/eagle2-default", "ref/eagle2-default"]
+                                                                         if ref else [])
+    info = accept.device_info()
+    assert {"backend", "device", "device_count", "host_cpu", "jax"} <= set(info)

@@ -1,17 +1,19 @@
 """`ddd-jax train-draft accept`: τ of every head in a folder (head directories and `<name>.tar` files, e.g. what a
 GPU recipe run handed back) beside a reference head, over the MT-bench first turns, resumable.
 
-Each head is measured at the runs of the recipe's stage (f) (`recipe.acceptance_runs`: EAGLE-2's default tree,
-DDD at the paper's settings, then the shipped tuned CPU and GPU trees), every output checked token for token
+Each head is measured at the runs of the recipe's stage (f) (`acceptance_runs`: EAGLE-2's default tree, DDD at
+the paper's settings, then the shipped tuned CPU and GPU trees), every output checked token for token
 against vanilla decoding (`ddd_jax.measure.acceptance.measure_runs`). `OUT/accept.json` is rewritten atomically
 after each result, with `OUT/accept.md` (one table row per head and run); a rerun with the same OUT keeps what was
-measured with the same prompts and the same head files, and measures the rest. `measure_acceptance` and
-`acceptance_result` are the per-result bookkeeping the recipe's stage (f) shares.
+measured with the same prompts and the same head files, and measures the rest. `acceptance_runs`,
+`measure_acceptance`, `acceptance_result`, `reference_head` and `device_info` are what the recipe's stage (f)
+shares.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import platform
 import time
 from pathlib import Path
 
@@ -20,6 +22,42 @@ from ddd_jax import io as dio
 ACCEPT_FORMAT = "ddd-jax-accept"
 ACCEPT_VERSION = 1
 JSON_FILE, MD_FILE = "accept.json", "accept.md"
+
+
+def device_info() -> dict:
+    """The device a measurement ran on: JAX's backend, device kind and count, the host CPU and JAX's version."""
+    import jax
+    from ddd_jax.settings.calibration import cpu_model
+    dev = jax.devices()[0]
+    cpu = cpu_model()
+    return {"backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
+            "device_count": jax.device_count(), "host_cpu": cpu or platform.processor(), "jax": jax.__version__}
+
+
+def acceptance_runs(heads: dict, reference: dict | None = None, labels: int = 0) -> dict:
+    """{label: run} of stage (f), most important first: for each head EAGLE-2's default tree, DDD at the paper's
+    settings, then the shipped tuned CPU and GPU trees (EAGLE-2 and DDD); `labels` > 0 keeps that many of them. The
+    `reference` head's default-tree run comes right after the new heads' (the comparison that decides what ships),
+    its other runs last."""
+    from ddd_jax.config import DDDConfig, TreeConfig
+    from ddd_jax.settings import load_settings, settings_dir, to_configs
+    tuned = {}
+    for backend in ("cpu", "gpu"):
+        s = load_settings(path=settings_dir() / f"{backend}.json")
+        if s is not None:
+            tuned[backend] = to_configs(s)
+    order = [("eagle2-default", "eagle2", TreeConfig(), DDDConfig()),
+             ("ddd-paper", "ddd", TreeConfig(), DDDConfig())]
+    for backend, (tree, ddd) in tuned.items():
+        order += [(f"eagle2-{backend}", "eagle2", tree, ddd), (f"ddd-{backend}", "ddd", tree, ddd)]
+    order = order[:labels or None]
+
+    def runs(hs: dict) -> list:
+        return [(f"{hname}/{label}", {"draft": draft, "method": method, "tree": tree, "ddd": ddd})
+                for label, method, tree, ddd in order for hname, draft in hs.items()]
+
+    new, ref = runs(heads), runs(reference or {})
+    return dict(new[:len(heads)] + ref[:1] + new[len(heads):] + ref[1:])
 
 
 def acceptance_result(run: dict, res: dict) -> dict:
@@ -36,7 +74,7 @@ def acceptance_result(run: dict, res: dict) -> dict:
 
 def measure_acceptance(target, runs: dict, prompts: list, measured: dict, *, max_new_tokens: int, batch_size: int,
                        deadline: float | None = None, on_update=None, progress: bool = True) -> dict:
-    """τ of `runs` ({label: run}, `recipe.acceptance_runs`) over `prompts` (token-id lists), keeping the results
+    """τ of `runs` ({label: run}, `acceptance_runs`) over `prompts` (token-id lists), keeping the results
     `measured` already holds and measuring the others in order while `deadline` (a time.time() value) allows;
     `on_update(results)` sees the results first and after each new one. Returns {"results" ({label:
     `acceptance_result`}), "not_measured", "measured_now", "prompts", "max_new_tokens"}."""
@@ -124,8 +162,7 @@ def reference_head(target, name: str = "shipped") -> tuple[dict, dict]:
 
 def mtbench_prompts(target, limit: int | None = 80) -> list:
     """Token ids of the first `limit` MT-bench first turns, rendered as `ddd-jax bench` renders them."""
-    from ddd_jax.bench.mtbench import load_questions
-    from ddd_jax.bench.run import build_prompt
+    from ddd_jax.measure.prompts import build_prompt, load_questions
     return [build_prompt(target, q, 0, []) for q in load_questions(limit=limit)]
 
 
@@ -135,18 +172,32 @@ def _stamp(path: Path) -> dict:
     return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()}
 
 
+def load_heads(target, heads_dir) -> tuple[dict, dict, dict]:
+    """({name: Draft}, {name: its path, head type, step and file stamp}, {name: why it did not load}) of the heads
+    in `heads_dir` (`find_heads`); a head that does not load costs the others nothing."""
+    from ddd_jax import load_draft
+    heads, info, errors = {}, {}, {}
+    for name, path in find_heads(heads_dir).items():
+        try:
+            heads[name] = load_draft(str(path), target)
+        except (OSError, ValueError, KeyError) as e:
+            errors[name] = f"{path}: {type(e).__name__}: {e}"[:400]
+            continue
+        meta = head_meta(path)
+        info[name] = {"path": str(path), "head_type": heads[name].config.head_type,
+                      "step": meta.get("extra", {}).get("step"), "stamp": _stamp(path)}
+    return heads, info, errors
+
+
 def accept_heads(target, heads_dir, out_dir, reference: str = "shipped", limit: int | None = 80,
                  max_new_tokens: int = 128, batch_size: int = 80, *, prompts: list | None = None,
                  labels=None, deadline: float | None = None, progress: bool = True) -> dict:
     """Measure τ of every head in `heads_dir` (`find_heads`) and of the `reference` head (`reference_head`) at the
-    runs of `recipe.acceptance_runs` over the first `limit` MT-bench first turns (`prompts`: token-id lists instead),
+    runs of `acceptance_runs` over the first `limit` MT-bench first turns (`prompts`: token-id lists instead),
     `max_new_tokens` each, `batch_size` sequences a batch, into `out_dir`/accept.json and accept.md (written after
     every result). labels: only these runs ("eagle2-default", "ddd-paper", "eagle2-cpu", ...). A rerun with the same
     `out_dir` keeps the results measured with the same prompts for the same head files. Returns accept.json's
     content; its "measured_now" lists what this call measured."""
-    from ddd_jax import load_draft
-
-    from .recipe import acceptance_runs, device_info
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     given = prompts is not None
@@ -155,16 +206,7 @@ def accept_heads(target, heads_dir, out_dir, reference: str = "shipped", limit: 
         raise ValueError("accept: no prompts to measure over")
     setup = {"target": target.name, "prompts": len(prompts), "prompt_source": "given" if given else "mt-bench turn 1",
              "max_new_tokens": max_new_tokens}
-    heads, info, errors = {}, {}, {}
-    for name, path in find_heads(heads_dir).items():
-        try:
-            heads[name] = load_draft(str(path), target)
-        except (OSError, ValueError, KeyError) as e:  # one bad file costs the others nothing
-            errors[name] = f"{path}: {type(e).__name__}: {e}"[:400]
-            continue
-        meta = head_meta(path)
-        info[name] = {"path": str(path), "head_type": heads[name].config.head_type,
-                      "step": meta.get("extra", {}).get("step"), "stamp": _stamp(path)}
+    heads, info, errors = load_heads(target, heads_dir)
     ref, ref_info = reference_head(target, reference)
     for name, d in ref.items():
         p = Path(ref_info["head"])

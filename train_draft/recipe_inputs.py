@@ -42,8 +42,7 @@ def prepare_inputs(target, *, max_prompt_len: int = 192, max_context_len: int = 
     their training records go into `text` and their prompts leave `train` (greedy replies would repeat them).
     sharegpt_text_tokens: ShareGPT conversations (training split, `text_max_len` tokens at most each) added to
     `text` until this many tokens (0: none; `save_inputs(max_bytes=...)` trims them to a size)."""
-    from ddd_jax.bench.mtbench import load_questions
-    from ddd_jax.bench.run import build_prompt
+    from ddd_jax.measure.prompts import build_prompt, load_questions
 
     from .data import is_holdout, load_sharegpt, shuffled
     from .regen import first_turn_prompts, later_turn_prompts
