@@ -75,6 +75,13 @@ def add_tree_flags(p) -> None:
 
 
 def add_parser(subparsers) -> None:
+    """`bench`, `tune` and `peers`."""
+    add_bench_parser(subparsers)
+    add_tune_parser(subparsers)
+    add_peers_parser(subparsers)
+
+
+def add_bench_parser(subparsers) -> None:
     b = subparsers.add_parser("bench", help="benchmark vanilla / EAGLE-2 / DDD on MT-bench prompts",
                               description="One run, methods interleaved per prompt, warm-up excluded. Writes "
                                           "bench.json, bench.md and PNG plots to --out; prints a Markdown table.")
@@ -119,6 +126,8 @@ def add_parser(subparsers) -> None:
                         "ddd-device) on --limit prompts: ms per target call by group and by HLO op")
     b.set_defaults(func=run_bench)
 
+
+def add_tune_parser(subparsers) -> None:
     t = subparsers.add_parser("tune", help="search tree / DDD settings and write ddd_jax/settings/<backend>.json",
                               description="Coordinate descent on a few prompts: total_tokens, depth, top_k "
                                           "(EAGLE-2; optionally a context-lookup chain), then threshold x, check steps "
@@ -146,6 +155,8 @@ def add_parser(subparsers) -> None:
     t.add_argument("--no-save", action="store_true", help="print and plot, but do not write the settings file")
     t.set_defaults(func=run_tune)
 
+
+def add_peers_parser(subparsers) -> None:
     pe = subparsers.add_parser("peers", help="vanilla ddd-jax beside transformers (greedy, prompt lookup) and llama.cpp",
                                description="Decode speed of the decoders a user could pick for the same model, on "
                                            "the same prompts, interleaved per prompt after warm-up (see bench/peers.py). "
@@ -202,12 +213,13 @@ def _storage(args) -> str | None:
 
 
 def load_prompts(args) -> list:
-    from .mtbench import load_questions
+    from ddd_jax.measure.prompts import load_questions
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
     return load_questions(args.questions, limit=args.limit, categories=cats)
 
 
-def _out_dir(args, command: str) -> Path:
+def output_dir(args, command: str) -> Path:
+    """--out, or runs/<command>/<UTC time>."""
     if args.out:
         return Path(args.out)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -250,7 +262,8 @@ def run_acceptance(args, tree, ddd, source, out) -> int:
 
     from . import report
     from ddd_jax.measure.acceptance import measure_acceptance
-    from .run import build_prompt, normalize_prompts
+    from ddd_jax.measure.prompts import build_prompt
+    from .run import normalize_prompts
     target, draft, draft_name = load_models(args)
     prompts = [build_prompt(target, p, 0, []) for p in normalize_prompts(load_prompts(args))]
     methods = tuple(m.strip() for m in args.methods.split(",")) if args.methods else ("eagle2", "ddd")
@@ -270,8 +283,9 @@ def run_acceptance(args, tree, ddd, source, out) -> int:
 def run_op_profile(args, tree, ddd, source, out) -> int:
     """--op-profile: each method's decode loop under jax.profiler, op by op (`bench/op_profile.py`)."""
     from . import report
+    from ddd_jax.measure.prompts import build_prompt
     from .op_profile import op_profile, table
-    from .run import build_prompt, environment, normalize_prompts, parse_method, required_capacity, split_methods
+    from .run import environment, normalize_prompts, parse_method, required_capacity, split_methods
     specs = [parse_method(m, tree, ddd) for m in split_methods(args.methods or "vanilla,ddd-device")]
     bad = [s.label for s in specs if s.sync == "host" or s.loop == "host"]
     if bad:
@@ -295,26 +309,32 @@ def run_op_profile(args, tree, ddd, source, out) -> int:
     return 0
 
 
+def run_cost_curve(args, out) -> int:
+    """--cost-curve: the target's forward time per verified width and the draft step's (`measure.cost.cost_curve`)."""
+    from . import plots, report
+    from ddd_jax.settings import load_settings
+    from ddd_jax.measure.cost import cost_curve
+    target, draft, draft_name = load_models(args, need_draft=args.draft != "none")
+    res = cost_curve(target, draft, sizes=args.cost_sizes, context=args.cost_context, repeat=max(args.repeat, 5),
+                     progress=not args.no_progress, logits=args.cost_logits, inputs=args.cost_inputs)
+    res["draft"] = draft_name
+    from .run import environment
+    res["env"] = environment()  # load average, CPU kernels on/off, commit
+    s = load_settings(storage=_storage(args))
+    res["settings"] = s
+    report.write_json(res, out / "cost_curve.json")
+    plots.plot_cost_curve(res, out / "cost_curve.png", total_tokens=s["tree"]["total_tokens"] if s else None)
+    print(report.cost_table(res))
+    print(f"\nwrote {out}/cost_curve.json and cost_curve.png")
+    return 0
+
+
 def run_bench(args) -> int:
     from . import plots, report
     from .run import DEFAULT_METHODS, PARTIAL_NAME, run_benchmark, split_methods
-    out = _out_dir(args, "cost-curve" if args.cost_curve else "op-profile" if args.op_profile else "bench")
+    out = output_dir(args, "cost-curve" if args.cost_curve else "op-profile" if args.op_profile else "bench")
     if args.cost_curve:
-        from ddd_jax.settings import load_settings
-        from ddd_jax.measure.cost import cost_curve
-        target, draft, draft_name = load_models(args, need_draft=args.draft != "none")
-        res = cost_curve(target, draft, sizes=args.cost_sizes, context=args.cost_context, repeat=max(args.repeat, 5),
-                         progress=not args.no_progress, logits=args.cost_logits, inputs=args.cost_inputs)
-        res["draft"] = draft_name
-        from .run import environment
-        res["env"] = environment()  # load average, CPU kernels on/off, commit
-        s = load_settings(storage=_storage(args))
-        res["settings"] = s
-        report.write_json(res, out / "cost_curve.json")
-        plots.plot_cost_curve(res, out / "cost_curve.png", total_tokens=s["tree"]["total_tokens"] if s else None)
-        print(report.cost_table(res))
-        print(f"\nwrote {out}/cost_curve.json and cost_curve.png")
-        return 0
+        return run_cost_curve(args, out)
     tree, ddd, source = resolve_configs(args)
     if args.acceptance_only:
         return run_acceptance(args, tree, ddd, source, out)
@@ -397,7 +417,7 @@ def run_peers(args) -> int:
                                      llama_cpp_no_repack=args.llama_cpp_no_repack)
     for p, why in skipped.items():
         print(f"skipping {p}: {why}", file=sys.stderr)
-    out = _out_dir(args, "peers")
+    out = output_dir(args, "peers")
     res = _run(runners, ids, args.max_new_tokens, progress=not args.no_progress)
     res.update(env=environment(), skipped=skipped, draft=draft_name, target=args.target, gguf=gguf,
                max_new_tokens=args.max_new_tokens, llama_cpp_no_repack=args.llama_cpp_no_repack,
@@ -420,7 +440,7 @@ def run_tune(args) -> int:
     space = SearchSpace(**{k: v for k, v in grid.items() if v is not None})
     prompts = load_prompts(args)
     target, draft, draft_name = load_models(args)
-    out = _out_dir(args, "tune")
+    out = output_dir(args, "tune")
     res = tune(target, draft, prompts, space, max_new_tokens=args.max_new_tokens, repeat=args.repeat,
                progress=not args.no_progress, draft_name=draft_name, checkpoint_dir=out, resume=not args.no_resume)
     report.write_json(res, out / "tune.json")

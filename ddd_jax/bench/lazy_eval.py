@@ -257,13 +257,50 @@ def run_lazy_eval(target, draft, prompts, *, tree=None, ddd=None, max_new_tokens
     identity, records."""
     import jax
 
-    from ddd_jax.config import DDDConfig, TreeConfig
-    from ddd_jax.decode import bucket_length
+    from ddd_jax.measure.prompts import build_prompt
 
-    from .run import _append_partial, _open_partial, _partial_header, build_prompt, normalize_prompts, \
-        required_capacity
+    from .run import normalize_prompts
 
     fws = check_request(frameworks, device)
+    tree, ddd = _checked_configs(fws, draft, tree, ddd, max_new_tokens)
+    prompts = normalize_prompts(prompts)
+    jdev = jax_device(device) if "jax" in fws else None
+    rows = [(fw, m, s) for fw in fws for m, s in ROWS[fw]]
+    with jax.default_device(jdev or jax.devices("cpu")[0]):
+        ids_list = [build_prompt(target, p, 0, [], chat) for p in prompts]
+        td, tmodels = _torch_models(fws, target, draft, device, torch_compile, torch_threads)
+        capacity = _jax_capacity(fws, target, draft, tree, ddd, ids_list, max_new_tokens)
+        run = _runner(target, draft, tree, ddd, max_new_tokens, capacity, td, tmodels)
+        costs = _sync_costs(fws, sync_work(target, draft), jdev, tmodels, tree.top_k, sync_rounds)
+        records = []
+        if checkpoint is not None:
+            checkpoint = Path(checkpoint)
+            records = _resume(checkpoint, resume, progress, prompts, kind="lazy-eval",
+                              rows=[row_label(*r) for r in rows], device=device, max_new_tokens=max_new_tokens,
+                              tree=tree.to_dict(), ddd=[list(ddd.check_steps), ddd.threshold, ddd.max_depth],
+                              warmup=warmup, chat=chat, capacity=capacity, torch_compile=torch_compile,
+                              target=target_name or target.name, draft=draft_name)
+        _decode_prompts(run, rows, prompts, ids_list, records, warmup=warmup, checkpoint=checkpoint,
+                        progress=progress, with_text=target.tokenizer is not None)
+        profiles = _profiles(run, rows, ids_list[:profile_prompts], progress)
+        loops = None
+        if "jax" in fws and loop_rounds > 0 and profile_prompts > 0:
+            loops = _jax_loop_cost(target, draft, tree, ddd, max_new_tokens, capacity, ids_list[:profile_prompts],
+                                   loop_rounds)
+        identity = _identity(target, records, fws, tie_tol)
+    out_rows = [_summarize(row, records, profiles.get(row), identity, costs) for row in rows]
+    config = {"target": target_name or target.name, "draft": draft_name or "(unnamed head)", "device": device,
+              "frameworks": list(fws), "max_new_tokens": max_new_tokens, "prompts": len(prompts),
+              "profile_prompts": min(profile_prompts, len(prompts)), "warmup": warmup, "chat": chat,
+              "tree": {"top_k": tree.top_k, "total_tokens": tree.total_tokens, "depth": tree.depth},
+              "ddd": {"check_steps": list(ddd.check_steps), "threshold": ddd.threshold, "max_depth": ddd.max_depth},
+              "jax_capacity": capacity, "params_dtype": str(target.params["embed"].dtype), **(notes or {})}
+    return _result(_environment(device, tmodels), config, costs, loops, out_rows, identity, records)
+
+
+def _checked_configs(fws: tuple, draft, tree, ddd, max_new_tokens: int) -> tuple:
+    """(tree, ddd) with the library defaults for None; refuses what the run cannot do before anything runs."""
+    from ddd_jax.config import DDDConfig, TreeConfig
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if draft is None:
@@ -273,111 +310,129 @@ def run_lazy_eval(target, draft, prompts, *, tree=None, ddd=None, max_new_tokens
         raise ValueError(f"lazy-eval compares the frameworks on one tree, and the torch counterpart drafts from the "
                          f"head alone: TreeConfig(lookup={tree.lookup}) (context-lookup candidates) is JAX-only; "
                          "pass lookup=0 or frameworks=('jax',)")
-    prompts = normalize_prompts(prompts)
-    jdev = jax_device(device) if "jax" in fws else None
-    rows = [(fw, m, s) for fw in fws for m, s in ROWS[fw]]
-    labels = [row_label(*r) for r in rows]
-    with jax.default_device(jdev or jax.devices("cpu")[0]):
-        ids_list = [build_prompt(target, p, 0, [], chat) for p in prompts]
-        td = torch_module() if "torch" in fws else None
-        if td and torch_threads:  # process-wide, like the CLI it serves
-            import torch
-            torch.set_num_threads(torch_threads)
-        tmodels = td.load_torch(target, draft, device, compile=torch_compile) if td else None
-        capacity = None
-        if "jax" in fws:
-            from .run import parse_methods
-            specs = parse_methods(["vanilla", "eagle2", "ddd-host", "ddd-callback", "ddd-device"], tree, ddd)
-            capacity = required_capacity(target, draft, specs, [len(i) for i in ids_list], max_new_tokens)
+    return tree, ddd
 
-        def run(row, ids, profile=False):
-            fw, method, sync = row
-            kw = dict(max_new_tokens=max_new_tokens, method=method, sync=sync or "device", tree=tree, ddd=ddd,
-                      profile=profile)
-            t0 = time.perf_counter()
-            if fw == "jax":
-                import ddd_jax
-                res = ddd_jax.generate(target, draft if method != "vanilla" else None, ids, capacity=capacity, **kw)
-            else:
-                res = td.generate(tmodels, ids, **kw)
-            return res, time.perf_counter() - t0
 
-        costs = {}
-        work = sync_work(target, draft)
-        if "jax" in fws:
-            costs["jax"] = sync_cost(jax_sync_loop(work, jdev, tree.top_k), rounds=sync_rounds)
-        if td:
-            costs["torch"] = sync_cost(torch_sync_loop(work, tmodels.device, tree.top_k), rounds=sync_rounds)
+def _torch_models(fws: tuple, target, draft, device: str, compile: bool, threads: int | None) -> tuple:
+    """(the torch decoding module, the target and head in torch), or (None, None) without torch among `fws`."""
+    td = torch_module() if "torch" in fws else None
+    if td and threads:  # process-wide, like the CLI it serves
+        import torch
+        torch.set_num_threads(threads)
+    return td, (td.load_torch(target, draft, device, compile=compile) if td else None)
 
-        records, warmed = [], {}
-        if checkpoint is not None:
-            checkpoint = Path(checkpoint)
-            header = _partial_header(kind="lazy-eval", rows=labels, device=device, max_new_tokens=max_new_tokens,
-                                     tree=tree.to_dict(), ddd=[list(ddd.check_steps), ddd.threshold, ddd.max_depth],
-                                     warmup=warmup, chat=chat, capacity=capacity, torch_compile=torch_compile,
-                                     target=target_name or target.name, draft=draft_name, prompts=prompts)
-            records = [g["record"] for g in _open_partial(checkpoint, header, resume)]
-            if records and progress:
-                print(f"lazy-eval: resuming after {len(records)} of {len(prompts)} prompts ({checkpoint})",
-                      file=sys.stderr)
-        bar = _progress(len(prompts) * len(rows), progress, "lazy-eval")
-        if bar is not None and records:
-            bar.update(len(records) * len(rows))
-        try:
-            for i, (p, ids) in enumerate(zip(prompts, ids_list)):
-                if i < len(records):
-                    continue
-                rec = {"id": p["id"], "category": p.get("category"), "turn": 1, "prompt_ids": ids, "runs": {}}
-                order = rows[i % len(rows):] + rows[: i % len(rows)]  # rotate slot positions
-                for row in order:
-                    key = (row, bucket_length(len(ids)) if row[0] == "jax" else 0)
-                    run_rec = {"order": order.index(row)}
-                    if warmup and key not in warmed:
-                        _, warmed[key] = run(row, ids)
-                        run_rec["warmup_s"] = warmed[key]
-                    res, wall = run(row, ids)
-                    run_rec.update(tokens=list(res.tokens), wall_s=wall, stats=_slim(res.stats))
-                    if target.tokenizer is not None:
-                        run_rec["text"] = res.text
-                    rec["runs"][row_label(*row)] = run_rec
-                    if bar is not None:
-                        bar.update(1)
-                rec["runs"] = {lb: rec["runs"][lb] for lb in labels}
-                records.append(rec)
-                if checkpoint is not None:
-                    _append_partial(checkpoint, {"prompt": i, "record": rec})
-        finally:
-            if bar is not None:
-                bar.close()
-        profiles = _profiles(run, rows, ids_list[:profile_prompts], progress)
-        loops = None
-        if "jax" in fws and loop_rounds > 0 and profile_prompts > 0:
+
+def _jax_capacity(fws: tuple, target, draft, tree, ddd, ids_list: list, max_new_tokens: int) -> int | None:
+    """One KV-cache capacity for every JAX row and prompt (one decode-loop compile per row); None without JAX."""
+    if "jax" not in fws:
+        return None
+    from .run import parse_methods, required_capacity
+    specs = parse_methods(["vanilla", "eagle2", "ddd-host", "ddd-callback", "ddd-device"], tree, ddd)
+    return required_capacity(target, draft, specs, [len(i) for i in ids_list], max_new_tokens)
+
+
+def _runner(target, draft, tree, ddd, max_new_tokens: int, capacity, td, tmodels):
+    """run(row, ids, profile=False) -> (generate result, wall seconds) of one row on one prompt."""
+    def run(row, ids, profile=False):
+        fw, method, sync = row
+        kw = dict(max_new_tokens=max_new_tokens, method=method, sync=sync or "device", tree=tree, ddd=ddd,
+                  profile=profile)
+        t0 = time.perf_counter()
+        if fw == "jax":
             import ddd_jax
+            res = ddd_jax.generate(target, draft if method != "vanilla" else None, ids, capacity=capacity, **kw)
+        else:
+            res = td.generate(tmodels, ids, **kw)
+        return res, time.perf_counter() - t0
 
-            def decode(ids, loop):
-                return ddd_jax.generate(target, draft, ids, capacity=capacity, max_new_tokens=max_new_tokens,
-                                        method="ddd", sync="device", tree=tree, ddd=ddd, loop=loop)
+    return run
 
-            loops = loop_cost(decode, ids_list[:profile_prompts], loop_rounds)
-        identity = _identity(target, records, fws, tie_tol)
-    out_rows = [_summarize(row, records, profiles.get(row), identity, costs) for row in rows]
+
+def _sync_costs(fws: tuple, work, jdev, tmodels, k: int, rounds: int) -> dict:
+    """{framework: `sync_cost`} of one read after a step of `work`."""
+    costs = {}
+    if "jax" in fws:
+        costs["jax"] = sync_cost(jax_sync_loop(work, jdev, k), rounds=rounds)
+    if tmodels is not None:
+        costs["torch"] = sync_cost(torch_sync_loop(work, tmodels.device, k), rounds=rounds)
+    return costs
+
+
+def _resume(checkpoint: Path, resume: bool, progress: bool, prompts: list, **fields) -> list:
+    """The records a killed run of the same configuration (`fields`, `prompts`) left in `checkpoint`; [] (and the
+    checkpoint started over) when there are none."""
+    from .run import _open_partial, _partial_header
+    header = _partial_header(**fields, prompts=prompts)
+    records = [g["record"] for g in _open_partial(checkpoint, header, resume)]
+    if records and progress:
+        print(f"lazy-eval: resuming after {len(records)} of {len(prompts)} prompts ({checkpoint})", file=sys.stderr)
+    return records
+
+
+def _decode_prompts(run, rows: list, prompts: list, ids_list: list, records: list, *, warmup: bool, checkpoint,
+                    progress: bool, with_text: bool) -> None:
+    """Every row on every prompt after the `records` already held, rows interleaved per prompt (order rotated),
+    an untimed warm-up per row and prompt bucket; each prompt's record is appended to `records` (and to
+    `checkpoint`)."""
+    from ddd_jax.decode import bucket_length
+
+    from .run import _append_partial
+    labels = [row_label(*r) for r in rows]
+    warmed = {}
+    bar = _progress(len(prompts) * len(rows), progress, "lazy-eval")
+    if bar is not None and records:
+        bar.update(len(records) * len(rows))
+    try:
+        for i, (p, ids) in enumerate(zip(prompts, ids_list)):
+            if i < len(records):
+                continue
+            rec = {"id": p["id"], "category": p.get("category"), "turn": 1, "prompt_ids": ids, "runs": {}}
+            order = rows[i % len(rows):] + rows[: i % len(rows)]  # rotate slot positions
+            for row in order:
+                key = (row, bucket_length(len(ids)) if row[0] == "jax" else 0)
+                run_rec = {"order": order.index(row)}
+                if warmup and key not in warmed:
+                    _, warmed[key] = run(row, ids)
+                    run_rec["warmup_s"] = warmed[key]
+                res, wall = run(row, ids)
+                run_rec.update(tokens=list(res.tokens), wall_s=wall, stats=_slim(res.stats))
+                if with_text:
+                    run_rec["text"] = res.text
+                rec["runs"][row_label(*row)] = run_rec
+                if bar is not None:
+                    bar.update(1)
+            rec["runs"] = {lb: rec["runs"][lb] for lb in labels}
+            records.append(rec)
+            if checkpoint is not None:
+                _append_partial(checkpoint, {"prompt": i, "record": rec})
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _jax_loop_cost(target, draft, tree, ddd, max_new_tokens: int, capacity, prompt_ids: list, rounds: int) -> dict:
+    """`loop_cost` of JAX's DDD with device sync on `prompt_ids`."""
+    import ddd_jax
+
+    def decode(ids, loop):
+        return ddd_jax.generate(target, draft, ids, capacity=capacity, max_new_tokens=max_new_tokens,
+                                method="ddd", sync="device", tree=tree, ddd=ddd, loop=loop)
+
+    return loop_cost(decode, prompt_ids, rounds)
+
+
+def _result(env: dict, config: dict, costs: dict, loops, rows: list, identity: dict, records: list) -> dict:
+    """lazy_eval.json's content (the module docstring names its contract)."""
     return {
         "format": "ddd-jax-lazy-eval", "format_version": 1,
-        "env": _environment(device, tmodels),
-        "config": {
-            "target": target_name or target.name, "draft": draft_name or "(unnamed head)", "device": device,
-            "frameworks": list(fws), "max_new_tokens": max_new_tokens, "prompts": len(prompts),
-            "profile_prompts": min(profile_prompts, len(prompts)), "warmup": warmup, "chat": chat,
-            "tree": {"top_k": tree.top_k, "total_tokens": tree.total_tokens, "depth": tree.depth},
-            "ddd": {"check_steps": list(ddd.check_steps), "threshold": ddd.threshold, "max_depth": ddd.max_depth},
-            "jax_capacity": capacity, "params_dtype": str(target.params["embed"].dtype), **(notes or {}),
-        },
+        "env": env,
+        "config": config,
         "sync_cost_us": {fw: c["us"] for fw, c in costs.items()},
         "sync_cost": {"work": "h = tanh(x @ A); conf = logsumexp(topk(log_softmax(h @ W.T), k)) with A [D, D] and W "
                               "the draft's output rows [V', D]; cost = median over rounds of (time of `steps` steps reading "
                               "conf after every step - the same steps reading once at the end) / steps", **costs},
         "loop_cost": loops,
-        "rows": out_rows,
+        "rows": rows,
         "identity": identity,
         "records": records,
     }

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli import DEFAULT_DRAFT, DEFAULT_TARGET, RANDOM_DRAFT, _out_dir, add_tree_flags, load_models, load_prompts, \
-    resolve_configs
+from .cli import DEFAULT_DRAFT, DEFAULT_TARGET, RANDOM_DRAFT, add_tree_flags, load_models, load_prompts, \
+    output_dir, resolve_configs
 
 
 def add_parser(subparsers) -> None:
@@ -66,7 +66,7 @@ def run_lazy_eval_cli(args) -> int:
         source += f"; {why}"
         print(f"settings: {source}", file=sys.stderr)
     target, draft, draft_name = load_models(args)
-    out = _out_dir(args, "lazy-eval")
+    out = output_dir(args, "lazy-eval")
     res = run_lazy_eval(target, draft, prompts, tree=tree, ddd=ddd, max_new_tokens=args.max_new_tokens,
                         device=args.device, frameworks=frameworks, profile_prompts=args.profile_prompts,
                         progress=not args.no_progress, torch_compile=args.torch_compile,
