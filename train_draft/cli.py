@@ -254,10 +254,7 @@ def cmd_accept(args) -> int:
     return 0 if r["results"] and not (r["not_measured"] or r["errors"]) else 1
 
 
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("train-draft", help="train an EAGLE draft head for a target model")
-    sub = p.add_subparsers(dest="train_command", required=True)
-
+def _add_extract(sub) -> None:
     e = sub.add_parser("extract", help="run the target over chat/text data and store features in shards")
     e.add_argument("--target", required=True, help="target name or path (as load_target takes)")
     e.add_argument("--out", required=True, help="feature directory (rerun the same command to resume)")
@@ -280,6 +277,8 @@ def add_parser(subparsers) -> None:
     e.add_argument("--seed", type=int, default=0, help="conversation order")
     e.set_defaults(func=cmd_extract)
 
+
+def _add_regenerate(sub) -> None:
     g = sub.add_parser("regenerate", help="the target's own greedy replies to ShareGPT prompts (self-distillation)")
     g.add_argument("--target", required=True, help="target name or path (as load_target takes)")
     g.add_argument("--out", required=True, help="JSONL file, appended (rerun the same command to resume)")
@@ -298,6 +297,8 @@ def add_parser(subparsers) -> None:
                    help="start after the first N prompts of this order (answered in an earlier file)")
     g.set_defaults(func=cmd_regenerate)
 
+
+def _add_fit(sub) -> None:
     f = sub.add_parser("fit", help="train the head on extracted features (EAGLE objective)")
     f.add_argument("--target", required=True)
     f.add_argument("--features", required=True, nargs="+", metavar="DIR",
@@ -345,6 +346,8 @@ def add_parser(subparsers) -> None:
     add_mesh_args(f)  # --mesh DATAxMODEL: data-parallel training; --coordinator etc. for several hosts
     f.set_defaults(func=cmd_fit)
 
+
+def _add_export(sub) -> None:
     x = sub.add_parser("export", help="write a checkpoint as a float16 head directory")
     x.add_argument("--run", required=True)
     x.add_argument("--target", required=True)
@@ -352,12 +355,16 @@ def add_parser(subparsers) -> None:
     x.add_argument("--step", type=int, default=None)
     x.set_defaults(func=cmd_export)
 
+
+def _add_plot(sub) -> None:
     pl = sub.add_parser("plot", help="loss / accuracy / tau curves to PNG")
     pl.add_argument("--run", default=None)
     pl.add_argument("--metrics", default=None)
     pl.add_argument("--out", default=None)
     pl.set_defaults(func=cmd_plot)
 
+
+def _add_recipe(sub) -> None:
     r = sub.add_parser("recipe", help="self-distil, train an EAGLE-3 and an EAGLE-1/2 head, export, measure: "
                                       "one run sized to a wall-time budget (9 minutes of one GPU by default)")
     r.add_argument("--out", required=True, help="run directory: recipe.json, heads/, regen/, fit runs "
@@ -386,6 +393,8 @@ def add_parser(subparsers) -> None:
                         "--set eagle3.batch_size=16 --set regen_max_new=128 (repeatable; recorded in recipe.json)")
     r.set_defaults(func=cmd_recipe)
 
+
+def _add_recipe_inputs(sub) -> None:
     ri = sub.add_parser("recipe-inputs", help="tokenize the recipe's prompts into one .npz (uint16 ids) to carry "
                                               "to a machine without the asset packages")
     ri.add_argument("--out", required=True, help="output .npz")
@@ -408,6 +417,8 @@ def add_parser(subparsers) -> None:
                     help="the .npz at most B bytes: ShareGPT text fills what the prompts and earlier replies leave")
     ri.set_defaults(func=cmd_recipe_inputs)
 
+
+def _add_draft_vocab(sub) -> None:
     v = sub.add_parser("draft-vocab", help="give a head a reduced draft vocabulary (most frequent training tokens)")
     v.add_argument("--target", required=True)
     v.add_argument("--head", required=True, help="head directory (our format); rewritten atomically unless --out")
@@ -417,6 +428,8 @@ def add_parser(subparsers) -> None:
     v.add_argument("--out", default=None)
     v.set_defaults(func=cmd_vocab)
 
+
+def _add_accept(sub) -> None:
     a = sub.add_parser("accept", help="τ of every head in a folder (directories and .tar files) beside a reference "
                                       "head, over the MT-bench first turns (resumable)")
     a.add_argument("--heads", required=True, metavar="DIR",
@@ -434,3 +447,15 @@ def add_parser(subparsers) -> None:
                    help="only these runs, comma separated (eagle2-default, ddd-paper, eagle2-cpu, ddd-cpu, "
                         "eagle2-gpu, ddd-gpu; default: all)")
     a.set_defaults(func=cmd_accept)
+
+
+# `train-draft`'s subcommands in the order --help lists them, each with the function that adds its flags
+SUBCOMMANDS = (_add_extract, _add_regenerate, _add_fit, _add_export, _add_plot, _add_recipe, _add_recipe_inputs,
+               _add_draft_vocab, _add_accept)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("train-draft", help="train an EAGLE draft head for a target model")
+    sub = p.add_subparsers(dest="train_command", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)

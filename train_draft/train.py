@@ -270,7 +270,8 @@ def make_optimizer(cfg):
     return tx, sched
 
 
-def _finish(sums):
+def metric_means(sums):
+    """Means per loss token of `loss_sums`' sums: {"vloss", "ploss", "acc", "count"} (count: the loss tokens)."""
     c = jnp.maximum(sums["count"], 1e-5)
     vl, pl = sums["vloss"] / c, sums["ploss"] / c
     return {"vloss": vl, "ploss": pl, "acc": sums["correct"] / c, "count": sums["count"]}
@@ -311,7 +312,7 @@ def make_train_step(graphdef: nnx.GraphDef, treedef, dcfg: DraftConfig, cfg: Fit
         c = jnp.maximum(sums["count"], 1e-5)
         grads = jax.tree.map(lambda x: x / c, grads)
         opt.update(head, grads)  # optax chain (clip, adamw) on the Params; advances opt.step
-        metrics = _finish(sums)
+        metrics = metric_means(sums)
         metrics["loss"] = metrics["vloss"] + cfg.w_cls * metrics["ploss"]
         metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
         return jax.tree.leaves(nnx.state(train)), metrics
@@ -477,6 +478,111 @@ def _trim_metrics(path: Path, upto_step: int) -> None:
     dio.atomic_write_text(path, "".join(l + "\n" for l in keep))
 
 
+def evaluate(eval_step, params, embed, lm_w, batches: list) -> dict:
+    """Held-out means {"vloss", "ploss", "acc", "count"} (floats) of `make_eval_step`'s sums over `batches`."""
+    tot = None
+    for b in batches:
+        s = eval_step(params, embed, lm_w, b)
+        tot = s if tot is None else jax.tree.map(jnp.add, tot, s)
+    return {k: float(v) for k, v in metric_means(jax.device_get(tot)).items()}
+
+
+@dataclass
+class _Run:
+    """One fit's moving parts, shared by the named parts of `fit`: the training state's leaves (the step donates
+    them; `state()` rebuilds the nnx State of the latest ones when needed), its checkpoints and its metrics."""
+
+    out: Path
+    meta: dict  # fit.json
+    mgr: object  # orbax's CheckpointManager
+    graphdef: nnx.GraphDef
+    treedef: object
+    leaves: list
+    last: dict | None = None  # the last training metrics line
+    last_eval: dict | None = None  # the last held-out line
+
+    def log(self, line: dict) -> None:
+        _append_jsonl(self.out / "metrics.jsonl", line)
+
+    def state(self):
+        return jax.tree.unflatten(self.treedef, self.leaves)
+
+    def params(self) -> dict:
+        return state_params(self.state())
+
+    def save(self, step: int) -> None:
+        import orbax.checkpoint as ocp
+        self.mgr.save(step, args=ocp.args.StandardSave(self.state()), force=True)
+        self.mgr.wait_until_finished()
+
+
+def _write_fit_json(out_dir: Path, meta: dict, resume: bool) -> None:
+    """out_dir/fit.json, checked against a resumed run's (same configuration, same data)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fit_json, ckpt_dir = out_dir / "fit.json", out_dir / "checkpoints"
+    if resume and fit_json.exists():
+        old = dio.read_json(fit_json)
+        if old["fit_config"] != meta["fit_config"] or old["draft_config"] != meta["draft_config"]:
+            raise ValueError(f"--resume: {fit_json} was written with a different configuration "
+                             f"{old['fit_config']} vs {meta['fit_config']}")
+        if old.get("train_tokens") != meta["train_tokens"]:
+            raise ValueError(f"--resume: training data changed ({old.get('train_tokens')} -> {meta['train_tokens']} "
+                             "tokens); the data order would differ")
+    elif not resume and ckpt_dir.exists() and any(ckpt_dir.iterdir()):
+        raise ValueError(f"{ckpt_dir} already holds checkpoints: pass --resume or use a new output directory")
+    dio.atomic_write_text(fit_json, json.dumps(meta, indent=1))
+
+
+def _open_run(target, dcfg: DraftConfig, cfg: FitConfig, out_dir: Path, meta: dict, tx, resume: bool,
+              keep: int) -> _Run:
+    """The training state restored from the latest checkpoint (metrics.jsonl cut back to it), else fresh."""
+    metrics_path = out_dir / "metrics.jsonl"
+    mgr = _manager(out_dir / "checkpoints", keep)
+    if resume and mgr.latest_step() is not None:
+        graphdef, abstract = abstract_train_state(dcfg, cfg)
+        state = _restore(mgr, mgr.latest_step(), abstract)
+        _trim_metrics(metrics_path, state_step(state))
+    else:
+        graphdef, state = new_train_state(dcfg, init_head_params(dcfg, target, cfg), tx)
+        if metrics_path.exists():
+            metrics_path.unlink()
+    leaves, treedef = jax.tree.flatten(state)
+    return _Run(out_dir, meta, mgr, graphdef, treedef, leaves)
+
+
+class _Progress:
+    """The steps since the last metrics line (their metrics and tokens) and the tqdm bar (None without progress)."""
+
+    def __init__(self, start: int, end: int, progress: bool):
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=end, initial=start, unit="step", desc="fit", mininterval=5.0)
+        self.pending, self.t_last, self.tokens = [], time.time(), 0
+
+    def step(self, metrics, tokens: int) -> None:
+        self.pending.append(metrics)
+        self.tokens += tokens
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def line(self, done: int, plan: BatchPlan, sched, t_start: float) -> dict:
+        """The metrics line of the steps since the last one (means), and the bar's postfix; starts the next."""
+        ms = jax.device_get(self.pending)
+        dt = time.time() - self.t_last
+        rec = {"step": done, "epoch": round(plan.epoch_of(done), 4), "lr": float(sched(done - 1)),
+               **{k: float(np.mean([x[k] for x in ms])) for k in ("loss", "vloss", "ploss", "acc", "grad_norm")},
+               "tokens_per_s": self.tokens / max(dt, 1e-9), "elapsed_s": time.time() - t_start}
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{rec['acc']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+        self.pending, self.t_last, self.tokens = [], time.time(), 0
+        return rec
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def fit(target, train: FeatureSet, out_dir, cfg: FitConfig, *, eval_set: FeatureSet | None = None,
         resume: bool = False, ckpt_every: int = 200, keep: int = 3, log_every: int = 10, eval_every: int = 200,
         eval_batches: int = 8, tau_every: int = 0, tau_prompts: list | None = None, tau_max_new: int = 64,
@@ -492,117 +598,67 @@ def fit(target, train: FeatureSet, out_dir, cfg: FitConfig, *, eval_set: Feature
     "last_eval", "draft_config"}.
     """
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     dcfg = DraftConfig.from_target(target.config, target_name=target.name)
     meta = {"draft_config": dcfg.to_dict(), "fit_config": cfg.to_dict(), "target": target.name,
             "train_features": train.manifest.get("source"), "train_tokens": train.n_tokens,
             "train_seqs": train.n_seqs, **(extra_meta or {})}
-    fit_json = out_dir / "fit.json"
-    ckpt_dir = out_dir / "checkpoints"
-    metrics_path = out_dir / "metrics.jsonl"
-    if resume and fit_json.exists():
-        old = dio.read_json(fit_json)
-        if old["fit_config"] != meta["fit_config"] or old["draft_config"] != meta["draft_config"]:
-            raise ValueError(f"--resume: {fit_json} was written with a different configuration "
-                             f"{old['fit_config']} vs {meta['fit_config']}")
-        if old.get("train_tokens") != meta["train_tokens"]:
-            raise ValueError(f"--resume: training data changed ({old.get('train_tokens')} -> {meta['train_tokens']} "
-                             "tokens); the data order would differ")
-    elif not resume and ckpt_dir.exists() and any(ckpt_dir.iterdir()):
-        raise ValueError(f"{ckpt_dir} already holds checkpoints: pass --resume or use a new output directory")
-    dio.atomic_write_text(fit_json, json.dumps(meta, indent=1))
-
-    plan = BatchPlan(train, cfg)
+    _write_fit_json(out_dir, meta, resume)
     tx, sched = make_optimizer(cfg)
-    embed, lm_w = frozen_target_arrays(target)
-    eval_step = make_eval_step(dcfg, cfg)
-    base_key = jax.random.PRNGKey(cfg.seed)
-    mgr = _manager(ckpt_dir, keep)
-
-    if resume and mgr.latest_step() is not None:
-        graphdef, abstract = abstract_train_state(dcfg, cfg)
-        state = _restore(mgr, mgr.latest_step(), abstract)
-        _trim_metrics(metrics_path, state_step(state))
-    else:
-        graphdef, state = new_train_state(dcfg, init_head_params(dcfg, target, cfg), tx)
-        if metrics_path.exists():
-            metrics_path.unlink()
-    leaves, treedef = jax.tree.flatten(state)
-    del state  # the step donates the leaves; `current()` rebuilds the State view of the latest ones when needed
+    run = _open_run(target, dcfg, cfg, out_dir, meta, tx, resume, keep)
     shard_batch = lambda b: b  # noqa: E731
     if mesh is not None:
-        shard_batch, leaves = _data_parallel(mesh, cfg, leaves)
-    current = lambda: jax.tree.unflatten(treedef, leaves)
-    train_step = make_train_step(graphdef, treedef, dcfg, cfg)
-    start = state_step(current())
+        shard_batch, run.leaves = _data_parallel(mesh, cfg, run.leaves)
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    eval_batches_ = eval_rows(eval_set, cfg, eval_batches) if eval_set is not None else []
+    _train(run, target, dcfg, cfg, BatchPlan(train, cfg), sched, shard_batch, end=end, progress=progress,
+           time_limit_s=time_limit_s, log_every=log_every, ckpt_every=ckpt_every,
+           held=eval_rows(eval_set, cfg, eval_batches) if eval_set is not None else [], eval_every=eval_every,
+           tau_every=tau_every, tau_prompts=tau_prompts, tau_max_new=tau_max_new, export_every=export_every,
+           export_dir=export_dir)
+    state = run.state()
+    if run.mgr.latest_step() != state_step(state):
+        run.save(state_step(state))
+    run.mgr.close()
+    return {"params": state_params(state), "module": nnx.merge(run.graphdef, state)["model"],
+            "step": state_step(state), "last_metrics": run.last, "last_eval": run.last_eval, "draft_config": dcfg}
 
-    def run_eval(step):
-        if not eval_batches_:
-            return None
-        tot = None
-        for b in eval_batches_:
-            s = eval_step(state_params(current()), embed, lm_w, b)
-            tot = s if tot is None else jax.tree.map(jnp.add, tot, s)
-        r = {k: float(v) for k, v in _finish(jax.device_get(tot)).items()}
-        rec = {"step": step, "split": "eval", "eval_vloss": r["vloss"], "eval_ploss": r["ploss"],
-               "eval_loss": r["vloss"] + cfg.w_cls * r["ploss"], "eval_acc": r["acc"], "eval_tokens": r["count"]}
-        _append_jsonl(metrics_path, rec)
-        return rec
 
-    def save(step):
-        import orbax.checkpoint as ocp
-        mgr.save(step, args=ocp.args.StandardSave(current()), force=True)
-        mgr.wait_until_finished()
-
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=end, initial=start, unit="step", desc="fit", mininterval=5.0)
-    pending, t_last, tok_last = [], time.time(), 0
-    last_metrics, last_eval = None, None
+def _train(run: _Run, target, dcfg: DraftConfig, cfg: FitConfig, plan: BatchPlan, sched, shard_batch, *, end: int,
+           progress: bool, time_limit_s, log_every: int, ckpt_every: int, held: list, eval_every: int,
+           tau_every: int, tau_prompts, tau_max_new: int, export_every: int, export_dir) -> None:
+    """The training loop from the state's step to `end` (or `time_limit_s`): metrics every `log_every` steps,
+    held-out scores every `eval_every`, τ every `tau_every`, checkpoints every `ckpt_every`, the head exported
+    every `export_every`, each also at the last step."""
+    embed, lm_w = frozen_target_arrays(target)
+    eval_step, train_step = make_eval_step(dcfg, cfg), make_train_step(run.graphdef, run.treedef, dcfg, cfg)
+    base_key = jax.random.PRNGKey(cfg.seed)
+    start = state_step(run.state())
+    prog = _Progress(start, end, progress)
     t_start = time.time()
     for step in range(start, end):
         if time_limit_s is not None and step > start and time.time() - t_start > time_limit_s:
             break
         batch = plan.batch(step)
         n_tok = int((batch.segments > 0).sum())
-        leaves, m = train_step(leaves, embed, lm_w, shard_batch(batch), base_key)
-        pending.append(m)
-        tok_last += n_tok
+        run.leaves, m = train_step(run.leaves, embed, lm_w, shard_batch(batch), base_key)
+        prog.step(m, n_tok)
         done = step + 1
-        if bar is not None:
-            bar.update(1)
         if done % log_every == 0 or done == end:
-            ms = jax.device_get(pending)
-            dt = time.time() - t_last
-            rec = {"step": done, "epoch": round(plan.epoch_of(done), 4), "lr": float(sched(done - 1)),
-                   **{k: float(np.mean([x[k] for x in ms])) for k in ("loss", "vloss", "ploss", "acc", "grad_norm")},
-                   "tokens_per_s": tok_last / max(dt, 1e-9), "elapsed_s": time.time() - t_start}
-            _append_jsonl(metrics_path, rec)
-            last_metrics = rec
-            if bar is not None:
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{rec['acc']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-            pending, t_last, tok_last = [], time.time(), 0
-        if eval_every and (done % eval_every == 0 or done == end):
-            last_eval = run_eval(done) or last_eval
+            run.last = prog.line(done, plan, sched, t_start)
+            run.log(run.last)
+        if eval_every and held and (done % eval_every == 0 or done == end):
+            r = evaluate(eval_step, run.params(), embed, lm_w, held)
+            run.last_eval = {"step": done, "split": "eval", "eval_vloss": r["vloss"], "eval_ploss": r["ploss"],
+                             "eval_loss": r["vloss"] + cfg.w_cls * r["ploss"], "eval_acc": r["acc"],
+                             "eval_tokens": r["count"]}
+            run.log(run.last_eval)
         if tau_every and tau_prompts and (done % tau_every == 0 or done == end):
-            tau = measure_tau(target, dcfg, state_params(current()), tau_prompts, tau_max_new)
-            _append_jsonl(metrics_path, {"step": done, "split": "tau", **tau})
+            run.log({"step": done, "split": "tau", **measure_tau(target, dcfg, run.params(), tau_prompts, tau_max_new)})
         if done % ckpt_every == 0 or done == end:
-            save(done)
+            run.save(done)
         if export_every and export_dir and (done % export_every == 0 or done == end):
-            save_head(target, dcfg, state_params(current()), export_dir,
-                      extra=export_extra(meta, done, last_metrics, last_eval))
-    if bar is not None:
-        bar.close()
-    state = current()
-    if mgr.latest_step() != state_step(state):
-        save(state_step(state))
-    mgr.close()
-    return {"params": state_params(state), "module": nnx.merge(graphdef, state)["model"], "step": state_step(state),
-            "last_metrics": last_metrics, "last_eval": last_eval, "draft_config": dcfg}
+            save_head(target, dcfg, run.params(), export_dir,
+                      extra=export_extra(run.meta, done, run.last, run.last_eval))
+    prog.close()
 
 
 def export_extra(meta: dict, step: int, last_metrics=None, last_eval=None) -> dict:
