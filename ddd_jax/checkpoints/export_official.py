@@ -248,14 +248,25 @@ def head_card(draft) -> dict:
     meta = head_meta(draft.name) if draft.name else None
     if meta and meta.get("extra"):
         card["extra"] = meta["extra"]
-    try:
-        from ..settings.calibration import load_profile
-        prof = load_profile(draft)
-    except (OSError, ValueError):
-        prof = None
+    prof = _profile_beside(draft.name) if draft.name else None
     if prof:
         card["profile"] = prof
     return card
+
+
+PROFILE_FILE = "profile.json"  # as `settings.calibration` (above this layer) names a head's acceptance profile
+
+
+def _profile_beside(path_or_name) -> dict | None:
+    """The acceptance profile stored beside a head directory (a packaged name or a path), if any."""
+    from . import registry
+    s = str(path_or_name)
+    d = registry.HEADS_DIR / registry.NAMED_DRAFTS[s] if s in registry.NAMED_DRAFTS else Path(s)
+    try:
+        prof = dio.read_json(d / PROFILE_FILE) if (d / PROFILE_FILE).is_file() else None
+    except (OSError, ValueError):
+        return None
+    return prof if isinstance(prof, dict) and prof.get("format") == "ddd-jax-acceptance-profile" else None
 
 
 def model_card(draft, layout: Layout, dtype: str, cfg: dict, tensors: dict, card: dict, base_model=None,
@@ -350,8 +361,9 @@ def _card_sections(card: dict) -> list[str]:
     entries = [e for e in prof.get("entries", []) if e.get("tau") is not None]
     if entries:
         out += ["## Acceptance (τ)", "",
-                f"Mean accepted tokens per target call (τ) measured by ddd-jax over {prof.get('prompts')} MT-bench "
-                f"prompts, {prof.get('max_new_tokens')} new tokens each, greedy ({prof.get('date', '')[:10]}).", "",
+                f"Mean accepted tokens per target call (τ) in the head's acceptance profile, measured by ddd-jax over "
+                f"{prof.get('prompts')} held-out chat prompts, {prof.get('max_new_tokens')} new tokens each, greedy "
+                f"({str(prof.get('date') or '')[:10]}); a label's `lookup` adds context-lookup candidates.", "",
                 "| setting | method | top_k | total_tokens | depth | DDD rule | τ |", "|---|---|---|---|---|---|---|"]
         for e in entries:
             t, d = e.get("tree") or {}, e.get("ddd") or {}
