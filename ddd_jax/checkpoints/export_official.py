@@ -5,7 +5,8 @@ The tensors come from the import key tables run backwards (`keytable.export` ove
 named. Layouts, each one directory written atomically (it exists whole or not at all):
 
 * "eagle" (EAGLE-1/2 heads): EAGLE's `eagle/model/cnets1.py` `Model`, built by `ea_model.py` (`use_eagle3=False`);
-  SGLang's `LlamaForCausalLMEagle` reads the same files.
+  the files are laid out as EAGLE's released EAGLE-1/2 heads are (SGLang's `LlamaForCausalLMEagle` holds the same
+  tensors under "model.").
       config.json        LlamaConfig fields (`configs.EConfig`), num_hidden_layers=1, architectures LlamaForCausalLM;
                          "bias": false only for a head without an fc bias, "qkv_bias": true only with q/k/v biases
                          (as EAGLE's released heads)
@@ -310,7 +311,7 @@ def model_card(draft, layout: Layout, dtype: str, cfg: dict, tensors: dict, card
         notes.append("`rope_scaling` is the target's; EAGLE's own `EConfig` accepts only linear / dynamic scaling.")
     lines += [*[f"- {n}" for n in notes], "", "## Loading", "",
               "```python", "# ddd-jax (JAX)", "import ddd_jax",
-              f"target = ddd_jax.load_target({tname!r})",
+              f"target = ddd_jax.load_target({json.dumps(tname)})",
               "draft = ddd_jax.load_draft(\"<this directory>\", target)", "```", ""]
     if layout.name == "eagle":
         lines += ["```python", "# SafeAILab/EAGLE", "from eagle.model.ea_model import EaModel",
