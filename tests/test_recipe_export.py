@@ -170,7 +170,7 @@ def test_eagle3_fit_stays_within_its_epochs_scores_held_out_and_keeps_the_best(t
 def test_a_fit_runs_the_programs_compiled_ahead_for_its_shapes(tmp_path):
     """`compile_ahead` builds the step and held-out loss on another thread (the recipe: while it regenerates);
     the fit that runs them gives the same params bit for bit, and a fit of other shapes compiles its own."""
-    from train_draft.eagle3_fit import Fit3Config, compile_ahead, fit_eagle3
+    from train_draft.eagle3_fit import Fit3Config, compile_ahead, fit_eagle3, measure_step
     from train_draft.regen import CompileCounter
     t = tiny_target()
     fs, held = token_set(_records(12), 64), token_set(_records(3, start=50, tag="h"), 64)
@@ -178,6 +178,8 @@ def test_a_fit_runs_the_programs_compiled_ahead_for_its_shapes(tmp_path):
     kw = dict(ckpt_every=10 ** 9, eval_set=held, eval_every=2)
     ahead = compile_ahead(t, cfg, 32)
     ahead.result()
+    timing = measure_step(t, cfg, ahead.result(), 32, steps=2)  # what the recipe predicts its fit from
+    assert timing["step_s"] > 0 and timing["eval_batch_s"] > 0 and timing["steps_timed"] == 2
     with CompileCounter() as cc:  # the programs came from the other thread: the counter on this one saw none
         r = fit_eagle3(t, fs, tmp_path / "a", cfg, ahead=ahead, **kw)
     assert r["ahead"]["status"] == "used" and r["ahead"]["compile_s"] > 0
@@ -277,6 +279,6 @@ def test_regen_first_takes_the_targets_replies_before_sharegpt_in_every_epoch():
     assert groups.tolist() == [0] * 6 + [1] * 6 and fit_groups(fs, "all") is None
     plan = RowPlan(fs, Fit3Config(batch_size=1, seq_len=40), groups)
     for epoch in (0, 1):
-        seqs = [k for row in plan._rows(epoch) for k, _ in row]
+        seqs = [k for row in plan.rows(epoch) for k, _ in row]
         assert sorted(seqs) == list(range(12)) and set(seqs[:6]) == set(range(6)), seqs  # replies first
-    assert plan._rows(0) != RowPlan(fs, Fit3Config(batch_size=1, seq_len=40, seed=1), groups)._rows(0)
+    assert plan.rows(0) != RowPlan(fs, Fit3Config(batch_size=1, seq_len=40, seed=1), groups).rows(0)

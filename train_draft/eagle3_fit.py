@@ -122,12 +122,13 @@ class RowPlan:
         if self.groups is not None and self.groups.shape != self.lengths.shape:
             raise ValueError(f"groups: one per sequence ({len(self.lengths)}), got {self.groups.shape}")
         self._cache: dict = {}
-        self.steps_per_epoch = len(self._rows(0)) // cfg.batch_size
+        self.steps_per_epoch = len(self.rows(0)) // cfg.batch_size
         if self.steps_per_epoch == 0:
-            raise ValueError(f"not enough data for one step: {len(self._rows(0))} packed rows of {cfg.seq_len} "
+            raise ValueError(f"not enough data for one step: {len(self.rows(0))} packed rows of {cfg.seq_len} "
                              f"tokens, a step needs {cfg.batch_size}")
 
-    def _rows(self, epoch: int):
+    def rows(self, epoch: int):
+        """The packed rows of epoch `epoch`: lists of (sequence, tokens) pairs (the last epoch asked for is kept)."""
         if epoch not in self._cache:
             order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.lengths))
             if self.groups is None:
@@ -141,7 +142,7 @@ class RowPlan:
     def batch(self, step: int):
         e, i = divmod(step, self.steps_per_epoch)
         B = self.cfg.batch_size
-        return make_batch(self.fs, self._rows(e)[i * B:(i + 1) * B], self.cfg.seq_len)
+        return make_batch(self.fs, self.rows(e)[i * B:(i + 1) * B], self.cfg.seq_len)
 
 
 def _shift(x, k: int, fill=0):

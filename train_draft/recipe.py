@@ -568,7 +568,8 @@ def _open_run(target, inputs: dict, out_dir, cfg: RecipeConfig, smoke: bool, exp
     if export_dir is not None:  # before the window is spent: the EAGLE-3 head must fit a returned file
         dcfg = eagle3_config(target, n_vocab3)
         head_forms[f"{target.name}-eagle3.tar"] = check_head_fits(dcfg, f"recipe --export-dir {export_dir}")["form"]
-        export, writer = ExportDir(export_dir), HeadWriter(ExportDir(export_dir), out)
+        export = ExportDir(export_dir)
+        writer = HeadWriter(export, out)
         params = jax.tree.map(np.asarray, eagle3.init_params(dcfg, jax.random.PRNGKey(0), np.float32))
         writer.time_write(eagle.Draft(dcfg, {**params, "d2t": np.arange(n_vocab3, dtype=np.int32)}, target))
     rec = Record(out, {"format": RECIPE_FORMAT, "version": 3, "smoke": smoke, "config": cfg.to_dict(),
@@ -618,7 +619,10 @@ def _eagle3(run: _Run, plan: FitPlan, train, held, ahead) -> None:
     name = f"{run.target.name}-eagle3"
     plan.measure(run.target, run.n_vocab3)  # a run whose regeneration ended before the programs were built
     if plan.timing is not None:
-        spe = RowPlan(train, run.cfg.eagle3, fit_groups(train, run.cfg.data)).steps_per_epoch
+        try:
+            spe = RowPlan(train, run.cfg.eagle3, fit_groups(train, run.cfg.data)).steps_per_epoch
+        except ValueError:  # fewer rows than a step: the fit halves its batch (`halving_batch`)
+            spe = None
         plan.record.update(predicted=plan.predict(train.n_tokens, spe))
 
     def best3(params, step, metrics):
