@@ -375,6 +375,65 @@ class TreeConfig:
         return self.top_k + depth * self.top_k ** 2
 
 
+DDD_RULES = ("threshold", "gain")
+
+
+def verify_widths(total_tokens: int) -> tuple:
+    """The widths a tree of `total_tokens` nodes is verified at (rows per sequence): the powers of two below
+    total_tokens, then total_tokens (what a plan compiles; `calibration.predict` prices each)."""
+    return tuple(w for w in (1, 2, 4, 8, 16, 32, 64, 128) if w < total_tokens) + (int(total_tokens),)
+
+
+@dataclass(frozen=True)
+class GainModel:
+    """What the expected-gain DDD rule reads (`DDDConfig(rule="gain")`): the head's calibrated acceptance and this
+    host's costs, as static tuples (a plan is hashable). `ddd_jax.calibrate` builds it
+    (`measure.node_acceptance`).
+
+    A node's calibrated probability of acceptance is accept[depth - 1][bin of its cumulative draft log-prob], the
+    bins cut at `score_edges` (ascending; bin i holds scores in [edges[i-1], edges[i])); `cont[d - 1]`: the share of
+    accepted depth-d beam nodes with an accepted child (what one more step adds). Costs in ms: `verify_ms[i]` one
+    target forward at `widths[i]` rows (the plan's compiled verify widths), `draft_ms` one draft step over the
+    beam, `fixed_ms` the rest of a cycle (tree, acceptance, commit). `rate`: the tokens per ms the decode is
+    expected to reach (every extra step and row must earn at least that; 0: each cycle's own expected rate)."""
+
+    score_edges: tuple[float, ...]  # [E]
+    accept: tuple[tuple[float, ...], ...]  # [D][E + 1] P(accepted | depth, score bin)
+    cont: tuple[float, ...]  # [D]
+    widths: tuple[int, ...]  # [Wn] ascending, the last = total_tokens
+    verify_ms: tuple[float, ...]  # [Wn]
+    draft_ms: float
+    fixed_ms: float
+    rate: float = 0.0
+
+    def __post_init__(self):
+        f = lambda xs: tuple(float(x) for x in xs)  # noqa: E731  (lists from JSON -> hashable tuples)
+        object.__setattr__(self, "score_edges", f(self.score_edges))
+        object.__setattr__(self, "accept", tuple(f(r) for r in self.accept))
+        object.__setattr__(self, "cont", f(self.cont))
+        object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
+        object.__setattr__(self, "verify_ms", f(self.verify_ms))
+        for name in ("draft_ms", "fixed_ms", "rate"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        E = len(self.score_edges)
+        if list(self.score_edges) != sorted(self.score_edges):
+            raise ValueError("GainModel: score_edges must be ascending")
+        if not self.accept or any(len(r) != E + 1 for r in self.accept):
+            raise ValueError(f"GainModel: accept must hold a row of {E + 1} bins per depth (score_edges has {E})")
+        if any(not 0.0 <= x <= 1.0 for r in self.accept for x in r) or any(not 0.0 <= x <= 1.0 for x in self.cont):
+            raise ValueError("GainModel: accept and cont are probabilities in [0, 1]")
+        if len(self.cont) != len(self.accept):
+            raise ValueError(f"GainModel: cont has {len(self.cont)} depths, accept {len(self.accept)}")
+        if not self.widths or list(self.widths) != sorted(set(self.widths)) or len(self.verify_ms) != len(self.widths):
+            raise ValueError("GainModel: widths must be ascending and distinct, with one verify_ms each")
+        if min(self.verify_ms + (self.draft_ms, self.fixed_ms, self.rate)) < 0:
+            raise ValueError("GainModel: costs and rate must be >= 0")
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if not isinstance(v, tuple) or k != "accept" else [list(r) for r in v])
+                if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
 @dataclass(frozen=True)
 class DDDConfig:
     """Dynamic Depth Decoding: at each check step s in check_steps (step numbering as in TreeConfig),
@@ -382,16 +441,26 @@ class DDDConfig:
     step 0 (an extension of the paper, whose checks start at step 5) looks at the root's top_k children before
     any expansion step, so an unconfident cycle verifies them without paying for a draft step. stop0_nodes: how
     many of those children (the best first) a cycle stopped at step 0 still verifies: -1 all of them; 0 none, so
-    the cycle verifies its root alone (and any lookup chain) and costs a vanilla step plus the head's first call."""
+    the cycle verifies its root alone (and any lookup chain) and costs a vanilla step plus the head's first call.
+
+    rule="gain" (with `gain`, a `GainModel`) replaces the confidence by expected gain against this host's costs: at
+    each check step a sequence keeps drafting while the tokens one more step is expected to add, at calibrated
+    acceptance probabilities, are worth more than its draft time and the rows it adds (log of their ratio against
+    `gain.rate`, compared with `threshold`: 0 breaks even), and each cycle verifies the width that maximises its
+    expected tokens against its cost (docs/method.md). stop0_nodes does not apply: the width decides."""
 
     check_steps: tuple[int, ...] = (5, 7, 9)
     threshold: float = -0.3
     max_depth: int = 11
     stop0_nodes: int = -1
+    rule: str = "threshold"
+    gain: GainModel | None = None
 
     def __post_init__(self):
         cs = tuple(int(s) for s in self.check_steps)
         object.__setattr__(self, "check_steps", cs)
+        if isinstance(self.gain, dict):
+            object.__setattr__(self, "gain", GainModel(**self.gain))
         if not cs:
             raise ValueError("DDDConfig: check_steps must not be empty")
         if list(cs) != sorted(set(cs)):
@@ -400,10 +469,28 @@ class DDDConfig:
             raise ValueError(f"DDDConfig: check steps must lie in [0, max_depth) = [0, {self.max_depth}), got {cs}")
         if self.stop0_nodes < -1:
             raise ValueError(f"DDDConfig: stop0_nodes must be -1 (all) or >= 0, got {self.stop0_nodes}")
+        if self.rule not in DDD_RULES:
+            raise ValueError(f"DDDConfig: rule must be one of {DDD_RULES}, got {self.rule!r}")
+        if (self.rule == "gain") != (self.gain is not None):
+            raise ValueError("DDDConfig: rule='gain' needs gain= (a GainModel, from ddd_jax.calibrate), and only it")
+        if self.rule == "gain" and self.stop0_nodes != -1:
+            raise ValueError("DDDConfig: the gain rule chooses the verified width itself; leave stop0_nodes at -1")
 
     @property
     def min_depth(self) -> int:
         return self.check_steps[0]
+
+    def to_dict(self) -> dict:
+        """The rule as a dict (JSON): the threshold rule's fields, and `rule` / `gain` for the gain rule."""
+        d = {"check_steps": list(self.check_steps), "threshold": self.threshold, "max_depth": self.max_depth,
+             "stop0_nodes": self.stop0_nodes}
+        if self.rule != "threshold":
+            d.update(rule=self.rule, gain=self.gain.to_dict())
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DDDConfig":
+        return cls(**{**d, "check_steps": tuple(d["check_steps"])})
 
 
 def ddd_pool(tree: TreeConfig, ddd: DDDConfig) -> int:
@@ -414,8 +501,15 @@ def ddd_pool(tree: TreeConfig, ddd: DDDConfig) -> int:
 
 
 def check_tree_for_ddd(tree: TreeConfig, ddd: DDDConfig) -> None:
-    """The tree's `total_tokens - 1` drafted nodes must fit the candidate pool DDD can draft (`ddd_pool`). The one
-    statement of this rule (generate, settings, bench and tune use it)."""
+    """The tree's `total_tokens - 1` drafted nodes must fit the candidate pool DDD can draft (`ddd_pool`), and a gain
+    rule must price exactly the tree's verify widths and its depths. The one statement of this rule (generate,
+    settings, bench and tune use it)."""
+    if ddd.rule == "gain":
+        if tree.lookup:
+            raise ValueError("the gain rule prices the head's candidates only: use it with TreeConfig(lookup=0)")
+        if ddd.gain.widths != verify_widths(tree.total_tokens):
+            raise ValueError(f"the gain rule prices widths {ddd.gain.widths}, but total_tokens={tree.total_tokens} "
+                             f"verifies at {verify_widths(tree.total_tokens)}: calibrate for this tree")
     pool = ddd_pool(tree, ddd)
     if tree.total_tokens - 1 > pool:
         raise ValueError(f"total_tokens - 1 = {tree.total_tokens - 1} exceeds the candidate pool DDD can draft by its "

@@ -499,6 +499,8 @@ def generate(models: TorchModels, prompt_ids, max_new_tokens: int = 128, method:
     if method != "vanilla" and models.head is None:
         raise ValueError(f"method={method!r} needs a draft head: load_torch(target, draft)")
     tree, ddd = tree or TreeConfig(), ddd or DDDConfig()
+    if method == "ddd" and ddd.rule != "threshold":
+        raise ValueError(f"the torch counterpart runs DDD's threshold rule; rule={ddd.rule!r} is JAX-only")
     if tree.lookup:
         raise ValueError(f"the torch counterpart drafts from the head alone: TreeConfig(lookup={tree.lookup}) "
                          "(context-lookup candidates) is JAX-only; pass lookup=0")

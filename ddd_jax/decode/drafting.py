@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from .. import gain
 from ..cache import KVCache, with_length
 from ..config import LOOKUP_MAX_NGRAM
 from ..eagle import draft_logits, head_forward, new_cache, project_features, vocab_map
@@ -171,9 +172,17 @@ def _check_after_step(plan, beam: Beam, threshold) -> tuple[Beam, jax.Array]:
     return dataclasses.replace(beam, active=act), is_check.astype(jnp.int32)
 
 
+def stop_signal(plan, beam: Beam):
+    """[B] what a DDD check compares with the threshold: the beam's confidence (the paper's rule), or the gain rule's
+    log-margin of what one more step adds against what it costs (`gain.step_signal`)."""
+    if plan.gain is None:
+        return confidence(beam)
+    return gain.step_signal(plan.gain, beam, plan.total_tokens, plan.max_depth)
+
+
 def _decide(plan, beam: Beam, threshold):
     """DDD's decision after a check step, on device or through the host policy (traced)."""
-    conf = confidence(beam)
+    conf = stop_signal(plan, beam)
     if plan.sync == "device":
         return beam.active & (conf >= threshold)
     return io_callback(partial(_ask_policy, plan.policy), jax.ShapeDtypeStruct(beam.active.shape, jnp.bool_),
@@ -248,7 +257,7 @@ def begin_host(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, thre
     runs it in one program with the previous cycle's verification)."""
     d = begin(tparams, dparams, plan, dcache, pend_tok, pend_feat, pend_n, threshold, end_step=plan.check_steps[0],
               decide=False)
-    return d, confidence(d.beam)
+    return d, stop_signal(plan, d.beam)
 
 
 # the named boundary of the first cycle's draft under sync="host" (later cycles run begin_host inside
@@ -260,7 +269,7 @@ begin_host_jit = jax.jit(begin_host, static_argnames=("plan",))
 def _segment_jit(tparams, dparams, plan, dcache, base, beam, *, start_step: int, end_step: int):
     dcache, beam, _ = run_steps(dparams, plan, tparams, dcache, base, beam, end_step, jnp.float32(0), decide=False,
                                 start_step=start_step)
-    return dcache, beam, confidence(beam)
+    return dcache, beam, stop_signal(plan, beam)
 
 
 def finish_from_host(tparams, dparams, plan, d: Draft, first, threshold, counter: SyncCounter) -> Draft:
@@ -308,6 +317,8 @@ def finished_tree(plan, d: Draft, root, ctx, length) -> Tree:
         stop0 = ((beam.depth == 0) & ~beam.active)[:, None] & (jnp.arange(k) >= keep)[None]
         beam = dataclasses.replace(beam, pool_score=beam.pool_score.at[:, :k].set(
             jnp.where(stop0, -jnp.inf, beam.pool_score[:, :k])))
+    if plan.gain is not None:  # the gain rule's width: each sequence keeps the nodes its best width verifies
+        beam = gain.keep_best_width(plan.gain, beam, plan.total_tokens, plan.max_depth)
     if plan.lookup:  # context-lookup candidates join the head's pool before the rerank
         tok, ok = lookup_chain(ctx, length, plan.lookup, plan.lookup_ngram, LOOKUP_MAX_NGRAM)
         beam = add_lookup(beam, tok, ok, plan.lookup_logp, plan.top_k)

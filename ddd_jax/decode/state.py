@@ -8,18 +8,13 @@ from typing import Callable
 import jax
 
 from ..cache import KVCache
-from ..config import DDDConfig, DraftConfig, ModelConfig, TreeConfig, check_tree_for_ddd
+from ..config import DDDConfig, DraftConfig, GainModel, ModelConfig, TreeConfig, check_tree_for_ddd
+from ..config import verify_widths  # noqa: F401 (decode.state.verify_widths: where callers have found it)
 from .drafting import threshold_policy
 
 METHODS = ("vanilla", "eagle2", "ddd")
 SYNCS = ("host", "callback", "device")
 PROMPT_BUCKETS = (32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
-
-
-def verify_widths(total_tokens: int) -> tuple:
-    """The widths a tree of `total_tokens` nodes is verified at (rows per sequence): the powers of two below
-    total_tokens, then total_tokens (what a plan compiles; `calibration.predict` prices each)."""
-    return tuple(w for w in (1, 2, 4, 8, 16, 32, 64, 128) if w < total_tokens) + (int(total_tokens),)
 
 
 @dataclass(frozen=True)
@@ -43,6 +38,7 @@ class Plan:
     lookup_ngram: int = 2
     lookup_logp: float = -0.4
     stop0_nodes: int = -1  # DDD: the root's children a cycle stopped at a step-0 check still verifies (-1: all)
+    gain: GainModel | None = None  # DDD rule "gain": calibrated acceptance and costs (None: the threshold rule)
 
     @property
     def M(self) -> int:  # longest accepted path incl. root (= most tokens one cycle emits)
@@ -65,6 +61,8 @@ class Plan:
         kept = self.top_k
         if self.method == "ddd" and 0 in self.check_steps and self.stop0_nodes >= 0:
             kept = min(kept, self.stop0_nodes)
+        if self.gain is not None:  # the gain rule may verify the root alone
+            kept = 0
         least = 1 + min(self.total_tokens - 1, kept)
         ws = verify_widths(self.total_tokens)
         return tuple(w for w in ws if w >= min(v for v in ws if v >= least))
@@ -153,7 +151,8 @@ def make_plan(target, draft, *, method: str, sync: str, tree: TreeConfig, ddd: D
                 total_tokens=tree.total_tokens, max_depth=max_depth, check_steps=checks,
                 temperature=float(temperature), top_p=float(top_p), max_new_tokens=int(max_new_tokens),
                 eos=tuple(target.eos_token_ids), policy=policy, lookup=tree.lookup, lookup_ngram=tree.lookup_ngram,
-                lookup_logp=float(tree.lookup_logp), stop0_nodes=int(ddd.stop0_nodes) if method == "ddd" else -1)
+                lookup_logp=float(tree.lookup_logp), stop0_nodes=int(ddd.stop0_nodes) if method == "ddd" else -1,
+                gain=ddd.gain if method == "ddd" else None)
 
 
 def vanilla_plan(target, max_new_tokens: int) -> Plan:

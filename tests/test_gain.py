@@ -1,0 +1,107 @@
+"""The expected-gain DDD rule (`DDDConfig(rule="gain")`, `ddd_jax.gain`) and its calibration data
+(`measure.node_acceptance`): node labels by hand, the table's shape, every sync mode lossless and taking the same
+decisions, the decode taking exactly the depths and widths the offline replay predicts, and bad input refused."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ddd_jax
+from ddd_jax import DDDConfig, TreeConfig
+from ddd_jax.config import GainModel, verify_widths
+from ddd_jax.measure import node_acceptance as na
+
+from spec_helpers import fitted_draft, prompts, tiny_target
+
+K, DEPTH, N, MAX_NEW = 2, 4, 6, 24
+COSTS = {"target_ms": {1: 10.0, 2: 10.2, 4: 10.5, 6: 11.0}, "draft_ms": 0.2, "fixed_ms": 0.5}
+PROMPTS = prompts(6, seed=5)
+
+
+def test_label_pool_by_hand():
+    # k=2, depth 2: pool[0:2] depth 1, pool[2:6] the children of the step-1 beam (parents 0, 0, 1, 1)
+    depth = na.pool_depths(2, 1)
+    assert list(depth) == [1, 1, 2, 2, 2, 2]
+    tok = np.array([7, 8, 5, 9, 9, 3])
+    parent = np.array([-1, -1, 0, 0, 1, 1])
+    assert list(na.label_pool(tok, parent, depth, [7, 9])) == [True, False, False, True, False, False]
+    assert list(na.label_pool(tok, parent, depth, [8, 9])) == [False, True, False, False, True, False]
+    assert list(na.label_pool(tok, parent, depth, [8])) == [False, True, False, False, False, False]  # no 2nd token
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target, draft = tiny_target(), fitted_draft()
+    rec = na.pool_records(target, draft, PROMPTS, top_k=K, max_depth=DEPTH, max_new_tokens=MAX_NEW, rows=8)
+    return target, draft, rec
+
+
+def test_records_and_table(tiny):
+    _, _, rec = tiny
+    C, P = rec["score"].shape
+    assert P == K + DEPTH * K * K and C == len(rec["prompt"]) and rec["accepted"].shape == (C, P)
+    assert not rec["accepted"][~np.isfinite(rec["score"])].any()  # only drafted nodes are accepted
+    # each cycle accepts at most one node per depth, and a node only under an accepted parent
+    for d in range(1, DEPTH + 2):
+        assert rec["accepted"][:, rec["depth"] == d].sum(1).max() <= 1
+    tab = na.acceptance_table(rec)
+    acc = np.asarray(tab["accept"])
+    assert acc.shape == (DEPTH + 1, len(tab["edges"]) + 1)
+    assert (np.diff(acc, axis=1) >= 0).all() and ((0 <= acc) & (acc <= 1)).all()  # monotone in score
+    rel = na.reliability(tab, rec)
+    assert rel["observed_per_cycle"] == pytest.approx(rec["accepted"].sum() / C)
+
+
+def _model(tab, rate):
+    # a table whose probabilities follow the scores (the tiny head's own table is nearly flat), so that decisions
+    # vary from cycle to cycle
+    edges = np.asarray(tab["edges"])
+    centers = np.r_[edges[0] - 1, (edges[1:] + edges[:-1]) / 2, edges[-1] / 2]
+    tab = {**tab, "accept": [list(np.exp(centers))] * len(tab["accept"]), "cont": [0.8] * len(tab["cont"])}
+    ws = verify_widths(N)
+    gm = GainModel(tab["edges"], tab["accept"], tab["cont"], ws, [COSTS["target_ms"][w] for w in ws],
+                   COSTS["draft_ms"], COSTS["fixed_ms"], rate)
+    return tab, gm
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.115])
+def test_gain_rule_is_lossless_in_every_sync_mode_and_decodes_as_replayed(tiny, rate):
+    target, draft, rec = tiny
+    tab, gm = _model(na.acceptance_table(rec), rate)
+    ddd = DDDConfig(check_steps=tuple(range(DEPTH)), threshold=0.0, max_depth=DEPTH, rule="gain", gain=gm)
+    tree = TreeConfig(top_k=K, total_tokens=N, depth=2)
+    depths, needs = [], []
+    for p in PROMPTS:
+        van = ddd_jax.generate(target, None, p, max_new_tokens=MAX_NEW).tokens
+        seen = {}
+        for sync in ("device", "callback", "host"):
+            r = ddd_jax.generate(target, draft, p, max_new_tokens=MAX_NEW, method="ddd", sync=sync, tree=tree, ddd=ddd)
+            assert r.tokens == van, sync
+            seen[sync] = (r.stats["depth_per_call"], r.stats["needed_per_call"])
+        assert seen["device"] == seen["callback"] == seen["host"]
+        depths += seen["device"][0]
+        needs += seen["device"][1]
+    replay = na.Replay(rec, tab, COSTS, verify_widths(N)).gain(N, DEPTH, 0.0, rate or None)
+    assert na._hist(depths) == replay["depth_hist"] and na._hist(needs) == replay["need_hist"]
+    assert len(set(depths)) >= 2 and len(set(needs)) >= 2  # the rule decided differently across cycles
+
+
+def test_gain_rule_refuses_bad_input(tiny):
+    target, draft, rec = tiny
+    _, gm = _model(na.acceptance_table(rec), 0.0)
+    with pytest.raises(ValueError, match="needs gain"):
+        DDDConfig(check_steps=(0,), max_depth=2, rule="gain")
+    with pytest.raises(ValueError, match="rule must be one of"):
+        DDDConfig(rule="entropy?")
+    with pytest.raises(ValueError, match="stop0_nodes"):
+        DDDConfig(check_steps=(0,), max_depth=2, rule="gain", gain=gm, stop0_nodes=0)
+    with pytest.raises(ValueError, match="accept must hold"):
+        GainModel((-1.0, 0.0), ((0.5,),), (0.5,), (1, 2), (1.0, 1.0), 1.0, 1.0)
+    ddd = DDDConfig(check_steps=(0, 1), threshold=0.0, max_depth=DEPTH, rule="gain", gain=gm)
+    with pytest.raises(ValueError, match="lookup=0"):
+        ddd_jax.generate(target, draft, PROMPTS[0], max_new_tokens=4, method="ddd", ddd=ddd,
+                         tree=TreeConfig(top_k=K, total_tokens=N, depth=2, lookup=2))
+    with pytest.raises(ValueError, match="calibrate for this tree"):
+        ddd_jax.generate(target, draft, PROMPTS[0], max_new_tokens=4, method="ddd", ddd=ddd,
+                         tree=TreeConfig(top_k=K, total_tokens=8, depth=2))
+    assert DDDConfig.from_dict(ddd.to_dict()) == ddd  # round trip through JSON-able dicts
