@@ -28,11 +28,11 @@ import json
 import time
 
 from . import io as dio
-from .config import DDDConfig, TreeConfig
-from .decode.state import verify_widths
+from .config import DDDConfig, GainModel, TreeConfig, verify_widths
 from .settings.calibration import (CALIBRATION_FORMAT, CALIBRATION_VERSION, PROFILE_FILE,  # noqa: F401 (re-exported)
-                                   PROFILE_FORMAT, PROFILE_VERSION, _head_id, calibrated_configs, calibration_path,
-                                   device_key, load_calibration, load_profile, profile_is_current, save_profile)
+                                   PROFILE_FORMAT, PROFILE_VERSION, calibrated_configs, calibration_path, device_key,
+                                   head_id, load_calibration, load_pools, load_profile, profile_is_current, save_pools,
+                                   save_profile)
 
 # (label, method, tree, DDD rule): small trees for CPUs (where t(n) grows with n) up to EAGLE-2's paper tree
 CANDIDATES = (
@@ -111,7 +111,7 @@ def acceptance_profile(target, draft, prompt_ids: list | None = None, candidates
                         "mean_depth": r["mean_depth"], "depth_hist": r["depth_hist"],
                         "mean_needed": r["mean_needed"], "need_hist": r["need_hist"],
                         "identical": r["identical"], "prompts": r["prompts"]})
-    return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "head": _head_id(draft), "target": target.name,
+    return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "head": head_id(draft), "target": target.name,
             "prompts": len(prompt_ids), "max_new_tokens": max_new_tokens, "date": dio.utc_now(), "entries": entries}
 
 
@@ -152,13 +152,14 @@ def expected_max(hist: dict, batch: int = 1) -> float:
 
 def predict(profile: dict, costs: dict, batch: int = 1) -> list[dict]:
     """Predicted speed-up over vanilla of each profiled candidate for `batch` sequences decoded together, from
-    `costs` = {"target_ms": {n: ms}, "draft_ms": {k: ms}} measured at that batch size (`measure_costs`), as the
-    module docstring says: the verify forward priced at each compiled width with the probability that the batch's
-    widest tree needs it (`width_probs` over the entry's `need_hist`), plus step 0 and the draft steps the batch's
-    deepest sequence runs (`expected_max` over its `depth_hist`; its `mean_depth` without one). An entry without
+    `costs` = {"target_ms": {n: ms}, "draft_ms": {k: ms}, "fixed_ms": ms} measured at that batch size
+    (`measure_costs`, `measure_fixed_ms`), as the module docstring says: the verify forward priced at each compiled
+    width with the probability that the batch's widest tree needs it (`width_probs` over the entry's `need_hist`),
+    plus step 0 and the draft steps the batch's deepest sequence runs (`expected_max` over its `depth_hist`; its
+    `mean_depth` without one), plus the cycle's fixed cost. An entry without
     `need_hist` (a profile measured before version 2) is an error: measure the profile again."""
     t, d = _interp(costs["target_ms"]), _interp(costs["draft_ms"])
-    t1 = t(1)
+    t1, fixed = t(1), float(costs.get("fixed_ms", 0.0))
     out = []
     for e in profile["entries"]:
         tree = e["tree"]
@@ -170,11 +171,11 @@ def predict(profile: dict, costs: dict, batch: int = 1) -> list[dict]:
         verify = sum(p * t(w) for w, p in probs.items())
         steps = 1 + (expected_max(e["depth_hist"], batch) if e.get("depth_hist") else e["mean_depth"])
         draft = d(tree["top_k"]) * steps
-        cycle = verify + draft
+        cycle = verify + draft + fixed
         out.append({**{k: e[k] for k in ("label", "method", "tree", "ddd", "tau", "mean_depth")},
                     "batch": batch, "width_probs": {w: round(p, 6) for w, p in probs.items()},
                     "mean_width": sum(w * p for w, p in probs.items()), "draft_steps": steps,
-                    "verify_ms": verify, "draft_ms": draft, "cycle_ms": cycle,
+                    "verify_ms": verify, "draft_ms": draft, "fixed_ms": fixed, "cycle_ms": cycle,
                     "predicted_speedup": e["tau"] * t1 / cycle})
     return out
 
@@ -193,21 +194,101 @@ def _interp(ms: dict):
     return f
 
 
-def measure_costs(target, draft, sizes, beams, repeat: int = 3, progress: bool = False, batch: int = 1) -> dict:
+def measure_costs(target, draft, sizes, beams, repeat: int = 5, progress: bool = False, batch: int = 1) -> dict:
     """t(n) for n in `sizes` (and 1) and a draft step over a beam of k for k in `beams`, in ms, for `batch` sequences
     verified together (`measure.cost.cost_curve`, interleaved rounds). `calibrate` passes every compiled verify width
-    of the profiled trees (`verify_widths`). Each cost is the fastest of the rounds (other work on the machine only
-    ever slows a round, and a slowed t(1) -- the numerator of every prediction -- would inflate them all); the
-    medians are kept beside them."""
+    of the profiled trees (`verify_widths`). Each cost is the median of the rounds: one slowed or lucky round
+    never decides (the fastest round read t(1) 10.5 ms against a median of 15.8 ms on one host, and every wider
+    width then looked 30-60% dearer than it is); the fastest rounds are kept beside them."""
     from .measure.cost import cost_curve
     ns = sorted({1, *sizes, *beams})
     cc = cost_curve(target, draft, sizes=tuple(ns), repeat=repeat, progress=progress, batch=batch)
     rows = {r["tokens"]: r for r in cc["rows"]}
-    return {"target_ms": {n: rows[n]["target_ms_min"] for n in ns},
-            "draft_ms": {k: rows[k]["draft_ms_min"] for k in ns},
-            "target_ms_median": {n: rows[n]["target_ms"] for n in ns},
-            "draft_ms_median": {k: rows[k]["draft_ms"] for k in ns}, "context": cc["context"], "repeat": repeat,
-            "estimate": "fastest round"}
+    return {"target_ms": {n: rows[n]["target_ms"] for n in ns}, "draft_ms": {k: rows[k]["draft_ms"] for k in ns},
+            "target_ms_min": {n: rows[n]["target_ms_min"] for n in ns},
+            "draft_ms_min": {k: rows[k]["draft_ms_min"] for k in ns}, "context": cc["context"], "repeat": repeat,
+            "estimate": "median of interleaved rounds"}
+
+
+# the tree whose real decode prices a cycle's fixed cost (its verify width and depth never vary: every cycle is alike)
+FIXED_TREE = TreeConfig(top_k=4, total_tokens=7, depth=2)
+
+
+def measure_fixed_ms(target, draft, costs: dict, batch: int = 1, rounds: int = 3, max_new_tokens: int = 48) -> float:
+    """What a cycle costs beyond its verify forward and draft steps (building the tree, acceptance, the commit, the
+    loop), in ms: a real EAGLE-2 decode of `FIXED_TREE` over `batch` copies of the cost curve's prompt, one
+    warm-up run, then the median over `rounds` of (decode time per cycle - t_b(N) - (1 + depth) d_b(k)), at least 0."""
+    from .decode import generate
+    from .measure.cost import COST_PROMPT
+    ids = target.encode_chat([{"role": "user", "content": COST_PROMPT}]) if target.tokenizer is not None \
+        else [1 + i % (target.config.vocab_size - 1) for i in range(8)]
+    t, d = _interp(costs["target_ms"]), _interp(costs["draft_ms"])
+    tree = FIXED_TREE
+    model_ms = t(tree.total_tokens) + (1 + tree.depth) * d(tree.top_k)
+    run = lambda: generate(target, draft, [ids] * batch, max_new_tokens=max_new_tokens, method="eagle2", tree=tree,  # noqa: E731
+                           ddd=DDDConfig())
+    run()
+    per = []
+    for _ in range(rounds):
+        st = run().stats
+        calls = st["per_sequence"][0]["target_calls"]
+        per.append(1e3 * st["decode_s"] / max(calls, 1) - model_ms)
+    per.sort()
+    return max(0.0, per[len(per) // 2])
+
+
+# ------------------------------------------------------------------------------------------ the gain rule
+# the trees the expected-gain DDD rule is calibrated over (top_k, total_tokens); it drafts up to GAIN_DEPTH steps and
+# decides after each (the recorded pools are top_k 4, GAIN_DEPTH steps: `pools_for`)
+GAIN_TREES = ((4, 5), (4, 8), (4, 16))
+GAIN_DEPTH = 6
+
+
+def pools_for(target, draft, progress: bool = False) -> tuple[dict, bool]:
+    """(the head's recorded pools on `PROMPTS`, measured now): stored beside its profile, else measured (seconds) and
+    stored (`measure.node_acceptance.pool_records`)."""
+    from .measure.node_acceptance import pool_records
+    rec = load_pools(draft)
+    if rec is not None and rec["top_k"] == GAIN_TREES[0][0] and rec["max_depth"] == GAIN_DEPTH:
+        return rec, False
+    ids = [target.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    rec = pool_records(target, draft, ids, top_k=GAIN_TREES[0][0], max_depth=GAIN_DEPTH, progress=progress)
+    save_pools(rec, draft)
+    return rec, True
+
+
+def gain_model(table: dict, costs: dict, total_tokens: int, top_k: int, rate: float = 0.0) -> GainModel:
+    """The gain rule's inputs for a tree of `total_tokens` from a node table (`node_acceptance.acceptance_table`)
+    and one batch size's costs."""
+    t, d = _interp(costs["target_ms"]), _interp(costs["draft_ms"])
+    ws = verify_widths(total_tokens)
+    return GainModel(table["edges"], table["accept"], table["cont"], ws, [t(w) for w in ws], d(top_k),
+                     float(costs.get("fixed_ms", 0.0)), rate)
+
+
+def gain_entries(pools: dict, costs: dict, rounds: int = 4) -> list[dict]:
+    """Profile entries of the gain rule over `GAIN_TREES` at these costs, replayed over the recorded pools (which
+    reproduce a decode's depths and widths: `node_acceptance.Replay`). Its rate -- the tokens per ms every extra
+    step and row must earn -- is the replayed decode's own, found by iterating from the cycle's own ratio."""
+    from .measure.node_acceptance import Replay, acceptance_table
+    table = acceptance_table(pools)
+    out = []
+    for k, n in GAIN_TREES:
+        if k != pools["top_k"]:
+            continue
+        replay = Replay(pools, table, costs | {"draft_ms": _interp(costs["draft_ms"])(k)}, verify_widths(n))
+        rate, r = 0.0, None
+        for _ in range(rounds):
+            r = replay.gain(n, GAIN_DEPTH, 0.0, rate or None)
+            rate = r["speedup"] / replay.t1
+        r = replay.gain(n, GAIN_DEPTH, 0.0, rate)
+        ddd = DDDConfig(check_steps=tuple(range(GAIN_DEPTH)), threshold=0.0, max_depth=GAIN_DEPTH, rule="gain",
+                        gain=gain_model(table, costs, n, k, rate))
+        out.append({"label": f"ddd-gain-k{k}-n{n}-n{GAIN_DEPTH}", "method": "ddd",
+                    "tree": TreeConfig(top_k=k, total_tokens=n, depth=2).to_dict(), "ddd": ddd.to_dict(),
+                    "tau": r["tau"], "mean_depth": r["mean_depth"], "depth_hist": r["depth_hist"],
+                    "need_hist": r["need_hist"], "replayed": True})
+    return out
 
 
 def pick(preds: list[dict]) -> dict:
@@ -226,8 +307,8 @@ def pick(preds: list[dict]) -> dict:
                 for m in ("eagle2", "ddd")}
     tree_pick, ddd_pick = best["eagle2"] or best["ddd"], best["ddd"]
     tree = TreeConfig(**tree_pick["tree"])
-    ddd = DDDConfig(**ddd_pick["ddd"]) if ddd_pick else DDDConfig()
-    return {"tree": tree.to_dict(), "ddd": {**dataclasses.asdict(ddd), "check_steps": list(ddd.check_steps)},
+    ddd = DDDConfig.from_dict(ddd_pick["ddd"]) if ddd_pick else DDDConfig()
+    return {"tree": tree.to_dict(), "ddd": ddd.to_dict(),
             "ddd_tree": (TreeConfig(**ddd_pick["tree"]) if ddd_pick else tree).to_dict(),
             "recommended_method": "vanilla" if slower else top["method"], "vanilla_predicted_faster": slower,
             "best": {m: (p["label"], round(p["predicted_speedup"], 3)) if p else None for m, p in best.items()},
@@ -235,14 +316,17 @@ def pick(preds: list[dict]) -> dict:
             "predictions": sorted(preds, key=lambda p: -p["predicted_speedup"])}
 
 
-def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, repeat: int = 3,
-              batch_sizes=(1,), progress: bool = False) -> dict:
+def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, repeat: int = 5,
+              batch_sizes=(1,), progress: bool = False, gain: bool = True) -> dict:
     """Measure this device's costs, predict every profiled candidate's speed-up and pick the best EAGLE-2 tree and
     DDD rule, or vanilla (see the module docstring), for each batch size in `batch_sizes` (a batch verifies batch x
     W rows a cycle, W its widest tree's width, so bigger batches pick smaller trees, or vanilla; `generate` uses the
-    largest calibrated batch size not above its own). The head's profile is `profile` (version 2: with need
-    histograms), else the stored one when it is current (`profile_is_current`), else measured now on `PROMPTS` and
-    stored with the head. Returns the calibration (saved under $DDD_JAX_CACHE unless save=False); its top-level
+    smallest calibrated batch size not below its own, and decodes a larger batch as vanilla). The head's profile is
+    `profile` (version 2: with need histograms), else the stored one when it is current (`profile_is_current`), else
+    measured now on `PROMPTS` and stored with the head. With `gain`, the expected-gain DDD rule joins the candidates
+    at each batch size, built from these costs and the head's recorded pools (`pools_for`) and predicted by replaying
+    them (`gain_entries`). Costs are medians of interleaved rounds (`measure_costs`), plus each cycle's fixed cost
+    (`measure_fixed_ms`). Returns the calibration (saved under $DDD_JAX_CACHE unless save=False); its top-level
     choice is the smallest batch size's."""
     t0 = time.time()
     batch_sizes = sorted({int(b) for b in batch_sizes})
@@ -277,15 +361,23 @@ def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, 
         raise ValueError("calibrate: the head's acceptance profile holds no candidate this head can draft")
     from .ops import choose_kernel_variants
     variants = choose_kernel_variants()  # once per CPU model (seconds): the faster exact tiles per row count
+    pools = pools_measured = None
+    vocab = draft.config.draft_vocab_size
+    if gain and (not vocab or vocab >= GAIN_TREES[0][0]):
+        pools, pools_measured = pools_for(target, draft, progress=progress)
     by_batch = {}
-    widths = {w for e in entries for w in verify_widths(e["tree"]["total_tokens"])}
+    trees = [e["tree"] for e in entries] + [{"top_k": k, "total_tokens": n} for k, n in GAIN_TREES]
+    widths = {w for t in trees for w in verify_widths(t["total_tokens"])}
     for b in batch_sizes:
-        costs = measure_costs(target, draft, sizes=widths, beams={e["tree"]["top_k"] for e in entries},
-                              repeat=repeat, progress=progress, batch=b)
-        by_batch[str(b)] = {"costs": costs, **pick(predict({**profile, "entries": entries}, costs, batch=b))}
+        costs = measure_costs(target, draft, sizes=widths, beams={t["top_k"] for t in trees}, repeat=repeat,
+                              progress=progress, batch=b)
+        costs["fixed_ms"] = measure_fixed_ms(target, draft, costs, batch=b)
+        more = gain_entries(pools, costs) if pools is not None else []
+        by_batch[str(b)] = {"costs": costs, **pick(predict({**profile, "entries": entries + more}, costs, batch=b))}
     out = {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION,
-           "key": {**device_key(target), "draft": _head_id(draft)},
+           "key": {**device_key(target), "draft": head_id(draft)},
            "date": dio.utc_now(), "seconds": round(time.time() - t0, 1), "profile_measured_now": measured_profile,
+           "pools_measured_now": pools_measured,
            "profile": {k: profile.get(k) for k in ("head", "prompts", "max_new_tokens", "date")},
            "kernel_variants": None if variants is None else {k: variants.get(k) for k in ("avx2_rows", "path")},
            **by_batch[str(batch_sizes[0])], "batch": batch_sizes[0], "by_batch": by_batch}

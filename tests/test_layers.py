@@ -180,7 +180,6 @@ PRIVATE_CROSSINGS = {
     ("ddd_jax.bench.peers", "ddd_jax.bench.report", "_f"),
     ("ddd_jax.bench.run", "ddd_jax.bench.report", "_jsonable"),
     # calibration reads the settings' head identity
-    ("ddd_jax.calibration", "ddd_jax.settings.calibration", "_head_id"),
     # the checkpoint readers share the HF reader's weight placer
     ("ddd_jax.checkpoints.gguf", "ddd_jax.checkpoints.hf", "_placer"),
     ("ddd_jax.checkpoints.ours", "ddd_jax.checkpoints.hf", "_placer"),

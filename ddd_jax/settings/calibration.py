@@ -19,7 +19,8 @@ PROFILE_FILE = "profile.json"  # beside a head's config.json
 # version 2: a profile holds each candidate's rows needed per cycle (`need_hist`), and a calibration prices each
 # compiled verify width per batch size from it; older files are measured again, never read as if they had them
 PROFILE_VERSION = 3  # 3: DDD candidates name stop0_nodes
-CALIBRATION_VERSION = 3
+CALIBRATION_VERSION = 4  # 4: median costs, the per-cycle fixed cost, the gain rule
+POOLS_FILE = "pools.npz"  # beside a head's profile: its drafted pools, labelled (`measure.node_acceptance`)
 
 
 def weight_storage(target) -> str | None:
@@ -53,13 +54,13 @@ def _slug(text: str) -> str:
 def calibration_path(target, draft) -> Path:
     """Where this device's calibration for target + head lives (it may not exist)."""
     from ..checkpoints.registry import cache_root
-    key = {**device_key(target), "draft": _head_id(draft)}
+    key = {**device_key(target), "draft": head_id(draft)}
     slug = _slug(f"{key['backend']}-{key['storage']}-{key['target']}-{key['draft']}")
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     return cache_root() / "calibration" / f"{slug}-{digest}.json"
 
 
-def _head_id(draft) -> str:
+def head_id(draft) -> str:
     """A head's name (what it was loaded as), or for an unnamed one "unnamed-" and a digest of its config. A head
     retrained in place keeps its key: recalibrate it (`ddd-jax calibrate --profile`)."""
     if getattr(draft, "name", None):
@@ -102,7 +103,39 @@ def head_dir(draft) -> Path | None:
 
 def _cached_profile_path(draft) -> Path:
     from ..checkpoints.registry import cache_root
-    return cache_root() / "profiles" / f"{_slug(_head_id(draft))}.json"
+    return cache_root() / "profiles" / f"{_slug(head_id(draft))}.json"
+
+
+def _pools_paths(draft) -> list[Path]:
+    from ..checkpoints.registry import cache_root
+    own = [head_dir(draft) / POOLS_FILE] if head_dir(draft) else []
+    return own + [cache_root() / "profiles" / f"{_slug(head_id(draft))}-{POOLS_FILE}"]
+
+
+def load_pools(draft) -> dict | None:
+    """The head's recorded pools (`measure.node_acceptance.pool_records`) beside its profile, or None."""
+    import numpy as np
+    for p in _pools_paths(draft):
+        if p.is_file():
+            try:
+                with np.load(p) as z:
+                    rec = {k: z[k] for k in z.files}
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{p}: not a readable pools file ({e}); delete it to measure it again") from e
+            for k in ("top_k", "max_depth", "prompts"):
+                rec[k] = int(rec[k])
+            return rec
+    return None
+
+
+def save_pools(records: dict, draft) -> Path:
+    """Write recorded pools beside the head (a writable head directory), else under $DDD_JAX_CACHE/profiles/."""
+    import numpy as np
+    own = head_dir(draft)
+    path = own / POOLS_FILE if own is not None and os.access(own, os.W_OK) else _pools_paths(draft)[-1]
+    with dio.atomic_file(path) as tmp, open(tmp, "wb") as f:
+        np.savez_compressed(f, **records)
+    return path
 
 
 def load_profile(draft) -> dict | None:
@@ -128,17 +161,25 @@ def save_profile(profile: dict, draft=None, path=None) -> Path:
 
 
 def calibrated_choice(target, draft, batch: int = 1):
-    """(choice, size, calibration) from this device's saved calibration: the choice made for `size`, the largest
-    calibrated batch size not above `batch` (the smallest one's below them all); None without a calibration or
-    with DDD_JAX_CALIBRATE=0 (which turns calibrations off)."""
+    """(choice, size, calibration) from this device's saved calibration: the choice made for `size`, the smallest
+    calibrated batch size not below `batch` (a larger batch verifies more rows a cycle, so its choice is the safe
+    one), with choice None when `batch` exceeds every calibrated size (nobody measured what it costs); None without
+    a calibration or with DDD_JAX_CALIBRATE=0 (which turns calibrations off)."""
     if os.environ.get("DDD_JAX_CALIBRATE") == "0":
         return None
     c = load_calibration(target, draft)
     if c is None:
         return None
-    sizes = sorted(int(b) for b in c.get("by_batch", {})) or [c.get("batch", 1)]
-    size = max([b for b in sizes if b <= batch] or sizes[:1])
-    return c.get("by_batch", {}).get(str(size), c), size, c
+    sizes = calibrated_sizes(c)
+    above = [b for b in sizes if b >= batch]
+    if not above:
+        return None, max(sizes), c
+    return c.get("by_batch", {}).get(str(above[0]), c), above[0], c
+
+
+def calibrated_sizes(c: dict) -> list[int]:
+    """The batch sizes a calibration measured, ascending."""
+    return sorted(int(b) for b in c.get("by_batch", {})) or [int(c.get("batch", 1))]
 
 
 METHOD_NAMES = {"eagle2": "EAGLE-2", "ddd": "DDD"}
@@ -152,8 +193,12 @@ def calibrated_vanilla(target, draft, batch: int = 1, method: str = "ddd") -> st
     if got is None:
         return None
     choice, size, c = got
-    at = "" if size == batch else f", calibrated at batch {size}"
     where = f"at batch {batch} on {c['key']['device']}"
+    if choice is None:
+        return (f"batch {batch} is larger than every batch size calibrated on {c['key']['device']} "
+                f"({', '.join(map(str, calibrated_sizes(c)))}), so what its cycles cost was never measured: "
+                f"`ddd-jax calibrate --batch-sizes {','.join(map(str, calibrated_sizes(c) + [batch]))}` measures it")
+    at = "" if size == batch else f", calibrated at batch {size}"
     if choice.get("recommended_method") == "vanilla":
         best = choice.get("best_overall")  # (label, predicted speed-up) of the best candidate
         said = f" (best: {best[0]} {best[1]:.2f}x{at})" if best else (f" ({at[2:]})" if at else "")
@@ -170,15 +215,18 @@ def calibrated_vanilla(target, draft, batch: int = 1, method: str = "ddd") -> st
 def calibrated_configs(target, draft, method: str = "ddd", batch: int = 1):
     """(TreeConfig, DDDConfig, source) from this device's saved calibration, or None (also with DDD_JAX_CALIBRATE=0,
     which turns calibrations off). For method "ddd" the tree is the one DDD's rule was profiled with; `batch`: the
-    choice calibrated for the largest batch size not above it (the smallest one's below them all)."""
+    choice calibrated for the smallest batch size not below it (past them all: the largest one's, which `generate`'s
+    defaults do not use -- `calibrated_vanilla` says why)."""
     got = calibrated_choice(target, draft, batch)
     if got is None:
         return None
     choice, size, c = got
+    if choice is None:  # past every calibrated size: the largest one's settings for calls that name a tree or rule
+        choice = c.get("by_batch", {}).get(str(size), c)
     sizes = c.get("by_batch", {}) or [size]
     try:  # a file written by a version whose configs had other fields is not used (a calibration redoes it)
         tree = TreeConfig(**(choice["ddd_tree"] if method == "ddd" else choice["tree"]))
-        ddd = DDDConfig(**{**choice["ddd"], "check_steps": tuple(choice["ddd"]["check_steps"])})
+        ddd = DDDConfig.from_dict(choice["ddd"])
         check_tree_for_ddd(tree, ddd)
     except (TypeError, ValueError, KeyError):
         return None
