@@ -375,7 +375,7 @@ class TreeConfig:
         return self.top_k + depth * self.top_k ** 2
 
 
-DDD_RULES = ("threshold", "gain")
+DDD_RULES = ("threshold", "gain", "adaedl")
 
 
 def verify_widths(total_tokens: int) -> tuple:
@@ -447,7 +447,12 @@ class DDDConfig:
     each check step a sequence keeps drafting while the tokens one more step is expected to add, at calibrated
     acceptance probabilities, are worth more than its draft time and the rows it adds (log of their ratio against
     `gain.rate`, compared with `threshold`: 0 breaks even), and each cycle verifies the width that maximises its
-    expected tokens against its cost (docs/method.md). stop0_nodes does not apply: the width decides."""
+    expected tokens against its cost (docs/method.md). stop0_nodes does not apply: the width decides.
+
+    rule="adaedl" (with `gamma` > 0, default 1) is AdaEDL's entropy stop (Agrawal et al. 2024, `ddd_jax.adaedl`): at
+    each check step a sequence keeps drafting while 1 - sqrt(gamma * H) >= threshold (the paper's lambda), H the
+    entropy in nats of the draft distribution its beam's best node was drawn from. The threshold stays fixed: the
+    paper's lambda adaptation would need state across cycles."""
 
     check_steps: tuple[int, ...] = (5, 7, 9)
     threshold: float = -0.3
@@ -455,6 +460,7 @@ class DDDConfig:
     stop0_nodes: int = -1
     rule: str = "threshold"
     gain: GainModel | None = None
+    gamma: float | None = None  # rule "adaedl" only (None there: 1.0)
 
     def __post_init__(self):
         cs = tuple(int(s) for s in self.check_steps)
@@ -475,17 +481,30 @@ class DDDConfig:
             raise ValueError("DDDConfig: rule='gain' needs gain= (a GainModel, from ddd_jax.calibrate), and only it")
         if self.rule == "gain" and self.stop0_nodes != -1:
             raise ValueError("DDDConfig: the gain rule chooses the verified width itself; leave stop0_nodes at -1")
+        if self.rule == "adaedl":
+            if self.gamma is None:
+                object.__setattr__(self, "gamma", 1.0)
+            object.__setattr__(self, "gamma", float(self.gamma))
+            if not (math.isfinite(self.gamma) and self.gamma > 0):
+                raise ValueError(f"DDDConfig: the adaedl rule's gamma must be finite and > 0, got {self.gamma}")
+            if not math.isfinite(self.threshold):
+                raise ValueError(f"DDDConfig: the adaedl rule's threshold (lambda) must be finite, got {self.threshold}")
+        elif self.gamma is not None:
+            raise ValueError(f"DDDConfig: gamma belongs to rule='adaedl', not rule={self.rule!r}")
 
     @property
     def min_depth(self) -> int:
         return self.check_steps[0]
 
     def to_dict(self) -> dict:
-        """The rule as a dict (JSON): the threshold rule's fields, and `rule` / `gain` for the gain rule."""
+        """The rule as a dict (JSON): the threshold rule's fields, and `rule` with `gain` (the gain rule) or `gamma`
+        (the adaedl rule)."""
         d = {"check_steps": list(self.check_steps), "threshold": self.threshold, "max_depth": self.max_depth,
              "stop0_nodes": self.stop0_nodes}
-        if self.rule != "threshold":
+        if self.rule == "gain":
             d.update(rule=self.rule, gain=self.gain.to_dict())
+        elif self.rule == "adaedl":
+            d.update(rule=self.rule, gamma=self.gamma)
         return d
 
     @classmethod

@@ -42,6 +42,8 @@ class Beam:
     pool_tok: jax.Array  # [B, P] int32
     pool_score: jax.Array  # [B, P] float32 (-inf = empty)
     pool_parent: jax.Array  # [B, P] int32 pool index of the parent, -1 = the root
+    ent: jax.Array | None = None  # [B, k] float32 entropy (nats) of the draft distribution each beam node's token
+    # was drawn from (its parent's; DDD rule "adaedl"); None when not tracked (`first_beam(..., entropy=False)`)
 
 
 @jax.tree_util.register_dataclass
@@ -61,9 +63,16 @@ def pool_size(k: int, max_depth: int) -> int:
     return k + max_depth * k * k
 
 
-def first_beam(logp, h0, k: int, max_depth: int, tok_map=None) -> Beam:
+def draft_entropy(logp):
+    """[...] Shannon entropy in nats of distributions given as log-probs [..., V] (-inf entries count 0)."""
+    return -jnp.sum(jnp.where(jnp.isfinite(logp), jnp.exp(logp) * logp, 0.0), axis=-1).astype(jnp.float32)
+
+
+def first_beam(logp, h0, k: int, max_depth: int, tok_map=None, entropy: bool = False) -> Beam:
     """Beam after step 0. logp: [B, V] draft log-probs at the prefix's last pair; h0: [B, D] its output feature.
-    tok_map: optional [V'] target ids of a reduced draft vocabulary (logp is then over V')."""
+    tok_map: optional [V'] target ids of a reduced draft vocabulary (logp is then over V'). entropy: also keep
+    each beam node's draft entropy (`Beam.ent`; here the root's distribution's, the same for all k); `expand`
+    then keeps it too."""
     B = logp.shape[0]
     P, W = pool_size(k, max_depth), max_depth * k
     score, tok = jax.lax.top_k(logp, k)  # [B, k]
@@ -76,7 +85,8 @@ def first_beam(logp, h0, k: int, max_depth: int, tok_map=None) -> Beam:
     return Beam(step=jnp.zeros((), jnp.int32), depth=jnp.zeros((B,), jnp.int32), active=jnp.ones((B,), bool),
                 tok=tok.astype(jnp.int32), feat=jnp.broadcast_to(h0[:, None, :], (B, k, h0.shape[-1])),
                 score=score.astype(jnp.float32), pool_idx=jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (B, k)),
-                anc=anc, pool_tok=pool_tok, pool_score=pool_score, pool_parent=pool_parent)
+                anc=anc, pool_tok=pool_tok, pool_score=pool_score, pool_parent=pool_parent,
+                ent=jnp.broadcast_to(draft_entropy(logp)[:, None], (B, k)) if entropy else None)
 
 
 def expand(beam: Beam, h, logp, k: int, max_depth: int, tok_map=None) -> Beam:
@@ -84,6 +94,7 @@ def expand(beam: Beam, h, logp, k: int, max_depth: int, tok_map=None) -> Beam:
 
     h: [B, k, D] predicted features of the beam nodes; logp: [B, k, V] their children's log-probs.
     Sequences with active=False add nothing (their new pool entries stay -inf) and keep their beam.
+    When the beam keeps entropies (`Beam.ent`), each new beam node gets the entropy of its parent's logp row.
     """
     B, _, D = h.shape
     j = beam.step + 1
@@ -111,10 +122,11 @@ def expand(beam: Beam, h, logp, k: int, max_depth: int, tok_map=None) -> Beam:
     new_anc = new_anc | own[None]
     act = beam.active
     pick = lambda new, old: jnp.where(act.reshape((B,) + (1,) * (new.ndim - 1)), new, old)
+    ent = None if beam.ent is None else pick(jnp.take_along_axis(draft_entropy(logp), src, axis=1), beam.ent)
     return Beam(step=j, depth=beam.depth + act.astype(jnp.int32), active=act,
                 tok=pick(new_tok, beam.tok), feat=pick(new_feat, beam.feat), score=pick(top_score, beam.score),
                 pool_idx=pick((base + top_i).astype(jnp.int32), beam.pool_idx), anc=pick(new_anc, beam.anc),
-                pool_tok=pool_tok, pool_score=pool_score, pool_parent=pool_parent)
+                pool_tok=pool_tok, pool_score=pool_score, pool_parent=pool_parent, ent=ent)
 
 
 def confidence(beam: Beam):

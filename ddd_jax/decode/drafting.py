@@ -4,8 +4,9 @@ decides when drafting stops. The cycle takes the finished tree from `finished_tr
 
 Step numbering (see `TreeConfig`): step 0 runs the head over the newly committed pairs and gives the first beam;
 step j >= 1 expands the depth-j beam. A DDD check at step s happens after step s and looks at the beam that step
-produced: drafting stops for a sequence whose confidence `logsumexp(beam scores)` is below the threshold. A check
-at step 0 therefore decides whether the first beam (the root's top_k children) is expanded at all.
+produced: drafting stops for a sequence whose confidence `logsumexp(beam scores)` -- or its rule's signal
+(`stop_signal`) -- is below the threshold. A check at step 0 therefore decides whether the first beam (the root's
+top_k children) is expanded at all.
 
 How the decision is taken (``plan.sync``, DDD only; EAGLE-2 never checks):
 
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from .. import gain
+from .. import adaedl, gain
 from ..cache import KVCache, with_length
 from ..config import LOOKUP_MAX_NGRAM
 from ..eagle import draft_logits, head_forward, new_cache, project_features, vocab_map
@@ -173,11 +174,14 @@ def _check_after_step(plan, beam: Beam, threshold) -> tuple[Beam, jax.Array]:
 
 
 def stop_signal(plan, beam: Beam):
-    """[B] what a DDD check compares with the threshold: the beam's confidence (the paper's rule), or the gain rule's
-    log-margin of what one more step adds against what it costs (`gain.step_signal`)."""
-    if plan.gain is None:
-        return confidence(beam)
-    return gain.step_signal(plan.gain, beam, plan.total_tokens, plan.max_depth)
+    """[B] what a DDD check compares with the threshold: the beam's confidence (the paper's rule), the gain rule's
+    log-margin of what one more step adds against what it costs (`gain.step_signal`), or AdaEDL's acceptance lower
+    bound of the beam's best node (`adaedl.stop_signal`)."""
+    if plan.gain is not None:
+        return gain.step_signal(plan.gain, beam, plan.total_tokens, plan.max_depth)
+    if plan.adaedl_gamma is not None:
+        return adaedl.stop_signal(beam, plan.adaedl_gamma)
+    return confidence(beam)
 
 
 def _decide(plan, beam: Beam, threshold):
@@ -231,7 +235,8 @@ def begin(tparams, dparams, plan, dcache: KVCache, pend_tok, pend_feat, pend_n, 
     """Step 0, the first beam, and steps up to `end_step` (traceable)."""
     dcache, h0, logp0 = draft_prefix(dparams, plan, tparams, dcache, pend_tok, pend_feat, pend_n)
     base = dcache.length
-    beam = first_beam(logp0, h0, plan.top_k, plan.max_depth, vocab_map(dparams, plan.dcfg))
+    beam = first_beam(logp0, h0, plan.top_k, plan.max_depth, vocab_map(dparams, plan.dcfg),
+                      entropy=plan.adaedl_gamma is not None)  # the adaedl rule reads the draft entropies
     checked = jnp.zeros((), jnp.int32)
     if _decides_in_loop(plan, decide) and 0 in plan.check_steps:
         # a check at step 0 looks at the first beam (the root's top_k): expand it only if the head is confident

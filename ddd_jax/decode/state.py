@@ -39,6 +39,7 @@ class Plan:
     lookup_logp: float = -0.4
     stop0_nodes: int = -1  # DDD: the root's children a cycle stopped at a step-0 check still verifies (-1: all)
     gain: GainModel | None = None  # DDD rule "gain": calibrated acceptance and costs (None: the threshold rule)
+    adaedl_gamma: float | None = None  # DDD rule "adaedl": its gamma (None: another rule)
 
     @property
     def M(self) -> int:  # longest accepted path incl. root (= most tokens one cycle emits)
@@ -152,7 +153,8 @@ def make_plan(target, draft, *, method: str, sync: str, tree: TreeConfig, ddd: D
                 temperature=float(temperature), top_p=float(top_p), max_new_tokens=int(max_new_tokens),
                 eos=tuple(target.eos_token_ids), policy=policy, lookup=tree.lookup, lookup_ngram=tree.lookup_ngram,
                 lookup_logp=float(tree.lookup_logp), stop0_nodes=int(ddd.stop0_nodes) if method == "ddd" else -1,
-                gain=ddd.gain if method == "ddd" else None)
+                gain=ddd.gain if method == "ddd" else None,
+                adaedl_gamma=ddd.gamma if method == "ddd" and ddd.rule == "adaedl" else None)
 
 
 def vanilla_plan(target, max_new_tokens: int) -> Plan:
