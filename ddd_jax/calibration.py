@@ -244,14 +244,19 @@ GAIN_TREES = ((4, 5), (4, 8), (4, 16))
 GAIN_DEPTH = 6
 
 
-def pools_for(target, draft, progress: bool = False) -> tuple[dict, bool]:
-    """(the head's recorded pools on `PROMPTS`, measured now): stored beside its profile, else measured (seconds) and
-    stored (`measure.node_acceptance.pool_records`)."""
+def pools_for(target, draft, prompt_ids: list | None = None, progress: bool = False) -> tuple[dict | None, bool]:
+    """(the head's recorded pools, measured now): stored beside its profile, else measured (seconds) on `prompt_ids`
+    (default: `PROMPTS`, chat-rendered) and stored (`measure.node_acceptance.pool_records`); (None, False) for a
+    target that renders no chat and no prompts given."""
     from .measure.node_acceptance import pool_records
     rec = load_pools(draft)
     if rec is not None and rec["top_k"] == GAIN_TREES[0][0] and rec["max_depth"] == GAIN_DEPTH:
         return rec, False
-    ids = [target.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    if prompt_ids is None:
+        if not getattr(target, "chat_template", None):
+            return None, False
+        prompt_ids = [target.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    ids = prompt_ids
     rec = pool_records(target, draft, ids, top_k=GAIN_TREES[0][0], max_depth=GAIN_DEPTH, progress=progress)
     save_pools(rec, draft)
     return rec, True
@@ -317,7 +322,7 @@ def pick(preds: list[dict]) -> dict:
 
 
 def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, repeat: int = 5,
-              batch_sizes=(1,), progress: bool = False, gain: bool = True) -> dict:
+              batch_sizes=(1,), progress: bool = False, gain: bool = True, prompt_ids: list | None = None) -> dict:
     """Measure this device's costs, predict every profiled candidate's speed-up and pick the best EAGLE-2 tree and
     DDD rule, or vanilla (see the module docstring), for each batch size in `batch_sizes` (a batch verifies batch x
     W rows a cycle, W its widest tree's width, so bigger batches pick smaller trees, or vanilla; `generate` uses the
@@ -325,7 +330,8 @@ def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, 
     `profile` (version 2: with need histograms), else the stored one when it is current (`profile_is_current`), else
     measured now on `PROMPTS` and stored with the head. With `gain`, the expected-gain DDD rule joins the candidates
     at each batch size, built from these costs and the head's recorded pools (`pools_for`) and predicted by replaying
-    them (`gain_entries`). Costs are medians of interleaved rounds (`measure_costs`), plus each cycle's fixed cost
+    them (`gain_entries`; `prompt_ids`: the prompts pools are recorded on when the head has none, default the chat-
+    rendered `PROMPTS`). Costs are medians of interleaved rounds (`measure_costs`), plus each cycle's fixed cost
     (`measure_fixed_ms`). Returns the calibration (saved under $DDD_JAX_CACHE unless save=False); its top-level
     choice is the smallest batch size's."""
     t0 = time.time()
@@ -364,7 +370,7 @@ def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, 
     pools = pools_measured = None
     vocab = draft.config.draft_vocab_size
     if gain and (not vocab or vocab >= GAIN_TREES[0][0]):
-        pools, pools_measured = pools_for(target, draft, progress=progress)
+        pools, pools_measured = pools_for(target, draft, prompt_ids, progress=progress)
     by_batch = {}
     trees = [e["tree"] for e in entries] + [{"top_k": k, "total_tokens": n} for k, n in GAIN_TREES]
     widths = {w for t in trees for w in verify_widths(t["total_tokens"])}

@@ -24,6 +24,12 @@ def calibrating(monkeypatch, tmp_path):
     return tiny_target(), dataclasses.replace(fitted_draft(), name="tiny-head")
 
 
+@pytest.fixture
+def no_fixed_cost(monkeypatch):
+    """Tests that price cycles by hand: no per-cycle fixed cost measured by a real decode."""
+    monkeypatch.setattr(cal, "measure_fixed_ms", lambda *a, **k: 0.0)
+
+
 def test_the_public_function():
     import ddd_jax
     assert ddd_jax.calibrate is cal.calibrate and "calibrate" in ddd_jax.__all__
@@ -93,7 +99,7 @@ def test_prediction_picks_ddd_at_batch_1_and_vanilla_at_batch_16():
     assert p16["best_overall"] == ("eagle2-k4-n8-d2", 0.217)
 
 
-def test_generate_decodes_as_vanilla_where_the_calibration_says_so(calibrating, monkeypatch):
+def test_generate_decodes_as_vanilla_where_the_calibration_says_so(calibrating, monkeypatch, no_fixed_cost):
     """A calibration that says vanilla at batch >= 8: generate's defaults decode a batch of 8 as vanilla does (and
     say why), a single prompt speculatively; at batch 4 only EAGLE-2 is predicted to beat vanilla, so DDD's defaults
     decode as vanilla there; an explicit tree always decodes speculatively."""
@@ -111,9 +117,12 @@ def test_generate_decodes_as_vanilla_where_the_calibration_says_so(calibrating, 
         assert "(best: eagle2-k4-n8-d2 0.22x)" in st["why"] and st["source"].startswith("calibrated on ")
         assert all(s["method"] == method and set(s["verified_per_call"]) <= {1} for s in r.stats["per_sequence"])
         assert all(s["target_calls"] == len(t) - 1 for s, t in zip(r.stats["per_sequence"], r.tokens))
-    r = generate(target, draft, ps[:2] * 8, max_new_tokens=10, method="ddd")  # batch 16: the batch-8 choice
-    assert r.stats["settings"]["decoded_as"] == "vanilla" and "at batch 16 on " in r.stats["settings"]["why"]
-    assert "calibrated at batch 8" in r.stats["settings"]["why"]
+    r = generate(target, draft, ps[:2] * 8, max_new_tokens=10, method="eagle2")  # batch 16: past every size
+    assert r.tokens == ref.tokens[:2] * 8 and r.stats["settings"]["decoded_as"] == "vanilla"
+    assert r.stats["settings"]["why"].startswith("batch 16 is larger than every batch size calibrated on ")
+    assert "(1, 4, 8)" in r.stats["settings"]["why"] and "--batch-sizes 1,4,8,16" in r.stats["settings"]["why"]
+    r = generate(target, draft, ps[:2], max_new_tokens=10, method="eagle2")  # batch 2: batch 4's choice
+    assert r.stats["settings"]["decoded_as"] == "eagle2" and ", batch 4," in r.stats["settings"]["source"]
     # batch 4: EAGLE-2's best beats vanilla, DDD's does not -- DDD's defaults decode as vanilla, EAGLE-2's do not
     r = generate(target, draft, ps[:4], max_new_tokens=10, method="ddd")
     assert r.tokens == ref.tokens[:4] and r.stats["settings"]["decoded_as"] == "vanilla"
@@ -161,7 +170,7 @@ def test_calibration_is_saved_keyed_and_used_by_generate(calibrating):
         del os.environ["DDD_JAX_CALIBRATE"]
 
 
-def test_when_nothing_beats_vanilla_the_cheapest_trees_are_saved(calibrating, monkeypatch):
+def test_when_nothing_beats_vanilla_the_cheapest_trees_are_saved(calibrating, monkeypatch, no_fixed_cost):
     target, draft = calibrating
     prof = {"format": cal.PROFILE_FORMAT, "entries": [
         {"label": label, "method": m, "tree": t.to_dict(), "ddd": dataclasses.asdict(d) if m == "ddd" else None,
@@ -181,7 +190,7 @@ def test_cli_refuses_bad_input(capsys):
     assert "--repeat must be >= 1" in capsys.readouterr().err
 
 
-def test_bigger_batches_pick_smaller_trees_and_generate_follows_its_batch(calibrating, monkeypatch):
+def test_bigger_batches_pick_smaller_trees_and_generate_follows_its_batch(calibrating, monkeypatch, no_fixed_cost):
     target, draft = calibrating
     prof = {"format": cal.PROFILE_FORMAT, "entries": [
         {"label": label, "method": m, "tree": t.to_dict(), "ddd": dataclasses.asdict(d) if m == "ddd" else None,
@@ -198,6 +207,6 @@ def test_bigger_batches_pick_smaller_trees_and_generate_follows_its_batch(calibr
     assert c["by_batch"]["1"]["tree"]["total_tokens"] == 7 and c["by_batch"]["8"]["tree"]["total_tokens"] == 3
     assert c["tree"] == c["by_batch"]["1"]["tree"]
     assert cal.calibrated_configs(target, draft, "eagle2", batch=1)[0].total_tokens == 7
-    assert cal.calibrated_configs(target, draft, "eagle2", batch=16)[0].total_tokens == 3  # largest size <= 16
+    assert cal.calibrated_configs(target, draft, "eagle2", batch=2)[0].total_tokens == 3  # smallest size >= 2
     r = generate(target, draft, prompts(8, seed=2), max_new_tokens=6, method="eagle2")
     assert r.stats["settings"]["tree"]["total_tokens"] == 3 and ", batch 8," in r.stats["settings"]["source"]

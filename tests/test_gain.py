@@ -105,3 +105,35 @@ def test_gain_rule_refuses_bad_input(tiny):
         ddd_jax.generate(target, draft, PROMPTS[0], max_new_tokens=4, method="ddd", ddd=ddd,
                          tree=TreeConfig(top_k=K, total_tokens=8, depth=2))
     assert DDDConfig.from_dict(ddd.to_dict()) == ddd  # round trip through JSON-able dicts
+
+
+def test_calibration_offers_the_gain_rule_and_generate_uses_it(monkeypatch, tmp_path):
+    """`calibrate` builds the gain rule from the batch size's costs and the head's recorded pools (measured on the
+    prompts given, stored for the next calibration), predicts it by replay, and generate's defaults decode with it,
+    losslessly, when it is predicted best."""
+    import dataclasses
+
+    from ddd_jax import calibration as cal
+    monkeypatch.setenv("DDD_JAX_CACHE", str(tmp_path))
+    monkeypatch.delenv("DDD_JAX_CALIBRATE", raising=False)
+    target, draft = tiny_target(), dataclasses.replace(fitted_draft(), name="tiny-head")
+    # the static candidate is made to lose (tau 1.0): the choice is between DDD rules
+    prof = {"format": cal.PROFILE_FORMAT, "entries": [
+        {"label": "eagle2-k2-n3-d1", "method": "eagle2", "tree": {"top_k": 2, "total_tokens": 3, "depth": 1},
+         "ddd": None, "tau": 1.0, "mean_depth": 1.0, "need_hist": {3: 1}}]}
+    flat = {n: 10.0 + 0.05 * n for n in (1, 2, 3, 4, 5, 8, 16)}
+    monkeypatch.setattr(cal, "measure_costs", lambda *a, **k: {"target_ms": flat, "draft_ms": {2: 0.1, 4: 0.1}})
+    monkeypatch.setattr(cal, "measure_fixed_ms", lambda *a, **k: 0.5)
+    c = cal.calibrate(target, draft, profile=prof, prompt_ids=PROMPTS)
+    assert c["pools_measured_now"] and cal.load_pools(draft)["score"].shape[1] == 4 + 6 * 16
+    gains = [p for p in c["predictions"] if p["label"].startswith("ddd-gain-")]
+    assert len(gains) == len(cal.GAIN_TREES) and all(p["fixed_ms"] == 0.5 for p in gains)
+    assert c["best"]["ddd"][0].startswith("ddd-gain-")
+    again = cal.calibrate(target, draft, profile=prof, prompt_ids=PROMPTS)
+    assert not again["pools_measured_now"]  # the pools stored beside the profile are read back
+    p = PROMPTS[0]
+    r = ddd_jax.generate(target, draft, p, max_new_tokens=MAX_NEW, method="ddd")
+    assert r.stats["settings"]["source"].startswith("calibrated on ")
+    assert r.tokens == ddd_jax.generate(target, None, p, max_new_tokens=MAX_NEW).tokens
+    tree, ddd, _ = cal.calibrated_configs(target, draft, "ddd")
+    assert ddd.rule == "gain" and ddd.gain.widths == verify_widths(tree.total_tokens) and ddd.gain.rate > 0
