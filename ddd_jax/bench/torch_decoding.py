@@ -281,7 +281,8 @@ def _draft(m: TorchModels, plan, prefix_kv, pend_tok, pend_feat, counter: SyncCo
     feat = h0.expand(k, -1)  # [k, D] each node's feature: its parent's output
     pool_idx = torch.arange(k, device=dev)
     anc = torch.zeros(k, W, dtype=torch.bool, device=dev)  # scratch slots of each node's ancestors (and its own)
-    anc[:, :k] = torch.eye(k, dtype=torch.bool, device=dev)
+    if W:  # depth 0 (EAGLE-2 with no expansion step) has no scratch
+        anc[:, :k] = torch.eye(k, dtype=torch.bool, device=dev)
     kv = prefix_kv
     depth = torch.zeros((), dtype=torch.long, device=dev) if device_mode else 0
     active = torch.ones((), dtype=torch.bool, device=dev)
