@@ -153,7 +153,7 @@ def expected_max(hist: dict, batch: int = 1) -> float:
 def predict(profile: dict, costs: dict, batch: int = 1) -> list[dict]:
     """Predicted speed-up over vanilla of each profiled candidate for `batch` sequences decoded together, from
     `costs` = {"target_ms": {n: ms}, "draft_ms": {k: ms}, "fixed_ms": ms} measured at that batch size
-    (`measure_costs`, `measure_fixed_ms`), as the module docstring says: the verify forward priced at each compiled
+    (`measure_costs`, `in_loop`), as the module docstring says: the verify forward priced at each compiled
     width with the probability that the batch's widest tree needs it (`width_probs` over the entry's `need_hist`),
     plus step 0 and the draft steps the batch's deepest sequence runs (`expected_max` over its `depth_hist`; its
     `mean_depth` without one), plus the cycle's fixed cost. An entry without
@@ -214,27 +214,43 @@ def measure_costs(target, draft, sizes, beams, repeat: int = 5, progress: bool =
 FIXED_TREE = TreeConfig(top_k=4, total_tokens=7, depth=2)
 
 
-def measure_fixed_ms(target, draft, costs: dict, batch: int = 1, rounds: int = 3, max_new_tokens: int = 48) -> float:
-    """What a cycle costs beyond its verify forward and draft steps (building the tree, acceptance, the commit, the
-    loop), in ms: a real EAGLE-2 decode of `FIXED_TREE` over `batch` copies of the cost curve's prompt, one
-    warm-up run, then the median over `rounds` of (decode time per cycle - t_b(N) - (1 + depth) d_b(k)), at least 0."""
+def measure_loop(target, draft, costs: dict, batch: int = 1, rounds: int = 3, max_new_tokens: int = 48) -> dict:
+    """What the cost curve's forwards cost inside the decode loop, and what else a cycle costs there. Real decodes
+    of `batch` copies of the cost curve's prompt, vanilla and EAGLE-2 over `FIXED_TREE` alternating (one warm-up
+    each, then `rounds` each): "scale" = a vanilla step / the curve's t_b(1) (a forward inside the loop skips the
+    per-call dispatch the curve times), and "fixed_ms" = an EAGLE-2 cycle - scale * (t_b(N) + (1 + depth) d_b(k)),
+    at least 0: building the tree, acceptance, the commit. Medians over the rounds."""
     from .decode import generate
     from .measure.cost import COST_PROMPT
-    ids = target.encode_chat([{"role": "user", "content": COST_PROMPT}]) if target.tokenizer is not None \
+    ids = target.encode_chat([{"role": "user", "content": COST_PROMPT}]) if getattr(target, "chat_template", None) \
         else [1 + i % (target.config.vocab_size - 1) for i in range(8)]
     t, d = _interp(costs["target_ms"]), _interp(costs["draft_ms"])
     tree = FIXED_TREE
-    model_ms = t(tree.total_tokens) + (1 + tree.depth) * d(tree.top_k)
-    run = lambda: generate(target, draft, [ids] * batch, max_new_tokens=max_new_tokens, method="eagle2", tree=tree,  # noqa: E731
-                           ddd=DDDConfig())
-    run()
-    per = []
+
+    def per_cycle(spec: bool) -> float:
+        st = generate(target, draft if spec else None, [ids] * batch, max_new_tokens=max_new_tokens,
+                      method="eagle2" if spec else "vanilla", tree=tree, ddd=DDDConfig()).stats
+        return 1e3 * st["decode_s"] / max(st["per_sequence"][0]["target_calls"], 1)
+
+    per_cycle(False), per_cycle(True)  # compiles
+    van, spec = [], []
     for _ in range(rounds):
-        st = run().stats
-        calls = st["per_sequence"][0]["target_calls"]
-        per.append(1e3 * st["decode_s"] / max(calls, 1) - model_ms)
-    per.sort()
-    return max(0.0, per[len(per) // 2])
+        van.append(per_cycle(False))
+        spec.append(per_cycle(True))
+    v, e = sorted(van)[rounds // 2], sorted(spec)[rounds // 2]
+    scale = v / t(1)
+    fixed = e - scale * (t(tree.total_tokens) + (1 + tree.depth) * d(tree.top_k))
+    return {"scale": scale, "fixed_ms": max(0.0, fixed), "vanilla_ms": v, "eagle2_ms": e, "rounds": rounds,
+            "tree": tree.to_dict()}
+
+
+def in_loop(costs: dict, loop: dict) -> dict:
+    """The costs `predict` and the gain rule read: the curve's forwards at the loop's scale, plus its fixed cost (the
+    curve's own figures kept as "curve_target_ms" / "curve_draft_ms")."""
+    a = float(loop["scale"])
+    return {**costs, "target_ms": {n: a * v for n, v in costs["target_ms"].items()},
+            "draft_ms": {k: a * v for k, v in costs["draft_ms"].items()}, "fixed_ms": float(loop["fixed_ms"]),
+            "curve_target_ms": costs["target_ms"], "curve_draft_ms": costs["draft_ms"], "loop": loop}
 
 
 # ------------------------------------------------------------------------------------------ the gain rule
@@ -331,8 +347,8 @@ def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, 
     measured now on `PROMPTS` and stored with the head. With `gain`, the expected-gain DDD rule joins the candidates
     at each batch size, built from these costs and the head's recorded pools (`pools_for`) and predicted by replaying
     them (`gain_entries`; `prompt_ids`: the prompts pools are recorded on when the head has none, default the chat-
-    rendered `PROMPTS`). Costs are medians of interleaved rounds (`measure_costs`), plus each cycle's fixed cost
-    (`measure_fixed_ms`). Returns the calibration (saved under $DDD_JAX_CACHE unless save=False); its top-level
+    rendered `PROMPTS`). Costs are medians of interleaved rounds (`measure_costs`), brought to what they cost inside
+    the decode loop, with each cycle's fixed cost, by real decodes (`measure_loop`, `in_loop`). Returns the calibration (saved under $DDD_JAX_CACHE unless save=False); its top-level
     choice is the smallest batch size's."""
     t0 = time.time()
     batch_sizes = sorted({int(b) for b in batch_sizes})
@@ -377,7 +393,7 @@ def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, 
     for b in batch_sizes:
         costs = measure_costs(target, draft, sizes=widths, beams={t["top_k"] for t in trees}, repeat=repeat,
                               progress=progress, batch=b)
-        costs["fixed_ms"] = measure_fixed_ms(target, draft, costs, batch=b)
+        costs = in_loop(costs, measure_loop(target, draft, costs, batch=b))
         more = gain_entries(pools, costs) if pools is not None else []
         by_batch[str(b)] = {"costs": costs, **pick(predict({**profile, "entries": entries + more}, costs, batch=b))}
     out = {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION,

@@ -27,7 +27,7 @@ def calibrating(monkeypatch, tmp_path):
 @pytest.fixture
 def no_fixed_cost(monkeypatch):
     """Tests that price cycles by hand: no per-cycle fixed cost measured by a real decode."""
-    monkeypatch.setattr(cal, "measure_fixed_ms", lambda *a, **k: 0.0)
+    monkeypatch.setattr(cal, "measure_loop", lambda *a, **k: {"scale": 1.0, "fixed_ms": 0.0})
 
 
 def test_the_public_function():
