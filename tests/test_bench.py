@@ -389,6 +389,57 @@ def test_mtbench_questions(tmp_path):
     assert len(qs) == 80 and all(len(q["turns"]) == 2 for q in qs)
 
 
+def test_parse_methods_stop_rules():
+    """A DDD method names its stop rule: AdaEDL with its own x (lambda) and gamma, the confidence rule back from
+    another rule's defaults; the gain rule only from defaults that are a gain rule (a calibration's GainModel)."""
+    from ddd_jax.bench.run import GAIN_NEEDS_CALIBRATION, method_label
+    s = parse_method("ddd-host[rule=adaedl,x=0.4,gamma=0.2]", TREE, DDD)
+    assert (s.sync, s.ddd.rule, s.ddd.threshold, s.ddd.gamma, s.ddd.check_steps) == ("host", "adaedl", 0.4, 0.2, (1,))
+    assert s.describe()["ddd"] == {"check_steps": [1], "threshold": 0.4, "max_depth": 3, "rule": "adaedl",
+                                   "gamma": 0.2}
+    assert parse_method(method_label("ddd-device", s.tree, s.ddd), TREE, DDD).ddd == s.ddd  # the label round-trips
+    assert parse_method("ddd-device[rule=adaedl,x=0.4]", TREE, DDD).ddd.gamma == 1.0
+    back = parse_method("ddd-device[rule=threshold,x=-1]", TREE, s.ddd).ddd
+    assert (back.rule, back.threshold, back.gamma) == ("threshold", -1.0, None)
+    assert "rule" not in parse_method("ddd-device", TREE, DDD).describe()["ddd"]  # the threshold rule as before
+    for bad, why in (("ddd-device[rule=adaedl]", "give x too"), ("ddd-device[gamma=0.5]", "gamma belongs"),
+                     ("ddd-device[rule=adaedl,x=0.4,gamma=0]", "gamma must be finite"),
+                     ("eagle2[rule=adaedl,x=0.4]", "DDD settings"), ("ddd-device[rule=gain]", "needs a GainModel")):
+        with pytest.raises(ValueError, match=why):
+            parse_method(bad, TREE, DDD)
+    assert "ddd-jax calibrate" in GAIN_NEEDS_CALIBRATION
+
+
+def test_cli_refuses_the_gain_rule_without_calibrated_defaults(monkeypatch, tmp_path):
+    """`ddd-device[rule=gain]` needs the calibrated defaults: with a tree / DDD flag or --settings none the bench
+    exits before loading anything, saying why; with calibrated defaults of the gain rule it parses."""
+    import ddd_jax.bench.cli as bcli
+    from ddd_jax.cli import main as cli_main
+    monkeypatch.setattr(bcli, "load_models", lambda *a, **k: pytest.fail("loaded models"))
+    for flags in (["--settings", "none"], ["--ddd-threshold=-1"], ["--total-tokens", "6"]):
+        with pytest.raises(SystemExit, match="rule=gain needs a GainModel"):
+            cli_main(["bench", "--methods", "vanilla,ddd-device[rule=gain]", "--out", str(tmp_path), *flags])
+    from ddd_jax.config import GainModel, verify_widths
+    ws = verify_widths(TREE.total_tokens)
+    gm = GainModel((-1.0,), ((0.5, 0.9),) * 3, (0.5,) * 3, ws, (1.0,) * len(ws), 0.1, 0.1)
+    calibrated = DDDConfig(check_steps=(0, 1), threshold=0.0, max_depth=3, rule="gain", gain=gm)
+    s = parse_method("ddd-device[rule=gain]", TREE, calibrated)
+    assert s.ddd.gain == gm and s.describe()["ddd"]["rule"] == "gain"
+
+
+def test_bench_table_says_what_its_columns_are():
+    res = {"config": {"draft_dtype": None, "params_dtype": "float32", "target": "t", "draft": "d", "records": 1,
+                      "max_new_tokens": 6, "temperature": 0.0, "repeat": 1},
+           "env": {"backend": "cpu", "device": "cpu", "cpu_count": 2, "jax": "x", "date": "today"},
+           "identity": {"reference": "vanilla", "methods": {}},
+           "methods": {"vanilla": {"summary": {"tokens_per_s": 5.0, "speedup": 1.0, "tau": 1.0, "mean_verified": 1.0,
+                                               "target_calls": 6, "mean_depth": None, "host_syncs_per_call": 0.0},
+                                   "profile": None, "compile": {"compile_s_est": 0.0}}}}
+    table = report.bench_table(res)
+    assert "| vanilla | 5.0 | 1.000x | 1.00 | 1.00 | 6 | - |" in table
+    assert "tau: tokens accepted per target call" in table and "mean_verified" in table
+
+
 def test_sweep_methods_parse():
     from ddd_jax.bench.cli import sweep_methods
     ms = sweep_methods(TreeConfig(top_k=4, total_tokens=8, depth=3), DDDConfig(), (-0.3, -1.0), None)

@@ -166,19 +166,6 @@ PRIVATE_CROSSINGS = {
     ("ddd_jax.backends.cpu.quant", "ddd_jax.backends.cpu.layout", "_panel_header"),
     ("ddd_jax.backends.cpu.quant", "ddd_jax.backends.cpu.layout", "_to_panels"),
     ("ddd_jax.ops", "ddd_jax.backends.cpu.kernels", "_read_panel_tiles"),
-    # the benchmarks' resumable checkpoint file and progress bar (bench.run) and table helpers (bench.report)
-    ("ddd_jax.bench.lazy_eval", "ddd_jax.bench.run", "_append_partial"),
-    ("ddd_jax.bench.lazy_eval", "ddd_jax.bench.run", "_open_partial"),
-    ("ddd_jax.bench.lazy_eval", "ddd_jax.bench.run", "_partial_header"),
-    ("ddd_jax.bench.tune", "ddd_jax.bench.run", "_append_partial"),
-    ("ddd_jax.bench.tune", "ddd_jax.bench.run", "_open_partial"),
-    ("ddd_jax.bench.tune", "ddd_jax.bench.run", "_partial_header"),
-    ("ddd_jax.bench.tune", "ddd_jax.bench.run", "_length_bound"),
-    ("ddd_jax.bench.peers", "ddd_jax.bench.run", "_progress"),
-    ("ddd_jax.bench.lazy_eval", "ddd_jax.bench.report", "_table"),
-    ("ddd_jax.bench.peers", "ddd_jax.bench.report", "_table"),
-    ("ddd_jax.bench.peers", "ddd_jax.bench.report", "_f"),
-    ("ddd_jax.bench.run", "ddd_jax.bench.report", "_jsonable"),
     # calibration reads the settings' head identity
     # the checkpoint readers share the HF reader's weight placer
     ("ddd_jax.checkpoints.gguf", "ddd_jax.checkpoints.hf", "_placer"),

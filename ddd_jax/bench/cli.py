@@ -88,7 +88,11 @@ def add_bench_parser(subparsers) -> None:
     _common(b, None, 128)
     b.add_argument("--methods", default=None,
                    help="comma list (default vanilla,eagle2,ddd-host,ddd-callback,ddd-device); also eagle2-hostloop, "
-                        "ddd-device-hostloop, and overrides such as 'ddd-device[S=3/5/7,x=-0.5,n=9]', 'eagle2[k=4,N=16,d=3]'")
+                        "ddd-device-hostloop, and overrides such as 'ddd-device[S=3/5/7,x=-0.5,n=9]', 'eagle2[k=4,N=16,d=3]'. "
+                        "A DDD method's stop rule: 'ddd-device[rule=adaedl,x=0.5,gamma=0.1]' (AdaEDL: keep drafting "
+                        "while 1 - sqrt(gamma * entropy) >= x; x required, gamma default 1), 'rule=threshold' (the "
+                        "confidence rule, with its x), 'rule=gain' only with the calibrated defaults (no tree / DDD "
+                        "flags, --settings auto), where calibration picked the gain rule")
     b.add_argument("--turns", type=int, choices=[1, 2], default=1,
                    help="2: also the second MT-bench turn, conditioned on each method's own first answer")
     add_tree_flags(b)
@@ -255,6 +259,19 @@ def sweep_methods(tree, ddd, thresholds, checks_text: str | None) -> list[str]:
     return out
 
 
+def refuse_uncalibrated_gain(args, methods) -> None:
+    """Exit before loading anything when a method asks for the gain rule (`rule=gain`) but the calibrated defaults,
+    the only source of its GainModel, cannot apply (a tree / DDD flag, --settings none, DDD_JAX_CALIBRATE=0)."""
+    import os
+    from ddd_jax.calibration import TREE_FLAGS
+    from .run import GAIN_NEEDS_CALIBRATION
+    if not any("rule=gain" in m.replace(" ", "") for m in methods):
+        return
+    if (args.settings != "auto" or os.environ.get("DDD_JAX_CALIBRATE") == "0"
+            or any(getattr(args, k, None) is not None for k in TREE_FLAGS)):
+        raise SystemExit(f"ddd-jax bench: {GAIN_NEEDS_CALIBRATION}")
+
+
 # ----------------------------------------------------------------------------------------------- commands
 def run_acceptance(args, tree, ddd, source, out) -> int:
     """--acceptance-only: τ / depth / identity for eagle2 and ddd (device) over the prompts, batched, untimed."""
@@ -341,6 +358,7 @@ def run_bench(args) -> int:
     if args.op_profile:
         return run_op_profile(args, tree, ddd, source, out)
     methods = split_methods(args.methods) if args.methods else list(DEFAULT_METHODS)
+    refuse_uncalibrated_gain(args, methods)
     if args.sweep:
         methods += [m for m in sweep_methods(tree, ddd, args.sweep_thresholds, args.sweep_checks) if m not in methods]
     prompts = load_prompts(args)

@@ -361,9 +361,9 @@ def _sync_costs(fws: tuple, work, jdev, tmodels, k: int, rounds: int) -> dict:
 def _resume(checkpoint: Path, resume: bool, progress: bool, prompts: list, **fields) -> list:
     """The records a killed run of the same configuration (`fields`, `prompts`) left in `checkpoint`; [] (and the
     checkpoint started over) when there are none."""
-    from .run import _open_partial, _partial_header
-    header = _partial_header(**fields, prompts=prompts)
-    records = [g["record"] for g in _open_partial(checkpoint, header, resume)]
+    from .run import open_partial, partial_header
+    header = partial_header(**fields, prompts=prompts)
+    records = [g["record"] for g in open_partial(checkpoint, header, resume)]
     if records and progress:
         print(f"lazy-eval: resuming after {len(records)} of {len(prompts)} prompts ({checkpoint})", file=sys.stderr)
     return records
@@ -376,7 +376,7 @@ def _decode_prompts(run, rows: list, prompts: list, ids_list: list, records: lis
     `checkpoint`)."""
     from ddd_jax.decode import bucket_length
 
-    from .run import _append_partial
+    from .run import append_partial
     labels = [row_label(*r) for r in rows]
     warmed = {}
     bar = _progress(len(prompts) * len(rows), progress, "lazy-eval")
@@ -404,7 +404,7 @@ def _decode_prompts(run, rows: list, prompts: list, ids_list: list, records: lis
             rec["runs"] = {lb: rec["runs"][lb] for lb in labels}
             records.append(rec)
             if checkpoint is not None:
-                _append_partial(checkpoint, {"prompt": i, "record": rec})
+                append_partial(checkpoint, {"prompt": i, "record": rec})
     finally:
         if bar is not None:
             bar.close()
@@ -543,7 +543,7 @@ def _f(x, fmt="{:.2f}") -> str:
 
 def markdown(result: dict) -> str:
     """The Markdown table of a lazy-eval result (one row per framework x method x sync) and the sync costs."""
-    from .report import _table
+    from .report import markdown_table
     c, e = result["config"], result["env"]
     head = (f"**ddd-jax lazy-eval** target `{c['target']}`, draft `{c['draft']}`; {c['prompts']} prompts, "
             f"max_new_tokens={c['max_new_tokens']}, tree k={c['tree']['top_k']} N={c['tree']['total_tokens']} "
@@ -560,9 +560,9 @@ def markdown(result: dict) -> str:
                      _f(r["tau"]), _f(r["mean_depth"]), _f(r["draft_syncs_per_call"]), _f(r["host_syncs_per_call"]),
                      _f(r["draft_ms_per_call"], "{:.1f}"), _f(r["verify_ms_per_call"], "{:.1f}"),
                      "yes" if r["identical_to_vanilla"] else f"no ({r['mismatches_vs_vanilla']})", same_jax, same_dep])
-    table = _table(["framework", "method", "sync", "tok/s", "target calls", "τ", "mean depth", "draft syncs/call",
-                    "host syncs/call", "draft ms/call", "verify ms/call", "identical to vanilla",
-                    "same tokens as JAX", "same depths as JAX"], rows)
+    table = markdown_table(["framework", "method", "sync", "tok/s", "target calls", "τ", "mean depth",
+                            "draft syncs/call", "host syncs/call", "draft ms/call", "verify ms/call",
+                            "identical to vanilla", "same tokens as JAX", "same depths as JAX"], rows)
     costs = ", ".join(f"{fw} {v['us']:.0f} µs (quartiles {v['p25_us']:.0f} .. {v['p75_us']:.0f} µs; step of work "
                       f"{v['step_us']:.0f} µs)" for fw, v in result["sync_cost"].items() if isinstance(v, dict))
     lines = [head, "", table, "", f"cost of one device->host sync of a scalar after a step of work: {costs}"]

@@ -221,7 +221,7 @@ def _common_prefix(a: list, b: list) -> int:
 
 def run_peers(runners: dict, prompt_ids: list, max_new_tokens: int, progress: bool = True) -> dict:
     """Interleaved per prompt (peers in turn), one warm-up call each on the first prompt. Returns the summary."""
-    from .run import _progress
+    from .run import progress_bar
 
     names = list(runners)
     for name in names:  # compile / allocate
@@ -229,7 +229,7 @@ def run_peers(runners: dict, prompt_ids: list, max_new_tokens: int, progress: bo
     toks = {n: [] for n in names}
     secs = {n: [] for n in names}
     info = {}
-    bar = _progress(len(prompt_ids) * len(names), progress, "peers")
+    bar = progress_bar(len(prompt_ids) * len(names), progress, "peers")
     try:
         for ids in prompt_ids:
             for name in names:
@@ -261,9 +261,11 @@ def run_peers(runners: dict, prompt_ids: list, max_new_tokens: int, progress: bo
 
 
 def peers_table(result: dict) -> str:
-    from .report import _f, _table
+    from .report import cell, markdown_table
     rows = []
     for name, r in result["peers"].items():
-        rows.append([name, _f(r["tokens_per_s"], "{:.1f}"), _f(r.get("vs_ddd_jax"), "{:.2f}x"),
-                     f"{r.get('identical_to_ddd_jax', '-')}/{r['prompts']}", _f(r.get("mean_common_prefix"), "{:.2f}")])
-    return _table(["decoder", "tok/s", "vs ddd-jax vanilla", "identical to ddd-jax", "mean common prefix"], rows)
+        rows.append([name, cell(r["tokens_per_s"], "{:.1f}"), cell(r.get("vs_ddd_jax"), "{:.2f}x"),
+                     f"{r.get('identical_to_ddd_jax', '-')}/{r['prompts']}",
+                     cell(r.get("mean_common_prefix"), "{:.2f}")])
+    return markdown_table(["decoder", "tok/s", "vs ddd-jax vanilla", "identical to ddd-jax", "mean common prefix"],
+                          rows)

@@ -23,11 +23,11 @@ def _kernels(env: dict) -> str:
     return f"CPU kernels (AVX-512, L2 prefetch from {rows} row{'s' if rows != 1 else ''}), "
 
 
-def _jsonable(x):
+def jsonable(x):
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, np.generic):
         return x.item()
     if isinstance(x, np.ndarray):
@@ -39,16 +39,18 @@ def _jsonable(x):
 
 def write_json(obj: dict, path) -> Path:
     path = Path(path)
-    atomic_write_text(path, json.dumps(_jsonable(obj), indent=1) + "\n")
+    atomic_write_text(path, json.dumps(jsonable(obj), indent=1) + "\n")
     os.chmod(path, 0o644)  # the temp file behind the atomic write is private
     return path
 
 
-def _f(x, fmt="{:.2f}") -> str:
+def cell(x, fmt="{:.2f}") -> str:
+    """A table cell: `x` formatted, or "-" for None."""
     return "-" if x is None else fmt.format(x)
 
 
-def _table(header: list, rows: list) -> str:
+def markdown_table(header: list, rows: list) -> str:
+    """A Markdown table of `rows` (lists of cells) under `header`."""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
@@ -82,13 +84,15 @@ def bench_table(result: dict) -> str:
             ident_s = f"{ident['mismatches']} differ (sampling)"
         else:
             ident_s = f"{ident['mismatches']} ({ident['real_mismatches']} real)"
-        rows.append([lb, _f(s["tokens_per_s"], "{:.1f}"), _f(s.get("speedup"), "{:.3f}x"), _f(s["tau"]),
-                     _f(s.get("mean_verified")), s["target_calls"], _f(s["mean_depth"]),
-                     _f(s["host_syncs_per_call"]), split,
-                     _f(m["compile"]["compile_s_est"], "{:.1f}"), ident_s])
-    table = _table(["method", "tok/s", "speedup", "tau", "rows verified/call", "target calls", "mean depth",
-                    "syncs/call", "draft/verify/commit ms/call", "compile s", "mismatches"], rows)
-    notes = []
+        rows.append([lb, cell(s["tokens_per_s"], "{:.1f}"), cell(s.get("speedup"), "{:.3f}x"), cell(s["tau"]),
+                     cell(s.get("mean_verified")), s["target_calls"], cell(s["mean_depth"]),
+                     cell(s["host_syncs_per_call"]), split,
+                     cell(m["compile"]["compile_s_est"], "{:.1f}"), ident_s])
+    table = markdown_table(["method", "tok/s", "speedup", "tau", "rows verified/call", "target calls",
+                            "mean depth", "syncs/call", "draft/verify/commit ms/call", "compile s", "mismatches"], rows)
+    notes = ["- tau: tokens accepted per target call (generate's mean_accepted); rows verified/call: the rows each "
+             "target call verified (mean_verified); mean depth: draft steps per call (depth_per_call); speedup: "
+             "decode tok/s over vanilla's"]
     if env.get("compile_cache"):
         notes.append(f"- compile s: JAX's persistent compilation cache is on ({env['compile_cache']}): a program an "
                      "earlier run compiled is loaded instead (DDD_JAX_COMPILE_CACHE=0 compiles everything)")
@@ -96,8 +100,8 @@ def bench_table(result: dict) -> str:
         for d in ident["details"][:5]:
             kind = "near-tie" if d.get("near_tie") else "REAL" if "near_tie" in d else "differs"
             notes.append(f"- {lb}: prompt {d['id']} turn {d['turn']} first differs at token {d['position']} "
-                         f"({d['ref_token']} vs {d['token']}; top-2 margin {_f(d.get('margin_top2'), '{:.2e}')}, "
-                         f"gap {_f(d.get('gap'), '{:.2e}')}): {kind}")
+                         f"({d['ref_token']} vs {d['token']}; top-2 margin {cell(d.get('margin_top2'), '{:.2e}')}, "
+                         f"gap {cell(d.get('gap'), '{:.2e}')}): {kind}")
     return "\n".join([head, "", table] + ([""] + notes if notes else []))
 
 
@@ -107,20 +111,21 @@ def depth_table(result: dict) -> str:
         h = m["summary"]["depth_hist"]
         if h:
             rows.append([lb, ", ".join(f"{k}:{v}" for k, v in h.items())])
-    return _table(["method", "draft depth histogram (depth:count)"], rows) if rows else ""
+    return markdown_table(["method", "draft depth histogram (depth:count)"], rows) if rows else ""
 
 
 def tune_table(result: dict) -> str:
     rows = []
     for st in result["stages"]:
         for r in st["rows"]:
-            rows.append([st["stage"], r["value"], r["label"], _f(r["speedup"], "{:.3f}x"), _f(r["tau"]),
-                         _f(r["mean_depth"]), _f(r["compile_s_est"], "{:.1f}"),
+            rows.append([st["stage"], r["value"], r["label"], cell(r["speedup"], "{:.3f}x"), cell(r["tau"]),
+                         cell(r["mean_depth"]), cell(r["compile_s_est"], "{:.1f}"),
                          "*" if r["label"] == st["best"] else ""])
     s = result["settings"]
     tail = (f"\nbest: tree {s['tree']}, ddd {s['ddd']} (EAGLE-2 {s['meta']['eagle2']['speedup']:.3f}x, "
             f"DDD {s['meta']['ddd']['speedup']:.3f}x in the final run; recommended: {s['meta']['recommended_method']})")
-    return _table(["stage", "value", "candidate", "speedup", "tau", "mean depth", "compile s", "best"], rows) + tail
+    return markdown_table(["stage", "value", "candidate", "speedup", "tau", "mean depth", "compile s", "best"],
+                          rows) + tail
 
 
 def cost_table(result: dict) -> str:
@@ -128,7 +133,7 @@ def cost_table(result: dict) -> str:
         v = r.get("target_rel_1_rounds")
         return f"{min(v):.2f}-{max(v):.2f}" if v else ""
 
-    rows = [[r["tokens"], _f(r["target_ms"]), _f(r["target_rel_1"]), spread(r), _f(r.get("draft_ms"))]
+    rows = [[r["tokens"], cell(r["target_ms"]), cell(r["target_rel_1"]), spread(r), cell(r.get("draft_ms"))]
             for r in result["rows"]]
     env = result.get("env") or {}
     extra = ""
@@ -142,5 +147,5 @@ def cost_table(result: dict) -> str:
               "synthetic": ", verifying token ids 0..n-1 after a zero cache"}.get(result.get("inputs"), "")
     return (f"cost curve: target `{result['target']}`{weights}{forward}{inputs}, context {result['context']} in a "
             f"cache of {result['capacity']} slots{extra}\n"
-            + _table(["tokens", "target ms", "x one token (break-even tau)", "x one token, per round",
+            + markdown_table(["tokens", "target ms", "x one token (break-even tau)", "x one token, per round",
                       "draft step ms (beam of n)"], rows))

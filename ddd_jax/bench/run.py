@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import jax
@@ -35,6 +35,7 @@ import ddd_jax
 from ddd_jax.backends.cpu import kernels
 from ddd_jax.config import DDDConfig, TreeConfig, check_tree_for_ddd
 from ddd_jax.decode import bucket_length, cache_capacity, make_plan
+from ddd_jax.measure.prompts import build_prompt  # one turn as token ids (also importable from here)
 from ddd_jax.ops import describe_weights
 
 # name -> (method, sync, loop). loop None = generate's default for that sync.
@@ -50,9 +51,13 @@ BASE_METHODS = {
 DEFAULT_METHODS = ("vanilla", "eagle2", "ddd-host", "ddd-callback", "ddd-device")
 REFERENCE = "vanilla"
 # Override keys in a method spec "name[key=value,...]": tree (k, N, d; context lookup L, g, p) and DDD (S as 3/5/7,
-# x, n).
+# x, n; the stop rule: rule=threshold|adaedl|gain, and AdaEDL's gamma).
 TREE_KEYS = {"k": "top_k", "N": "total_tokens", "d": "depth", "L": "lookup", "g": "lookup_ngram", "p": "lookup_logp"}
-DDD_KEYS = {"S": "check_steps", "x": "threshold", "n": "max_depth"}
+DDD_KEYS = {"S": "check_steps", "x": "threshold", "n": "max_depth", "rule": "rule", "gamma": "gamma"}
+GAIN_NEEDS_CALIBRATION = (
+    "rule=gain needs a GainModel, which only a calibration makes (`ddd-jax calibrate`, or ddd_jax.calibrate): the "
+    "bench takes the gain rule from this device's calibrated defaults (where calibration picked it), which apply "
+    "with --settings auto and no tree / DDD flag (--tree-top-k, --total-tokens, --depth, --ddd-checks, --ddd-threshold, --ddd-max-depth)")
 
 
 @dataclass(frozen=True)
@@ -87,11 +92,16 @@ class MethodSpec:
         if self.method == "ddd":
             d["ddd"] = {"check_steps": list(self.ddd.check_steps), "threshold": self.ddd.threshold,
                         "max_depth": self.ddd.max_depth}
+            if self.ddd.rule != "threshold":
+                d["ddd"]["rule"] = self.ddd.rule
+            if self.ddd.rule == "adaedl":
+                d["ddd"]["gamma"] = self.ddd.gamma
         return d
 
 
 def method_label(base: str, tree: TreeConfig | None = None, ddd: DDDConfig | None = None) -> str:
-    """Canonical spec string, e.g. 'eagle2[k=4,N=8,d=3]' or 'ddd-device[k=4,N=8,S=2/4,x=-0.3,n=6]'."""
+    """Canonical spec string, e.g. 'eagle2[k=4,N=8,d=3]' or 'ddd-device[k=4,N=8,S=2/4,x=-0.3,n=6]' (AdaEDL's rule
+    adds 'rule=adaedl,gamma=...'; the gain rule comes from the calibrated defaults it is parsed against)."""
     parts = []
     if tree is not None:
         parts += [f"k={tree.top_k}", f"N={tree.total_tokens}", f"d={tree.depth}"]
@@ -100,11 +110,17 @@ def method_label(base: str, tree: TreeConfig | None = None, ddd: DDDConfig | Non
     if ddd is not None:
         parts = [p for p in parts if not p.startswith("d=")]
         parts += ["S=" + "/".join(str(s) for s in ddd.check_steps), f"x={ddd.threshold:g}", f"n={ddd.max_depth}"]
+        if ddd.rule == "adaedl":
+            parts += ["rule=adaedl", f"gamma={ddd.gamma:g}"]
     return f"{base}[{','.join(parts)}]" if parts else base
 
 
 def parse_method(text: str, tree: TreeConfig | None = None, ddd: DDDConfig | None = None) -> MethodSpec:
-    """'ddd-device' or 'ddd-device[S=3/5/7,x=-0.5,n=9,k=4,N=16]' on top of the given tree / DDD settings."""
+    """'ddd-device' or 'ddd-device[S=3/5/7,x=-0.5,n=9,k=4,N=16]' on top of the given tree / DDD settings.
+
+    DDD's stop rule: 'rule=adaedl' with its own x (lambda) and optionally 'gamma' (AdaEDL, `ddd_jax.adaedl`),
+    'rule=threshold' with its own x (the confidence rule, from another rule's defaults), 'rule=gain' only where
+    `ddd` already is the gain rule (a calibration's GainModel: `GAIN_NEEDS_CALIBRATION`)."""
     tree = tree or TreeConfig()
     ddd = ddd or DDDConfig()
     m = re.fullmatch(r"\s*([A-Za-z0-9_-]+)\s*(?:\[(.*)\])?\s*", text)
@@ -122,21 +138,22 @@ def parse_method(text: str, tree: TreeConfig | None = None, ddd: DDDConfig | Non
                 tkw[TREE_KEYS[key]] = float(val) if key == "p" else int(val)
             elif key in DDD_KEYS:
                 dkw[DDD_KEYS[key]] = (tuple(int(s) for s in val.split("/")) if key == "S"
-                                      else float(val) if key == "x" else int(val))
+                                      else float(val) if key in ("x", "gamma") else val if key == "rule" else int(val))
             else:
                 raise ValueError(f"unknown key {key!r}")
         except ValueError as e:
             raise ValueError(f"method {text!r}: bad override {item!r} ({e}); keys: k, N, d (tree), L, g, p "
-                             "(context lookup), S (e.g. 3/5/7), x, n (DDD)") from None
+                             "(context lookup), S (e.g. 3/5/7), x, n, rule (threshold, adaedl, gain), gamma "
+                             "(adaedl) (DDD)") from None
     if method == "vanilla" and (tkw or dkw):
         raise ValueError(f"method {text!r}: vanilla takes no overrides")
     if method == "eagle2" and dkw:
-        raise ValueError(f"method {text!r}: S/x/n are DDD settings; eagle2 takes k, N, d (and L, g, p)")
+        raise ValueError(f"method {text!r}: S/x/n/rule/gamma are DDD settings; eagle2 takes k, N, d (and L, g, p)")
     try:
         tree = replace(tree, **tkw) if tkw else tree
+        ddd = _with_rule(ddd, dkw) if dkw else ddd
     except ValueError as e:
         raise ValueError(f"method {text!r}: {e}") from None
-    ddd = replace(ddd, **dkw) if dkw else ddd
     if method == "ddd":
         try:
             check_tree_for_ddd(tree, ddd)
@@ -144,6 +161,21 @@ def parse_method(text: str, tree: TreeConfig | None = None, ddd: DDDConfig | Non
             raise ValueError(f"method {text!r}: {e}") from None
     return MethodSpec(label=re.sub(r"\s+", "", text), base=base, method=method, sync=sync, loop=loop, tree=tree,
                       ddd=ddd)
+
+
+def _with_rule(ddd: DDDConfig, dkw: dict) -> DDDConfig:
+    """`ddd` with a method spec's DDD overrides, a change of stop rule included (which needs its own x)."""
+    rule = dkw.pop("rule", ddd.rule)
+    if rule == "gain" and ddd.rule != "gain":
+        raise ValueError(GAIN_NEEDS_CALIBRATION)
+    if rule != ddd.rule:
+        if "threshold" not in dkw:
+            raise ValueError(f"rule={rule} compares its own signal with x: give x too (the defaults' x={ddd.threshold:g} "
+                             f"belongs to rule {ddd.rule})")
+        dkw = {"rule": rule, "gain": None, "gamma": None, **dkw}
+    if "gamma" in dkw and dkw["gamma"] is not None and rule != "adaedl":
+        raise ValueError(f"gamma belongs to rule=adaedl, not rule={rule}")
+    return replace(ddd, **dkw)
 
 
 def split_methods(text: str) -> list[str]:
@@ -193,28 +225,7 @@ def normalize_prompts(prompts) -> list[dict]:
     return out
 
 
-def build_prompt(target, prompt: dict, turn: int, answers: list, chat: bool = True) -> list[int]:
-    """Token ids of turn `turn` (0-based), conditioned on the method's own earlier answers."""
-    turns = prompt["turns"]
-    if all(not isinstance(t, str) for t in turns[: turn + 1]):
-        ids = []
-        for i in range(turn):
-            ids += list(turns[i]) + list(answers[i])
-        return ids + list(turns[turn])
-    if not all(isinstance(t, str) for t in turns[: turn + 1]):
-        raise ValueError(f"prompt {prompt['id']}: mixes text and token-id turns")
-    if not chat:
-        if turn:
-            raise ValueError("multi-turn prompts need the chat template (chat=True)")
-        return target.encode(turns[0])
-    messages = []
-    for i in range(turn):
-        messages += [{"role": "user", "content": turns[i]}, {"role": "assistant", "content": target.decode(answers[i])}]
-    messages.append({"role": "user", "content": turns[turn]})
-    return target.encode_chat(messages)
-
-
-def _length_bound(target, prompt: dict, turn: int, max_new: int, chat: bool) -> int:
+def length_bound(target, prompt: dict, turn: int, max_new: int, chat: bool) -> int:
     """Upper estimate of a turn's prompt length before the earlier answers exist (for the shared capacity)."""
     turns = prompt["turns"]
     if turn == 0:
@@ -269,7 +280,7 @@ def environment() -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- the run
-def _progress(total: int, enabled: bool, desc: str):
+def progress_bar(total: int, enabled: bool, desc: str):
     if not enabled:
         return None
     from tqdm.auto import tqdm
@@ -286,12 +297,12 @@ PARTIAL_FORMAT = "ddd-jax-bench-partial"
 PARTIAL_NAME = "bench.partial.jsonl"  # the checkpoint `ddd-jax bench` keeps in --out
 
 
-def _partial_header(**fields) -> dict:
+def partial_header(**fields) -> dict:
     """What a checkpoint must match to be resumed: the methods, the decoding settings and the prompts (hashed)."""
-    from ddd_jax.bench.report import _jsonable
+    from ddd_jax.bench.report import jsonable
     prompts = fields.pop("prompts")
-    digest = hashlib.sha256(json.dumps(_jsonable(prompts), sort_keys=True).encode()).hexdigest()
-    return _jsonable({"format": PARTIAL_FORMAT, "format_version": 1, **fields, "prompts": len(prompts),
+    digest = hashlib.sha256(json.dumps(jsonable(prompts), sort_keys=True).encode()).hexdigest()
+    return jsonable({"format": PARTIAL_FORMAT, "format_version": 1, **fields, "prompts": len(prompts),
                       "prompts_sha256": digest})
 
 
@@ -331,7 +342,7 @@ def _read_partial(path: Path, header: dict, index: str = "prompt") -> list:
     return groups
 
 
-def _open_partial(path: Path, header: dict, resume: bool = True, index: str = "prompt") -> list:
+def open_partial(path: Path, header: dict, resume: bool = True, index: str = "prompt") -> list:
     """The groups a killed run of the same configuration left in its checkpoint (`_read_partial`; none without
     resume); where there are none, the file is started over with `header`."""
     groups = _read_partial(path, header, index) if resume else []
@@ -341,10 +352,10 @@ def _open_partial(path: Path, header: dict, resume: bool = True, index: str = "p
     return groups
 
 
-def _append_partial(path: Path, line: dict) -> None:
-    from ddd_jax.bench.report import _jsonable
+def append_partial(path: Path, line: dict) -> None:
+    from ddd_jax.bench.report import jsonable
     with open(path, "a") as f:
-        f.write(json.dumps(_jsonable(line)) + "\n")
+        f.write(json.dumps(jsonable(line)) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
@@ -373,109 +384,149 @@ def run_benchmark(target, draft, prompts, methods=DEFAULT_METHODS, *, tree: Tree
     labels = [s.label for s in specs]
     ref = REFERENCE if REFERENCE in labels else None
     gen_kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
-
-    bounds = [_length_bound(target, p, t, max_new_tokens, chat) for p in prompts for t in range(min(turns, len(p["turns"])))]
     if capacity is None:
+        bounds = [length_bound(target, p, t, max_new_tokens, chat) for p in prompts
+                  for t in range(min(turns, len(p["turns"])))]
         capacity = required_capacity(target, draft, specs, bounds, max_new_tokens, temperature, top_p)
-    n_turns = [min(turns, len(p["turns"])) for p in prompts]
-    records, start = [], 0
+    run = _Run(target=target, draft=draft, specs=specs, gen_kw=gen_kw, capacity=capacity, repeat=repeat,
+               warmup=warmup, chat=chat)
+    records, done = [], []
     if checkpoint is not None:
         checkpoint = Path(checkpoint)
-        header = _partial_header(kind="bench", methods=[s.describe() for s in specs], gen=gen_kw, repeat=repeat,
-                                 turns=turns, capacity=capacity, chat=chat, warmup=warmup,
-                                 target=target_name or target.name, draft=draft_name,
-                                 draft_dtype=None if draft is None else draft.weight_dtype, prompts=prompts)
-        done = _open_partial(checkpoint, header, resume)
-        records, start = [r for g in done for r in g["records"]], len(done)
-        if start and progress:
-            print(f"bench: resuming after {start} of {len(prompts)} prompts ({checkpoint})", file=sys.stderr)
-    bar = _progress(sum(n_turns) * len(specs) * repeat, progress, "bench")
-    if bar is not None and start:
-        bar.update(sum(n_turns[:start]) * len(specs) * repeat)
-    warmed: dict = {}  # (label, bucket) -> warm-up info
-    try:
-        for i, p in enumerate(prompts):
-            if i < start:
-                continue
-            answers = {s.label: [] for s in specs}
-            n_before = len(records)
-            for t in range(min(turns, len(p["turns"]))):
-                rec = {"id": p["id"], "category": p.get("category"), "turn": t + 1, "prompt_ids": None, "runs": {}}
-                order = specs[(i + t) % len(specs):] + specs[: (i + t) % len(specs)]  # rotate slot positions
-                for spec in order:
-                    ids = build_prompt(target, p, t, answers[spec.label], chat)
-                    run = {"prompt_len": len(ids), "bucket": bucket_length(len(ids)), "order": order.index(spec)}
-                    key = (spec.label, run["bucket"])
-                    if warmup and key not in warmed:
-                        _, wall = _timed_generate(target, draft, ids, spec, capacity=capacity, **gen_kw)
-                        warmed[key] = {"bucket": run["bucket"], "wall_s": wall, "record": len(records)}
-                        run["warmup_s"] = wall
-                    reps = []
-                    for _ in range(repeat):
-                        res, wall = _timed_generate(target, draft, ids, spec, capacity=capacity, **gen_kw)
-                        reps.append({**res.stats, "wall_s": wall, "tokens_match_first": None})
-                        if len(reps) == 1:
-                            run["tokens"] = list(res.tokens)
-                            if target.tokenizer is not None:
-                                run["text"] = res.text
-                        else:
-                            reps[-1]["tokens_match_first"] = list(res.tokens) == run["tokens"]
-                        if bar is not None:
-                            bar.update(1)
-                    if "warmup_s" in run:
-                        warmed[key]["compile_s_est"] = max(0.0, run["warmup_s"] - reps[0]["wall_s"])
-                    run["repeats"] = reps
-                    run["prompt_ids"] = ids
-                    answers[spec.label].append(run["tokens"])
-                    rec["runs"][spec.label] = run
-                # store the shared prompt once; a run keeps its own only where it differs (later turns)
-                first = ref or labels[0]
-                rec["prompt_ids"] = rec["runs"][first]["prompt_ids"]
-                for run in rec["runs"].values():
-                    if run["prompt_ids"] == rec["prompt_ids"]:
-                        del run["prompt_ids"]
-                rec["runs"] = {lb: rec["runs"][lb] for lb in labels}
-                records.append(rec)
-            if checkpoint is not None:
-                _append_partial(checkpoint, {"prompt": i, "records": records[n_before:]})
-    finally:
-        if bar is not None:
-            bar.close()
+        header = partial_header(kind="bench", methods=[s.describe() for s in specs], gen=gen_kw, repeat=repeat,
+                                turns=turns, capacity=capacity, chat=chat, warmup=warmup,
+                                target=target_name or target.name, draft=draft_name,
+                                draft_dtype=None if draft is None else draft.weight_dtype, prompts=prompts)
+        done = open_partial(checkpoint, header, resume)
+        records = [r for g in done for r in g["records"]]
+        if done and progress:
+            print(f"bench: resuming after {len(done)} of {len(prompts)} prompts ({checkpoint})", file=sys.stderr)
+    records = _run_prompts(run, prompts, turns, records, len(done), checkpoint, progress)
 
     profiles = run_profiles(target, draft, specs, records, profile_prompts, capacity, gen_kw, progress)
     identity = check_identity(target, records, labels, reference=ref, tie_tol=tie_tol, temperature=temperature)
-    summaries = summarize(records, labels, ref)
-    methods_out = {}
+    env = environment()
+    env["loadavg_end"] = env.pop("loadavg")
+    config = {
+        "target": target_name or target.name,
+        "draft": draft_name or ("(none)" if draft is None else "(unnamed head)"), "methods": labels,
+        "reference": ref, **gen_kw, "repeat": repeat, "turns": turns, "prompts": len(prompts),
+        "records": len(records), "capacity": capacity, "profile_prompts": min(profile_prompts, len(records)),
+        "warmup": warmup, "chat": chat, "tie_tol": tie_tol, "params_dtype": str(target.params["embed"].dtype),
+        "target_weights": describe_weights(target.params),
+        "draft_dtype": None if draft is None else draft.weight_dtype, **(notes or {})}
+    return {
+        "format": "ddd-jax-bench", "format_version": 1, "env": env, "config": config,
+        "methods": _method_results(specs, summarize(records, labels, ref), identity, profiles, run.warmed),
+        "identity": identity,
+        "records": records,
+    }
+
+
+@dataclass
+class _Run:
+    """What every timed run of one benchmark shares, and the warm-ups done so far: (label, bucket) -> info."""
+
+    target: object
+    draft: object
+    specs: list
+    gen_kw: dict
+    capacity: int
+    repeat: int
+    warmup: bool
+    chat: bool
+    warmed: dict = field(default_factory=dict)
+    bar: object = None
+
+
+def _run_prompts(run: _Run, prompts: list, turns: int, records: list, start: int, checkpoint: Path | None,
+                 progress: bool) -> list:
+    """Every prompt's turns from prompt `start` on, after `records` (what a resumed checkpoint held), each prompt's
+    records appended to the checkpoint as it ends. Returns all the records."""
+    n_turns = [min(turns, len(p["turns"])) for p in prompts]
+    per_turn = len(run.specs) * run.repeat
+    run.bar = progress_bar(sum(n_turns) * per_turn, progress, "bench")
+    if run.bar is not None and start:
+        run.bar.update(sum(n_turns[:start]) * per_turn)
+    records = list(records)
+    try:
+        for i in range(start, len(prompts)):
+            answers = {s.label: [] for s in run.specs}
+            new = [_run_turn(run, prompts[i], i, t, answers, len(records) + t) for t in range(n_turns[i])]
+            records += new
+            if checkpoint is not None:
+                append_partial(checkpoint, {"prompt": i, "records": new})
+    finally:
+        if run.bar is not None:
+            run.bar.close()
+    return records
+
+
+def _run_turn(run: _Run, p: dict, i: int, t: int, answers: dict, index: int) -> dict:
+    """Turn `t` of prompt `i` (the `index`-th record) under every method, in an order rotated from turn to turn so
+    that each method takes each slot; each method's answer joins `answers` for its next turn."""
+    rec = {"id": p["id"], "category": p.get("category"), "turn": t + 1, "prompt_ids": None, "runs": {}}
+    specs = run.specs
+    order = specs[(i + t) % len(specs):] + specs[: (i + t) % len(specs)]  # rotate slot positions
+    for spec in order:
+        ids = build_prompt(run.target, p, t, answers[spec.label], run.chat)
+        out = _run_method(run, spec, ids, index, order.index(spec))
+        answers[spec.label].append(out["tokens"])
+        rec["runs"][spec.label] = out
+    # store the shared prompt once; a run keeps its own only where it differs (later turns)
+    labels = [s.label for s in specs]
+    rec["prompt_ids"] = rec["runs"][REFERENCE if REFERENCE in labels else labels[0]]["prompt_ids"]
+    for out in rec["runs"].values():
+        if out["prompt_ids"] == rec["prompt_ids"]:
+            del out["prompt_ids"]
+    rec["runs"] = {lb: rec["runs"][lb] for lb in labels}
+    return rec
+
+
+def _run_method(run: _Run, spec: MethodSpec, ids: list, index: int, slot: int) -> dict:
+    """One method on one prompt (the `index`-th record, the `slot`-th method to run): its first run on a prompt
+    bucket untimed (the warm-up, which compiles), then `run.repeat` timed runs, the later ones checked against the
+    first's tokens."""
+    out = {"prompt_len": len(ids), "bucket": bucket_length(len(ids)), "order": slot}
+    key = (spec.label, out["bucket"])
+    kw = dict(capacity=run.capacity, **run.gen_kw)
+    if run.warmup and key not in run.warmed:
+        _, wall = _timed_generate(run.target, run.draft, ids, spec, **kw)
+        run.warmed[key] = {"bucket": out["bucket"], "wall_s": wall, "record": index}
+        out["warmup_s"] = wall
+    reps = []
+    for _ in range(run.repeat):
+        res, wall = _timed_generate(run.target, run.draft, ids, spec, **kw)
+        reps.append({**res.stats, "wall_s": wall, "tokens_match_first": None})
+        if len(reps) == 1:
+            out["tokens"] = list(res.tokens)
+            if run.target.tokenizer is not None:
+                out["text"] = res.text
+        else:
+            reps[-1]["tokens_match_first"] = list(res.tokens) == out["tokens"]
+        if run.bar is not None:
+            run.bar.update(1)
+    if "warmup_s" in out:
+        run.warmed[key]["compile_s_est"] = max(0.0, out["warmup_s"] - reps[0]["wall_s"])
+    out["repeats"] = reps
+    out["prompt_ids"] = ids
+    return out
+
+
+def _method_results(specs: list, summaries: dict, identity: dict, profiles: dict, warmed: dict) -> dict:
+    """The result's `methods`: each method's spec, summary (with its identity mismatches), compile time, profile."""
+    out = {}
     for spec in specs:
         w = [v for (lb, _), v in warmed.items() if lb == spec.label]
-        methods_out[spec.label] = {
+        out[spec.label] = {
             "spec": spec.describe(),
             "summary": summaries[spec.label],
             "compile": {"warmups": w, "warmup_s": sum(x["wall_s"] for x in w),
                         "compile_s_est": sum(x.get("compile_s_est", 0.0) for x in w)},
             "profile": profiles.get(spec.profile_key()) if spec.speculative else None,
         }
-        methods_out[spec.label]["summary"]["mismatches"] = identity["methods"].get(spec.label, {}).get("mismatches")
-    env = environment()
-    env["loadavg_end"] = env.pop("loadavg")
-    return {
-        "format": "ddd-jax-bench", "format_version": 1,
-        "env": env,
-        "config": {
-            "target": target_name or target.name,
-            "draft": draft_name or ("(none)" if draft is None else "(unnamed head)"), "methods": labels,
-            "reference": ref, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-            "seed": seed, "repeat": repeat, "turns": turns, "prompts": len(prompts), "records": len(records),
-            "capacity": capacity, "profile_prompts": min(profile_prompts, len(records)), "warmup": warmup,
-            "chat": chat, "tie_tol": tie_tol, "params_dtype": str(target.params["embed"].dtype),
-            "target_weights": describe_weights(target.params),
-            "draft_dtype": None if draft is None else draft.weight_dtype,
-            **(notes or {}),
-        },
-        "methods": methods_out,
-        "identity": identity,
-        "records": records,
-    }
+        out[spec.label]["summary"]["mismatches"] = identity["methods"].get(spec.label, {}).get("mismatches")
+    return out
 
 
 def run_profiles(target, draft, specs, records, n_prompts: int, capacity: int, gen_kw: dict, progress: bool) -> dict:
@@ -487,7 +538,7 @@ def run_profiles(target, draft, specs, records, n_prompts: int, capacity: int, g
     recs = [r for r in records if r["turn"] == 1][:n_prompts]
     if not todo or not recs:
         return {}
-    bar = _progress(len(todo) * (len(recs) + 1), progress, "profile")
+    bar = progress_bar(len(todo) * (len(recs) + 1), progress, "profile")
     out = {}
     try:
         for key, spec in todo.items():

@@ -33,7 +33,7 @@ from ddd_jax.config import DDDConfig, TreeConfig, check_tree_for_ddd
 from ddd_jax.settings import save_settings, weight_storage
 
 from .run import MethodSpec, environment, method_label, normalize_prompts, parse_method, required_capacity, run_benchmark, \
-    _append_partial, _length_bound, _open_partial, _partial_header
+    append_partial, length_bound, open_partial, partial_header
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def search_capacity(target, draft, space: SearchSpace, prompts: list, max_new_to
                 dd = DDDConfig(check_steps=(nmax - 1,), threshold=-1.0, max_depth=nmax)
                 all_specs += [parse_method("eagle2", t),
                               MethodSpec("capacity", "ddd-device", "ddd", "device", None, t, dd)]
-    bounds = [_length_bound(target, p, 0, max_new_tokens, chat) for p in prompts]
+    bounds = [length_bound(target, p, 0, max_new_tokens, chat) for p in prompts]
     return required_capacity(target, draft, all_specs, bounds, max_new_tokens)
 
 
@@ -180,7 +180,7 @@ class Stages:
             ckpt = None if self.journal is None else self.journal.parent / f"tune-stage{i + 1}.partial.jsonl"
             st = self.measure(name, cands, ckpt)
             if self.journal is not None:
-                _append_partial(self.journal, {"stage_index": i, "stage": st})
+                append_partial(self.journal, {"stage_index": i, "stage": st})
                 ckpt.unlink(missing_ok=True)
         self.stages.append(st)
         best = next(r for r in st["rows"] if r["label"] == st["best"])
@@ -280,10 +280,10 @@ def tune(target, draft, prompts, space: SearchSpace | None = None, *, max_new_to
     journal, done = None, []
     if checkpoint_dir is not None:
         journal = Path(checkpoint_dir) / JOURNAL_NAME
-        header = _partial_header(kind="tune", space=space.to_dict(), max_new_tokens=max_new_tokens, repeat=repeat,
+        header = partial_header(kind="tune", space=space.to_dict(), max_new_tokens=max_new_tokens, repeat=repeat,
                                  chat=chat, capacity=capacity, target=target.name, draft=draft_name,
                                  draft_dtype=draft.weight_dtype, prompts=prompts)
-        done = [g["stage"] for g in _open_partial(journal, header, resume, index="stage_index")]
+        done = [g["stage"] for g in open_partial(journal, header, resume, index="stage_index")]
     stages = Stages(lambda specs, ckpt: run_benchmark(target, draft, prompts, specs, **common, checkpoint=ckpt,
                                                       resume=resume), journal, done, log)
     cur = search_tree(space, stages)
