@@ -210,46 +210,57 @@ def measure_costs(target, draft, sizes, beams, repeat: int = 5, progress: bool =
             "estimate": "median of interleaved rounds"}
 
 
-# the tree whose real decode prices a cycle's fixed cost (its verify width and depth never vary: every cycle is alike)
-FIXED_TREE = TreeConfig(top_k=4, total_tokens=7, depth=2)
+# two EAGLE-2 trees that verify the same width (every cycle alike) and differ only in draft steps: their real
+# decodes price a draft step inside the loop, and with it what else a cycle costs
+LOOP_TREES = (TreeConfig(top_k=4, total_tokens=5, depth=1), TreeConfig(top_k=4, total_tokens=5, depth=3))
 
 
 def measure_loop(target, draft, costs: dict, batch: int = 1, rounds: int = 3, max_new_tokens: int = 48) -> dict:
-    """What the cost curve's forwards cost inside the decode loop, and what else a cycle costs there. Real decodes
-    of `batch` copies of the cost curve's prompt, vanilla and EAGLE-2 over `FIXED_TREE` alternating (one warm-up
-    each, then `rounds` each): "scale" = a vanilla step / the curve's t_b(1) (a forward inside the loop skips the
-    per-call dispatch the curve times), and "fixed_ms" = an EAGLE-2 cycle - scale * (t_b(N) + (1 + depth) d_b(k)),
-    at least 0: building the tree, acceptance, the commit. Medians over the rounds."""
+    """What the cost curve's calls cost inside the decode loop, where no call pays its own dispatch. Real decodes of
+    `batch` copies of the cost curve's prompt -- vanilla and EAGLE-2 over both `LOOP_TREES`, alternating (one
+    warm-up each, then `rounds` each; medians of ms per cycle):
+
+    * "scale" = a vanilla step / the curve's t_b(1): the verify forward's width costs are the curve's times this;
+    * "draft_ms" = (the deeper tree's cycle - the shallower's) / their difference in steps: one draft step over a
+      beam of 4 (the curve's per-call figure is mostly dispatch for a one-layer head);
+    * "fixed_ms" = the shallower tree's cycle - scale * t_b(N) - its steps * draft_ms, at least 0: building the
+      tree, acceptance, the commit."""
     from .decode import generate
     from .measure.cost import COST_PROMPT
     ids = target.encode_chat([{"role": "user", "content": COST_PROMPT}]) if getattr(target, "chat_template", None) \
         else [1 + i % (target.config.vocab_size - 1) for i in range(8)]
-    t, d = _interp(costs["target_ms"]), _interp(costs["draft_ms"])
-    tree = FIXED_TREE
+    t = _interp(costs["target_ms"])
+    shallow, deep = LOOP_TREES
 
-    def per_cycle(spec: bool) -> float:
-        st = generate(target, draft if spec else None, [ids] * batch, max_new_tokens=max_new_tokens,
-                      method="eagle2" if spec else "vanilla", tree=tree, ddd=DDDConfig()).stats
+    def per_cycle(tree) -> float:
+        st = generate(target, draft if tree else None, [ids] * batch, max_new_tokens=max_new_tokens,
+                      method="eagle2" if tree else "vanilla", tree=tree or TreeConfig(), ddd=DDDConfig()).stats
         return 1e3 * st["decode_s"] / max(st["per_sequence"][0]["target_calls"], 1)
 
-    per_cycle(False), per_cycle(True)  # compiles
-    van, spec = [], []
+    runs = {"vanilla": None, "shallow": shallow, "deep": deep}
+    for tree in runs.values():
+        per_cycle(tree)  # compiles
+    times = {k: [] for k in runs}
     for _ in range(rounds):
-        van.append(per_cycle(False))
-        spec.append(per_cycle(True))
-    v, e = sorted(van)[rounds // 2], sorted(spec)[rounds // 2]
-    scale = v / t(1)
-    fixed = e - scale * (t(tree.total_tokens) + (1 + tree.depth) * d(tree.top_k))
-    return {"scale": scale, "fixed_ms": max(0.0, fixed), "vanilla_ms": v, "eagle2_ms": e, "rounds": rounds,
-            "tree": tree.to_dict()}
+        for k, tree in runs.items():
+            times[k].append(per_cycle(tree))
+    med = {k: sorted(v)[rounds // 2] for k, v in times.items()}
+    scale = med["vanilla"] / t(1)
+    step = max(0.0, (med["deep"] - med["shallow"]) / (deep.depth - shallow.depth))
+    fixed = med["shallow"] - scale * t(shallow.total_tokens) - (1 + shallow.depth) * step
+    return {"scale": scale, "draft_ms": step, "draft_k": shallow.top_k, "fixed_ms": max(0.0, fixed),
+            "cycle_ms": med, "rounds": rounds, "trees": [x.to_dict() for x in LOOP_TREES]}
 
 
 def in_loop(costs: dict, loop: dict) -> dict:
-    """The costs `predict` and the gain rule read: the curve's forwards at the loop's scale, plus its fixed cost (the
-    curve's own figures kept as "curve_target_ms" / "curve_draft_ms")."""
+    """The costs `predict` and the gain rule read: the curve's verify forwards at the loop's scale, its draft steps
+    brought to the loop's step over a beam of `draft_k` (other beams in the curve's proportion), and the fixed cost
+    (the curve's own figures kept as "curve_target_ms" / "curve_draft_ms")."""
     a = float(loop["scale"])
+    d = _interp(costs["draft_ms"])
+    b = float(loop["draft_ms"]) / max(d(loop["draft_k"]), 1e-9)
     return {**costs, "target_ms": {n: a * v for n, v in costs["target_ms"].items()},
-            "draft_ms": {k: a * v for k, v in costs["draft_ms"].items()}, "fixed_ms": float(loop["fixed_ms"]),
+            "draft_ms": {k: b * v for k, v in costs["draft_ms"].items()}, "fixed_ms": float(loop["fixed_ms"]),
             "curve_target_ms": costs["target_ms"], "curve_draft_ms": costs["draft_ms"], "loop": loop}
 
 

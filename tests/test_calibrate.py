@@ -27,7 +27,9 @@ def calibrating(monkeypatch, tmp_path):
 @pytest.fixture
 def no_fixed_cost(monkeypatch):
     """Tests that price cycles by hand: no per-cycle fixed cost measured by a real decode."""
-    monkeypatch.setattr(cal, "measure_loop", lambda *a, **k: {"scale": 1.0, "fixed_ms": 0.0})
+    def loop(target, draft, costs, **_):  # the curve's costs as they are
+        return {"scale": 1.0, "draft_ms": cal._interp(costs["draft_ms"])(1), "draft_k": 1, "fixed_ms": 0.0}
+    monkeypatch.setattr(cal, "measure_loop", loop)
 
 
 def test_the_public_function():

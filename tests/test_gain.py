@@ -123,7 +123,8 @@ def test_calibration_offers_the_gain_rule_and_generate_uses_it(monkeypatch, tmp_
          "ddd": None, "tau": 1.0, "mean_depth": 1.0, "need_hist": {3: 1}}]}
     flat = {n: 10.0 + 0.05 * n for n in (1, 2, 3, 4, 5, 8, 16)}
     monkeypatch.setattr(cal, "measure_costs", lambda *a, **k: {"target_ms": flat, "draft_ms": {2: 0.1, 4: 0.1}})
-    monkeypatch.setattr(cal, "measure_loop", lambda *a, **k: {"scale": 1.0, "fixed_ms": 0.5})
+    monkeypatch.setattr(cal, "measure_loop", lambda *a, **k: {"scale": 1.0, "draft_ms": 0.1, "draft_k": 4,
+                                                                "fixed_ms": 0.5})
     c = cal.calibrate(target, draft, profile=prof, prompt_ids=PROMPTS)
     assert c["pools_measured_now"] and cal.load_pools(draft)["score"].shape[1] == 4 + 6 * 16
     gains = [p for p in c["predictions"] if p["label"].startswith("ddd-gain-")]

@@ -259,6 +259,15 @@ def sweep_methods(tree, ddd, thresholds, checks_text: str | None) -> list[str]:
     return out
 
 
+def calibrated_eagle2(args, target, draft, methods: list) -> list:
+    """With this device's calibration in use, a plain "eagle2" runs EAGLE-2's own calibrated tree (not DDD's), so
+    that every method runs its calibrated defaults: the spec names the tree (`run.method_label`)."""
+    from ddd_jax.calibration import cli_configs
+    from .run import method_label
+    got = cli_configs(args, target, draft, "eagle2") if "eagle2" in methods else None
+    return methods if got is None else [method_label("eagle2", got[0]) if m == "eagle2" else m for m in methods]
+
+
 def refuse_uncalibrated_gain(args, methods) -> None:
     """Exit before loading anything when a method asks for the gain rule (`rule=gain`) but the calibrated defaults,
     the only source of its GainModel, cannot apply (a tree / DDD flag, --settings none, DDD_JAX_CALIBRATE=0)."""
@@ -364,7 +373,8 @@ def run_bench(args) -> int:
     prompts = load_prompts(args)
     target, draft, draft_name = load_models(args, need_draft=any(not m.startswith("vanilla") for m in methods))
     from ddd_jax.calibration import TREE_FLAGS, cli_configs  # this device's calibration (first use): DDD's pick,
-    tree, ddd, source = cli_configs(args, target, draft, "ddd") or (tree, ddd, source)  # whose tree every method uses
+    tree, ddd, source = cli_configs(args, target, draft, "ddd") or (tree, ddd, source)  # whose tree DDD uses
+    methods = calibrated_eagle2(args, target, draft, methods)
     defaults = {}
     if draft is not None and args.settings == "auto" and not any(getattr(args, k, None) is not None
                                                                   for k in TREE_FLAGS):
