@@ -323,17 +323,57 @@ def gain_entries(pools: dict, costs: dict, rounds: int = 4) -> list[dict]:
     return out
 
 
+def shortlist(preds: list[dict], n: int) -> list[dict]:
+    """The `n` candidates with the best predicted speed-up, and the best of each method among them."""
+    ranked = sorted(preds, key=lambda p: -p["predicted_speedup"])
+    out = ranked[:n]
+    for m in ("eagle2", "ddd"):
+        best = next((p for p in ranked if p["method"] == m), None)
+        if best is not None and best not in out:
+            out.append(best)
+    return out
+
+
+def measure_speedups(target, draft, entries: list[dict], prompt_ids: list, batch: int = 1, rounds: int = 2,
+                     max_new_tokens: int = 48) -> dict:
+    """{label: measured speed-up over vanilla} of each entry (a prediction: "method", "tree", "ddd") decoding
+    `prompt_ids` in batches of `batch` (cycled to fill one), vanilla and the entries alternating in each round
+    (after one warm-up of each), the median over `rounds` of each round's decode-time ratio."""
+    from .decode import generate
+    rows = [prompt_ids[i % len(prompt_ids)] for i in range(max(batch, len(prompt_ids)))]
+    groups = [rows[i:i + batch] for i in range(0, len(rows) - batch + 1, batch)]
+
+    def seconds(e) -> float:
+        kw = {} if e is None else {"method": e["method"], "tree": TreeConfig(**e["tree"]),
+                                   "ddd": DDDConfig.from_dict(e["ddd"]) if e.get("ddd") else DDDConfig()}
+        return sum(generate(target, draft if e else None, g, max_new_tokens=max_new_tokens, **kw).stats["decode_s"]
+                   for g in groups)
+
+    for e in [None, *entries]:
+        seconds(e)  # compiles
+    ratios = {e["label"]: [] for e in entries}
+    for _ in range(rounds):
+        van = seconds(None)
+        for e in entries:
+            ratios[e["label"]].append(van / seconds(e))  # same tokens (lossless): time ratio = speed ratio
+    return {k: sorted(v)[len(v) // 2] for k, v in ratios.items()}
+
+
 def pick(preds: list[dict]) -> dict:
-    """The EAGLE-2 tree and DDD rule with the best predicted speed-up -- or, when none beats vanilla, the choice
-    "vanilla" (`recommended_method`; `generate`'s defaults then decode as vanilla does) with the cheapest cycle of
-    each method saved for explicit calls that leave the tree or the rule out. `best_overall`: the best candidate
-    and its predicted speed-up either way; `predicted_best`: each method's (a method whose best is below 1 decodes
+    """The EAGLE-2 tree and DDD rule with the best speed-up -- measured where candidates were measured
+    (`measure_speedups` over a `shortlist`; only those compete then), else predicted -- or, when none beats vanilla,
+    the choice "vanilla" (`recommended_method`; `generate`'s defaults then decode as vanilla does) with the cheapest
+    cycle of each method saved for explicit calls that leave the tree or the rule out. `best_overall`: the best
+    candidate and its speed-up either way; `predicted_best`: each method's (a method whose best is below 1 decodes
     as vanilla by default, `settings.calibration.calibrated_vanilla`)."""
-    best = {m: max((p for p in preds if p["method"] == m), key=lambda p: p["predicted_speedup"], default=None)
+    measured = [p for p in preds if "measured_speedup" in p]
+    key = "measured_speedup" if measured else "predicted_speedup"
+    pool = measured or preds
+    best = {m: max((p for p in pool if p["method"] == m), key=lambda p: p[key], default=None)
             for m in ("eagle2", "ddd")}
-    said = {m: (p["label"], round(p["predicted_speedup"], 3)) if p else None for m, p in best.items()}
-    top = max((p for p in best.values() if p), key=lambda p: p["predicted_speedup"])
-    slower = top["predicted_speedup"] < 1.0
+    said = {m: (p["label"], round(p[key], 3)) if p else None for m, p in best.items()}
+    top = max((p for p in best.values() if p), key=lambda p: p[key])
+    slower = top[key] < 1.0
     if slower:
         best = {m: min((p for p in preds if p["method"] == m), key=lambda p: p["cycle_ms"], default=None)
                 for m in ("eagle2", "ddd")}
@@ -343,13 +383,15 @@ def pick(preds: list[dict]) -> dict:
     return {"tree": tree.to_dict(), "ddd": ddd.to_dict(),
             "ddd_tree": (TreeConfig(**ddd_pick["tree"]) if ddd_pick else tree).to_dict(),
             "recommended_method": "vanilla" if slower else top["method"], "vanilla_predicted_faster": slower,
-            "best": {m: (p["label"], round(p["predicted_speedup"], 3)) if p else None for m, p in best.items()},
-            "best_overall": (top["label"], round(top["predicted_speedup"], 3)), "predicted_best": said,
+            "best": {m: (p["label"], round(p[key], 3)) if p else None for m, p in best.items()},
+            "best_overall": (top["label"], round(top[key], 3)), "predicted_best": said,
+            "chosen_by": "measured" if measured else "predicted",
             "predictions": sorted(preds, key=lambda p: -p["predicted_speedup"])}
 
 
 def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, repeat: int = 5,
-              batch_sizes=(1,), progress: bool = False, gain: bool = True, prompt_ids: list | None = None) -> dict:
+              batch_sizes=(1,), progress: bool = False, gain: bool = True, prompt_ids: list | None = None,
+              measure: int = 4) -> dict:
     """Measure this device's costs, predict every profiled candidate's speed-up and pick the best EAGLE-2 tree and
     DDD rule, or vanilla (see the module docstring), for each batch size in `batch_sizes` (a batch verifies batch x
     W rows a cycle, W its widest tree's width, so bigger batches pick smaller trees, or vanilla; `generate` uses the
@@ -359,8 +401,11 @@ def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, 
     at each batch size, built from these costs and the head's recorded pools (`pools_for`) and predicted by replaying
     them (`gain_entries`; `prompt_ids`: the prompts pools are recorded on when the head has none, default the chat-
     rendered `PROMPTS`). Costs are medians of interleaved rounds (`measure_costs`), brought to what they cost inside
-    the decode loop, with each cycle's fixed cost, by real decodes (`measure_loop`, `in_loop`). Returns the calibration (saved under $DDD_JAX_CACHE unless save=False); its top-level
-    choice is the smallest batch size's."""
+    the decode loop, with each cycle's fixed cost, by real decodes (`measure_loop`, `in_loop`). A model misses
+    what a plan's own shape costs (its tree's size, its pool, its width switch), so the `measure` best-predicted
+    candidates (and each method's best) are then decoded on two of the prompts against vanilla, and the choice is
+    made among them by that measurement (`measure=0`: by prediction alone). Returns the calibration (saved under
+    $DDD_JAX_CACHE unless save=False); its top-level choice is the smallest batch size's."""
     t0 = time.time()
     batch_sizes = sorted({int(b) for b in batch_sizes})
     if not batch_sizes or batch_sizes[0] < 1:
@@ -398,6 +443,9 @@ def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, 
     vocab = draft.config.draft_vocab_size
     if gain and (not vocab or vocab >= GAIN_TREES[0][0]):
         pools, pools_measured = pools_for(target, draft, prompt_ids, progress=progress)
+    check_ids = list(prompt_ids[:2]) if prompt_ids else (
+        [target.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:2]]
+        if getattr(target, "chat_template", None) else None)
     by_batch = {}
     trees = [e["tree"] for e in entries] + [{"top_k": k, "total_tokens": n} for k, n in GAIN_TREES]
     widths = {w for t in trees for w in verify_widths(t["total_tokens"])}
@@ -406,7 +454,13 @@ def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, 
                               progress=progress, batch=b)
         costs = in_loop(costs, measure_loop(target, draft, costs, batch=b))
         more = gain_entries(pools, costs) if pools is not None else []
-        by_batch[str(b)] = {"costs": costs, **pick(predict({**profile, "entries": entries + more}, costs, batch=b))}
+        preds = predict({**profile, "entries": entries + more}, costs, batch=b)
+        if measure and check_ids:
+            short = shortlist(preds, measure)
+            got = measure_speedups(target, draft, short, check_ids, batch=b)
+            for p in short:
+                p["measured_speedup"] = got[p["label"]]
+        by_batch[str(b)] = {"costs": costs, **pick(preds)}
     out = {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION,
            "key": {**device_key(target), "draft": head_id(draft)},
            "date": dio.utc_now(), "seconds": round(time.time() - t0, 1), "profile_measured_now": measured_profile,

@@ -138,3 +138,42 @@ def test_calibration_offers_the_gain_rule_and_generate_uses_it(monkeypatch, tmp_
     assert r.tokens == ddd_jax.generate(target, None, p, max_new_tokens=MAX_NEW).tokens
     tree, ddd, _ = cal.calibrated_configs(target, draft, "ddd")
     assert ddd.rule == "gain" and ddd.gain.widths == verify_widths(tree.total_tokens) and ddd.gain.rate > 0
+
+
+def test_calibration_measures_its_shortlist_and_chooses_by_the_measurement(monkeypatch, tmp_path):
+    """With prompts to decode, the best-predicted candidates are decoded against vanilla and the choice is made
+    among them by that measurement, even where the prediction ranked them otherwise."""
+    import dataclasses
+
+    from ddd_jax import calibration as cal
+    monkeypatch.setenv("DDD_JAX_CACHE", str(tmp_path))
+    monkeypatch.delenv("DDD_JAX_CALIBRATE", raising=False)
+    target, draft = tiny_target(), dataclasses.replace(fitted_draft(), name="tiny-head")
+    trees = {"eagle2-k2-n3-d1": TreeConfig(top_k=2, total_tokens=3, depth=1),
+             "eagle2-k2-n6-d2": TreeConfig(top_k=2, total_tokens=6, depth=2)}
+    prof = {"format": cal.PROFILE_FORMAT, "entries": [
+        {"label": k, "method": "eagle2", "tree": t.to_dict(), "ddd": None, "tau": tau, "mean_depth": float(t.depth),
+         "need_hist": {t.total_tokens: 1}} for (k, t), tau in zip(trees.items(), (2.0, 2.5))]}
+    monkeypatch.setattr(cal, "measure_costs", lambda *a, **k: {"target_ms": {n: 10.0 for n in (1, 2, 3, 4, 6)},
+                                                               "draft_ms": {2: 0.1}})
+    monkeypatch.setattr(cal, "measure_loop", lambda *a, **k: {"scale": 1.0, "draft_ms": 0.1, "draft_k": 2,
+                                                              "fixed_ms": 0.0})
+    fake = {"eagle2-k2-n3-d1": 1.3, "eagle2-k2-n6-d2": 0.9}  # the measurement reverses the prediction
+    seen = []
+
+    def measured(target, draft, entries, prompt_ids, batch=1, **k):
+        seen.append((sorted(e["label"] for e in entries), len(prompt_ids), batch))
+        return {e["label"]: fake[e["label"]] for e in entries}
+
+    monkeypatch.setattr(cal, "measure_speedups", measured)
+    c = cal.calibrate(target, draft, profile=prof, prompt_ids=PROMPTS, gain=False, measure=2)
+    assert seen == [(sorted(trees), 2, 1)]  # the two best predicted, on two of the prompts
+    preds = {p["label"]: p for p in c["predictions"]}
+    assert preds["eagle2-k2-n6-d2"]["predicted_speedup"] > preds["eagle2-k2-n3-d1"]["predicted_speedup"]
+    assert c["chosen_by"] == "measured" and c["best"]["eagle2"] == ("eagle2-k2-n3-d1", 1.3)
+    assert c["tree"] == trees["eagle2-k2-n3-d1"].to_dict()
+    # the real measurement: decodes against vanilla and returns a ratio per entry
+    monkeypatch.undo()
+    got = cal.measure_speedups(target, draft, [{"label": "x", "method": "eagle2", "tree": trees["eagle2-k2-n3-d1"]
+                                               .to_dict(), "ddd": None}], PROMPTS[:2], rounds=1, max_new_tokens=8)
+    assert set(got) == {"x"} and got["x"] > 0

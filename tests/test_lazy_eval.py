@@ -331,3 +331,25 @@ def test_library_run_resumes_after_the_prompts_a_killed_run_finished(tiny, tmp_p
     assert all(x["identical_to_vanilla"] for x in r["rows"])
     with pytest.raises(ValueError, match=r"different run \(differs in: max_new_tokens\)"):
         run_lazy_eval(target, draft, PROMPTS, **{**kw, "max_new_tokens": MAX_NEW - 1})
+
+
+@pytest.mark.slow  # the real SmolLM2 pair in both frameworks (~1 min); make test runs it
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_torch_on_smollm2_with_the_shipped_rules_equals_vanilla_and_takes_jax_depths(smollm2, smollm2_head, backend):
+    """The shipped cpu.json and gpu.json rules (the context lookup dropped, as lazy-eval drops it for torch): every
+    torch sync mode emits torch vanilla's tokens on two chat prompts, and its depth per call equals JAX's."""
+    from ddd_jax.bench.lazy_eval import without_lookup
+    from ddd_jax.settings import load_settings, to_configs
+    tree, ddd = to_configs(load_settings(backend))
+    tree, _ = without_lookup(tree, ddd)
+    m = td.load_torch(smollm2, smollm2_head)
+    for q in ("Compose an engaging travel blog post about a recent trip to Hawaii.",
+              "Explain the difference between a list and a tuple in Python."):
+        p = smollm2.encode_chat([{"role": "user", "content": q}])
+        van = td.generate(m, p, 48).tokens
+        jx = ddd_jax.generate(smollm2, smollm2_head, p, max_new_tokens=48, method="ddd", sync="device", tree=tree,
+                              ddd=ddd)
+        for sync in td.SYNCS:
+            got = td.generate(m, p, 48, method="ddd", sync=sync, tree=tree, ddd=ddd)
+            assert got.tokens == van, (backend, sync, q)
+            assert got.stats["depth_per_call"] == jx.stats["depth_per_call"], (backend, sync, q)

@@ -268,6 +268,20 @@ def calibrated_eagle2(args, target, draft, methods: list) -> list:
     return methods if got is None else [method_label("eagle2", got[0]) if m == "eagle2" else m for m in methods]
 
 
+def calibrated_gain(target, draft, ddd, methods: list) -> list:
+    """A method naming the gain rule (`rule=gain`) where the calibrated defaults are another rule runs the gain
+    rule that this device's calibration predicted best (`settings.calibration.calibrated_rule`)."""
+    from ddd_jax.settings.calibration import calibrated_rule
+    from .run import GAIN_NEEDS_CALIBRATION, parse_method
+    if ddd.rule == "gain" or not any("rule=gain" in m.replace(" ", "") for m in methods):
+        return methods
+    got = calibrated_rule(target, draft, "gain")
+    if got is None:
+        raise SystemExit(f"ddd-jax bench: {GAIN_NEEDS_CALIBRATION}")
+    tree, gain, _ = got
+    return [parse_method(m, tree, gain) if "rule=gain" in m.replace(" ", "") else m for m in methods]
+
+
 def refuse_uncalibrated_gain(args, methods) -> None:
     """Exit before loading anything when a method asks for the gain rule (`rule=gain`) but the calibrated defaults,
     the only source of its GainModel, cannot apply (a tree / DDD flag, --settings none, DDD_JAX_CALIBRATE=0)."""
@@ -375,6 +389,7 @@ def run_bench(args) -> int:
     from ddd_jax.calibration import TREE_FLAGS, cli_configs  # this device's calibration (first use): DDD's pick,
     tree, ddd, source = cli_configs(args, target, draft, "ddd") or (tree, ddd, source)  # whose tree DDD uses
     methods = calibrated_eagle2(args, target, draft, methods)
+    methods = calibrated_gain(target, draft, ddd, methods)
     defaults = {}
     if draft is not None and args.settings == "auto" and not any(getattr(args, k, None) is not None
                                                                   for k in TREE_FLAGS):

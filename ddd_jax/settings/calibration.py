@@ -233,3 +233,21 @@ def calibrated_configs(target, draft, method: str = "ddd", batch: int = 1):
     note = "; vanilla is predicted to be as fast here" if choice.get("vanilla_predicted_faster") else ""
     at = f", batch {size}" if len(sizes) > 1 else ""
     return tree, ddd, f"calibrated on {c['key']['device']} ({c['date']}{at}, {calibration_path(target, draft)}){note}"
+
+
+def calibrated_rule(target, draft, rule: str = "gain", batch: int = 1):
+    """(TreeConfig, DDDConfig, label) of the DDD candidate of `rule` ("gain", "threshold", ...) that this device's
+    calibration predicted best at `batch` (its choice for that batch, `calibrated_choice`), or None -- for research
+    runs that name a rule calibration did not pick."""
+    got = calibrated_choice(target, draft, batch)
+    if got is None or got[0] is None:
+        return None
+    preds = [p for p in got[0].get("predictions", ()) if p.get("method") == "ddd" and p.get("ddd")
+             and p["ddd"].get("rule", "threshold") == rule]
+    if not preds:
+        return None
+    best = max(preds, key=lambda p: p["predicted_speedup"])
+    try:
+        return TreeConfig(**best["tree"]), DDDConfig.from_dict(best["ddd"]), best["label"]
+    except (TypeError, ValueError, KeyError):
+        return None
