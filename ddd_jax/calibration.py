@@ -334,40 +334,47 @@ def shortlist(preds: list[dict], n: int) -> list[dict]:
     return out
 
 
-def measure_speedups(target, draft, entries: list[dict], prompt_ids: list, batch: int = 1, rounds: int = 2,
-                     max_new_tokens: int = 48) -> dict:
-    """{label: measured speed-up over vanilla} of each entry (a prediction: "method", "tree", "ddd") decoding
-    `prompt_ids` in batches of `batch` (cycled to fill one), vanilla and the entries alternating in each round
-    (after one warm-up of each), the median over `rounds` of each round's decode-time ratio."""
+def measure_cycles(target, draft, entries: list[dict], prompt_ids: list, batch: int = 1, rounds: int = 2,
+                   max_new_tokens: int = 48) -> dict:
+    """What a cycle of each entry (a prediction: "method", "tree", "ddd") costs in real decodes of `prompt_ids` in
+    batches of `batch` (cycled to fill one), with vanilla's step: {"vanilla": ms, label: ms}, medians over `rounds`
+    in which vanilla and the entries alternate (after one warm-up of each). A cycle of a batch is one target call of
+    its longest-running sequence."""
     from .decode import generate
     rows = [prompt_ids[i % len(prompt_ids)] for i in range(max(batch, len(prompt_ids)))]
     groups = [rows[i:i + batch] for i in range(0, len(rows) - batch + 1, batch)]
 
-    def seconds(e) -> float:
+    def per_cycle(e) -> float:
         kw = {} if e is None else {"method": e["method"], "tree": TreeConfig(**e["tree"]),
                                    "ddd": DDDConfig.from_dict(e["ddd"]) if e.get("ddd") else DDDConfig()}
-        return sum(generate(target, draft if e else None, g, max_new_tokens=max_new_tokens, **kw).stats["decode_s"]
-                   for g in groups)
+        secs = calls = 0
+        for g in groups:
+            st = generate(target, draft if e else None, g, max_new_tokens=max_new_tokens, **kw).stats
+            secs += st["decode_s"]
+            calls += max(s["target_calls"] for s in st["per_sequence"])
+        return 1e3 * secs / max(calls, 1)
 
-    for e in [None, *entries]:
-        seconds(e)  # compiles
-    ratios = {e["label"]: [] for e in entries}
+    labels = ["vanilla"] + [e["label"] for e in entries]
+    runs = dict(zip(labels, [None, *entries]))
+    for e in runs.values():
+        per_cycle(e)  # compiles
+    ms = {k: [] for k in labels}
     for _ in range(rounds):
-        van = seconds(None)
-        for e in entries:
-            ratios[e["label"]].append(van / seconds(e))  # same tokens (lossless): time ratio = speed ratio
-    return {k: sorted(v)[len(v) // 2] for k, v in ratios.items()}
+        for k, e in runs.items():
+            ms[k].append(per_cycle(e))
+    return {k: sorted(v)[len(v) // 2] for k, v in ms.items()}
 
 
 def pick(preds: list[dict]) -> dict:
-    """The EAGLE-2 tree and DDD rule with the best speed-up -- measured where candidates were measured
-    (`measure_speedups` over a `shortlist`; only those compete then), else predicted -- or, when none beats vanilla,
+    """The EAGLE-2 tree and DDD rule with the best speed-up -- checked where candidates were checked (the profile's
+    τ over the cycle each plan costs in real decodes, `measure_cycles` over a `shortlist`; only those compete
+    then), else predicted -- or, when none beats vanilla,
     the choice "vanilla" (`recommended_method`; `generate`'s defaults then decode as vanilla does) with the cheapest
     cycle of each method saved for explicit calls that leave the tree or the rule out. `best_overall`: the best
     candidate and its speed-up either way; `predicted_best`: each method's (a method whose best is below 1 decodes
     as vanilla by default, `settings.calibration.calibrated_vanilla`)."""
-    measured = [p for p in preds if "measured_speedup" in p]
-    key = "measured_speedup" if measured else "predicted_speedup"
+    measured = [p for p in preds if "checked_speedup" in p]
+    key = "checked_speedup" if measured else "predicted_speedup"
     pool = measured or preds
     best = {m: max((p for p in pool if p["method"] == m), key=lambda p: p[key], default=None)
             for m in ("eagle2", "ddd")}
@@ -385,7 +392,7 @@ def pick(preds: list[dict]) -> dict:
             "recommended_method": "vanilla" if slower else top["method"], "vanilla_predicted_faster": slower,
             "best": {m: (p["label"], round(p[key], 3)) if p else None for m, p in best.items()},
             "best_overall": (top["label"], round(top[key], 3)), "predicted_best": said,
-            "chosen_by": "measured" if measured else "predicted",
+            "chosen_by": "checked" if measured else "predicted",
             "predictions": sorted(preds, key=lambda p: -p["predicted_speedup"])}
 
 
@@ -403,8 +410,9 @@ def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, 
     rendered `PROMPTS`). Costs are medians of interleaved rounds (`measure_costs`), brought to what they cost inside
     the decode loop, with each cycle's fixed cost, by real decodes (`measure_loop`, `in_loop`). A model misses
     what a plan's own shape costs (its tree's size, its pool, its width switch), so the `measure` best-predicted
-    candidates (and each method's best) are then decoded on two of the prompts against vanilla, and the choice is
-    made among them by that measurement (`measure=0`: by prediction alone). Returns the calibration (saved under
+    candidates (and each method's best) are then decoded on two of the prompts beside vanilla, and the choice is
+    made among them by their profile τ over the cycle time measured there (`checked_speedup`; `measure=0`: by
+    prediction alone). Returns the calibration (saved under
     $DDD_JAX_CACHE unless save=False); its top-level choice is the smallest batch size's."""
     t0 = time.time()
     batch_sizes = sorted({int(b) for b in batch_sizes})
@@ -457,9 +465,10 @@ def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, 
         preds = predict({**profile, "entries": entries + more}, costs, batch=b)
         if measure and check_ids:
             short = shortlist(preds, measure)
-            got = measure_speedups(target, draft, short, check_ids, batch=b)
-            for p in short:
-                p["measured_speedup"] = got[p["label"]]
+            got = measure_cycles(target, draft, short, check_ids, batch=b)
+            for p in short:  # the profile's tau (more prompts) over the cycle each plan really costs
+                p.update(checked_cycle_ms=got[p["label"]], checked_vanilla_ms=got["vanilla"],
+                         checked_speedup=p["tau"] * got["vanilla"] / got[p["label"]])
         by_batch[str(b)] = {"costs": costs, **pick(preds)}
     out = {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION,
            "key": {**device_key(target), "draft": head_id(draft)},

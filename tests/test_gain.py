@@ -158,22 +158,23 @@ def test_calibration_measures_its_shortlist_and_chooses_by_the_measurement(monke
                                                                "draft_ms": {2: 0.1}})
     monkeypatch.setattr(cal, "measure_loop", lambda *a, **k: {"scale": 1.0, "draft_ms": 0.1, "draft_k": 2,
                                                               "fixed_ms": 0.0})
-    fake = {"eagle2-k2-n3-d1": 1.3, "eagle2-k2-n6-d2": 0.9}  # the measurement reverses the prediction
+    fake = {"vanilla": 10.0, "eagle2-k2-n3-d1": 20.0 / 1.3, "eagle2-k2-n6-d2": 25.0 / 0.9}  # reverses the prediction
     seen = []
 
     def measured(target, draft, entries, prompt_ids, batch=1, **k):
         seen.append((sorted(e["label"] for e in entries), len(prompt_ids), batch))
-        return {e["label"]: fake[e["label"]] for e in entries}
+        return {k: fake[k] for k in ["vanilla"] + [e["label"] for e in entries]}
 
-    monkeypatch.setattr(cal, "measure_speedups", measured)
+    monkeypatch.setattr(cal, "measure_cycles", measured)
     c = cal.calibrate(target, draft, profile=prof, prompt_ids=PROMPTS, gain=False, measure=2)
     assert seen == [(sorted(trees), 2, 1)]  # the two best predicted, on two of the prompts
     preds = {p["label"]: p for p in c["predictions"]}
     assert preds["eagle2-k2-n6-d2"]["predicted_speedup"] > preds["eagle2-k2-n3-d1"]["predicted_speedup"]
-    assert c["chosen_by"] == "measured" and c["best"]["eagle2"] == ("eagle2-k2-n3-d1", 1.3)
+    assert c["chosen_by"] == "checked" and c["best"]["eagle2"] == ("eagle2-k2-n3-d1", 1.3)  # tau 2 x 10 / 15.4
     assert c["tree"] == trees["eagle2-k2-n3-d1"].to_dict()
-    # the real measurement: decodes against vanilla and returns a ratio per entry
+    # the real measurement: vanilla's step and each entry's cycle, decoded
     monkeypatch.undo()
-    got = cal.measure_speedups(target, draft, [{"label": "x", "method": "eagle2", "tree": trees["eagle2-k2-n3-d1"]
-                                               .to_dict(), "ddd": None}], PROMPTS[:2], rounds=1, max_new_tokens=8)
-    assert set(got) == {"x"} and got["x"] > 0
+    got = cal.measure_cycles(target, draft, [{"label": "x", "method": "eagle2", "tree": trees["eagle2-k2-n6-d2"]
+                                             .to_dict(), "ddd": None}], PROMPTS[:2], batch=2, rounds=1,
+                             max_new_tokens=8)
+    assert set(got) == {"vanilla", "x"} and 0 < got["vanilla"] < got["x"]
