@@ -178,3 +178,36 @@ def test_calibration_measures_its_shortlist_and_chooses_by_the_measurement(monke
                                              .to_dict(), "ddd": None}], PROMPTS[:2], batch=2, rounds=1,
                              max_new_tokens=8)
     assert set(got) == {"vanilla", "x"} and 0 < got["vanilla"] < got["x"]
+
+
+@pytest.mark.slow  # each draw is a new plan (a compile); make test runs it
+def test_gain_rule_is_lossless_for_drawn_models_batches_and_sync_modes(tiny):
+    """Hypothesis: drawn costs, rates, margins, trees and batches; every sync mode decodes vanilla's tokens and
+    takes the same depths."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    target, draft, rec = tiny
+    base = na.acceptance_table(rec)
+
+    @settings(max_examples=6, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(n=st.sampled_from([3, 5, 6]), per_row=st.floats(0.0, 2.0), draft_ms=st.floats(0.05, 3.0),
+           rate=st.sampled_from([0.0, 0.05, 0.2]), margin=st.sampled_from([-1.0, 0.0, 0.5]),
+           batch=st.integers(1, 3), sharp=st.booleans())
+    def prop(n, per_row, draft_ms, rate, margin, batch, sharp):
+        tab = _model(base, 0.0)[0] if sharp else base  # the score-following table, or the head's own
+        ws = verify_widths(n)
+        gm = GainModel(tab["edges"], tab["accept"], tab["cont"], ws, [10.0 + per_row * (w - 1) for w in ws],
+                       draft_ms, 0.5, rate)
+        ddd = DDDConfig(check_steps=tuple(range(DEPTH)), threshold=margin, max_depth=DEPTH, rule="gain", gain=gm)
+        tree = TreeConfig(top_k=K, total_tokens=n, depth=1)
+        ps = PROMPTS[:batch]
+        van = ddd_jax.generate(target, None, ps, max_new_tokens=12).tokens
+        seen = []
+        for sync in ("device", "callback", "host"):
+            r = ddd_jax.generate(target, draft, ps, max_new_tokens=12, method="ddd", sync=sync, tree=tree, ddd=ddd)
+            assert r.tokens == van, (sync, gm, margin)
+            seen.append([s["depth_per_call"] for s in r.stats["per_sequence"]])
+        assert seen[0] == seen[1] == seen[2]
+
+    prop()
