@@ -134,5 +134,5 @@ def choose_kernel_variants(force: bool = False) -> dict | None:
     only when none is saved or `force`."""
     if not _cpu.avx512():
         return None
-    saved = None if force else _cpu._read_panel_tiles()
+    saved = None if force else _cpu.read_panel_tiles()
     return saved if saved is not None else _cpu.choose_panel_tiles()

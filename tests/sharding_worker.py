@@ -102,7 +102,7 @@ def checks(t1, dparams, prompts):
     """Placement (weights, head, caches), loading onto a mesh, same-seed init, and bad inputs."""
     from ddd_jax.decode import make_plan
     from ddd_jax.decode.api import _prepare_prompts
-    from ddd_jax.decode.cycle import _prefill
+    from ddd_jax.decode.cycle import prefill_state
     res = {}
     mesh = sharding.make_mesh(2, 2)
     t = target(mesh)
@@ -119,7 +119,7 @@ def checks(t1, dparams, prompts):
     _, toks, plen, cap = _prepare_prompts(t, prompts + [prompts[-1]], plan, None)
     toks = jax.device_put(toks, sharding.batch_sharding(mesh, 2))
     plen = jax.device_put(plen, sharding.batch_sharding(mesh, 1))
-    s = _prefill(t.params, d.decode_params(), plan, toks, plen, jax.random.PRNGKey(0), capacity=cap, mesh=mesh)
+    s = prefill_state(t.params, d.decode_params(), plan, toks, plen, jax.random.PRNGKey(0), capacity=cap, mesh=mesh)
     res["tcache_spec"] = str(s.tcache.k.sharding.spec)
     res["dcache_spec"] = str(s.dcache.k.sharding.spec)
     res["tcache_shard"] = list(s.tcache.k.addressable_shards[0].data.shape)

@@ -95,7 +95,7 @@ def test_host_phases_take_the_caches_donated_and_read_computed_confidence(monkey
     target, draft = tiny_target(), fitted_draft()
     p = prompts(1, seed=3, lo=6, hi=7)[0]
     donated, reads = [], []
-    fused, verify, commit, read = G._verify_commit_begin_jit, G._verify_jit, G._commit_jit, drafting.SyncCounter.read
+    fused, verify, commit, read = G.verify_commit_begin_jit, G.verify_jit, G.commit_jit, drafting.SyncCounter.read
     conf = drafting.confidence
 
     def spy_fused(tparams, dparams, plan, s, dlen, d, dcache, threshold):
@@ -123,9 +123,9 @@ def test_host_phases_take_the_caches_donated_and_read_computed_confidence(monkey
             pytest.fail("confidence computed outside a program, op by op")
         return conf(beam)
 
-    monkeypatch.setattr(G, "_verify_commit_begin_jit", spy_fused)
-    monkeypatch.setattr(G, "_verify_jit", spy_verify)
-    monkeypatch.setattr(G, "_commit_jit", spy_commit)
+    monkeypatch.setattr(G, "verify_commit_begin_jit", spy_fused)
+    monkeypatch.setattr(G, "verify_jit", spy_verify)
+    monkeypatch.setattr(G, "commit_jit", spy_commit)
     monkeypatch.setattr(drafting.SyncCounter, "read", spy_read)
     monkeypatch.setattr(drafting, "confidence", traced_only)
     ref = generate(target, None, p, max_new_tokens=12)

@@ -369,7 +369,7 @@ def test_panel_tiles_chosen_by_timing_keep_the_bits(tmp_path, monkeypatch):
             kernels.set_panel512_rows(2 ** 64 - 1)
             np.testing.assert_array_equal(np.asarray(f(x, data)), avx2)
         got = kernels.choose_panel_tiles(rows=(1, 3), K=96, N=96, layers=2, rounds=1)
-        assert got["path"].startswith(str(tmp_path)) and kernels._read_panel_tiles()["panel512_rows"] == \
+        assert got["path"].startswith(str(tmp_path)) and kernels.read_panel_tiles()["panel512_rows"] == \
             got["panel512_rows"] == kernels.panel512_rows()
     finally:
         kernels.set_panel512_rows(before)

@@ -159,28 +159,7 @@ def private_uses(mod: str, source: str, is_package: bool = False) -> set[tuple[s
 
 # Private names still taken across modules: (importer, defining module, name). Each is for the defining module's
 # owner to make public in a module both sides may import (or to keep where it is used). Do not add to it.
-PRIVATE_CROSSINGS = {
-    # the CPU kernels' panel layout helpers
-    ("ddd_jax.backends.cpu.kernels", "ddd_jax.backends.cpu.layout", "_from_panels"),
-    ("ddd_jax.backends.cpu.quant", "ddd_jax.backends.cpu.layout", "_from_panels"),
-    ("ddd_jax.backends.cpu.quant", "ddd_jax.backends.cpu.layout", "_panel_header"),
-    ("ddd_jax.backends.cpu.quant", "ddd_jax.backends.cpu.layout", "_to_panels"),
-    ("ddd_jax.ops", "ddd_jax.backends.cpu.kernels", "_read_panel_tiles"),
-    # calibration reads the settings' head identity
-    # the checkpoint readers share the HF reader's weight placer
-    ("ddd_jax.checkpoints.gguf", "ddd_jax.checkpoints.hf", "_placer"),
-    ("ddd_jax.checkpoints.ours", "ddd_jax.checkpoints.hf", "_placer"),
-    # the decode drivers and generate call the cycle's jitted programs
-    ("ddd_jax.decode.api", "ddd_jax.decode.cycle", "_prefill"),
-    ("ddd_jax.decode.api", "ddd_jax.decode.cycle", "_vanilla_loop"),
-    ("ddd_jax.decode.drivers", "ddd_jax.decode.cycle", "_vanilla_loop"),
-    ("ddd_jax.decode.drivers", "ddd_jax.decode.cycle", "_vanilla_step_jit"),
-    ("ddd_jax.decode.drivers", "ddd_jax.decode.cycle", "_verify_commit_begin_jit"),
-    ("ddd_jax.decode.drivers", "ddd_jax.decode.cycle", "_spec_loop"),
-    ("ddd_jax.decode.drivers", "ddd_jax.decode.cycle", "_verify_jit"),
-    ("ddd_jax.decode.drivers", "ddd_jax.decode.cycle", "_commit_jit"),
-    ("ddd_jax.decode.drivers", "ddd_jax.decode.cycle", "_cycle_jit"),
-}
+PRIVATE_CROSSINGS: set = set()  # none left: what two modules share is public in the one both import
 
 
 def test_the_private_name_scan_reads_both_forms():

@@ -1,7 +1,7 @@
 """Where a decode loop's time goes, op by op: `ddd-jax bench --op-profile`.
 
 Runs `generate` on a few prompts under `jax.profiler`, keeps the events of the compiled decode loop
-(`_vanilla_loop` / `_spec_loop`: the whole generation after the prefill, one program), and sums each HLO op's time per
+(`vanilla_loop` / `spec_loop`: the whole generation after the prefill, one program), and sums each HLO op's time per
 target call (a token for vanilla, a draft-verify-commit cycle for speculative methods). Each op is named with what the
 compiled HLO says it is (the CPU kernel it calls, its output shape) and put in one of a few groups by that kernel and
 by how often it runs: ops that run once per target layer per call belong to the target's layers; products and
@@ -27,7 +27,7 @@ import jax
 
 import ddd_jax
 
-LOOPS = {"vanilla": "_vanilla_loop"}  # every other method runs _spec_loop
+LOOPS = {"vanilla": "vanilla_loop"}  # every other method runs spec_loop
 WRAPPERS = ("ThunkExecutor", "while", "conditional", "call", "ThreadpoolListener")
 # Control flow whose event spans the ops it runs, which have events of their own: summing both counted a branch
 # twice (a `lax.switch`'s conditional is named cond.N, which the event-name filter above does not catch).
@@ -114,7 +114,7 @@ def op_profile(target, draft, prompt_ids: list, method: str, sync: str = "device
     `ddd-jax bench --op-profile` does): with each prompt's own, a prompt whose cache needs more slots than the
     warm-up's compiles the loop again, and the compile lands in the traced wall time (not in the ops)."""
     gen = importlib.import_module("ddd_jax.decode.cycle")  # the loops the drivers call
-    loop = LOOPS.get(method, "_spec_loop")
+    loop = LOOPS.get(method, "spec_loop")
     captured = {}
     orig = getattr(gen, loop)
 
@@ -147,7 +147,7 @@ def op_profile(target, draft, prompt_ids: list, method: str, sync: str = "device
         raise RuntimeError(f"op_profile: method {method!r} never ran the device loop {loop} (use sync='device' "
                            "or 'callback'; the host loop is many small programs)")
     args = captured["args"]
-    plan = args[2] if loop == "_spec_loop" else args[1]
+    plan = args[2] if loop == "spec_loop" else args[1]
     hlo = orig.lower(*args).compile().as_text()
     ops = hlo_ops(hlo)
     module = "jit_" + loop

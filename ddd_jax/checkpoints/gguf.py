@@ -22,7 +22,7 @@ from .. import io as dio
 from .. import llama
 from ..config import ModelConfig
 from ..target import Target
-from .hf import _placer
+from .hf import target_placer
 from ..keytable import Rule, SourceTensor, convert, flat_shapes, plan, resolve_dtype
 
 GGUF_LLAMA_RULES = (
@@ -157,7 +157,7 @@ def gguf_params(reader, cfg, dtype=None, path="GGUF", as_jax: bool = True, mesh=
         slots = [s for s in slots if s.rule.key not in blocks]
         expected = {k: v for k, v in expected.items() if k not in blocks}
     params = convert(slots, expected, resolve_dtype(dtype) or np.dtype(np.float32), transforms, as_jax=as_jax,
-                     place=_placer(cfg, mesh))
+                     place=target_placer(cfg, mesh))
     if not blocks:
         return params
     flat = dio.flatten(params)

@@ -133,10 +133,10 @@ def load_hf_params(d, cfg, dtype=None, as_jax: bool = True, mesh=None) -> dict:
     slots = plan(sources, rules, expected, what, ignore=ignore)
     if cfg.tie_word_embeddings:
         check_tied_lm_head(sources, what)
-    return convert(slots, expected, dtype, as_jax=as_jax, place=_placer(cfg, mesh))
+    return convert(slots, expected, dtype, as_jax=as_jax, place=target_placer(cfg, mesh))
 
 
-def _placer(cfg, mesh):
+def target_placer(cfg, mesh):
     """The per-tensor placement of a target's weights on `mesh` (None: ordinary arrays)."""
     if mesh is None:
         return None

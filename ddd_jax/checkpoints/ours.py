@@ -38,7 +38,7 @@ from ..backends.cpu import quant
 from ..config import DraftConfig, ModelConfig
 from ..eagle import Draft
 from ..target import Target
-from .hf import _placer, read_tokenizer_files
+from .hf import target_placer, read_tokenizer_files
 from ..keytable import check_shapes, resolve_dtype
 from .safetensors import (load_safetensors, safetensors_buffer_sources, safetensors_sources, save_safetensors,
                           write_safetensors)
@@ -102,7 +102,7 @@ def load_target_dir(path, dtype=None, name: str | None = None, mesh=None) -> Tar
         params = dio.unflatten({k: jnp.asarray(s.load()) if dt is None else jnp.asarray(s.load()).astype(dt)
                                 for k, s in sources.items()})
     else:  # each tensor cast on the host and sent straight to its shards
-        place = _placer(cfg, mesh)
+        place = target_placer(cfg, mesh)
         params = dio.unflatten({k: place(k, s.load() if dt is None else np.asarray(s.load()).astype(dt))
                                 for k, s in sources.items()})
     tok, template, special = read_tokenizer_files(path)

@@ -122,12 +122,12 @@ def compile_vanilla(target, n_rows: int, prompt_len: int, capacity: int, max_new
     plan = vanilla_plan(target, max_new_tokens)  # the plan `_decode` makes for such a call
     sds = jax.ShapeDtypeStruct
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-    prefill = C._prefill.lower(target.params, None, plan, sds((n_rows, prompt_len), jnp.int32),
+    prefill = C.prefill_state.lower(target.params, None, plan, sds((n_rows, prompt_len), jnp.int32),
                                sds((n_rows,), jnp.int32), key, capacity=capacity, mesh=None)
     if "prefill" in parts:
         prefill.compile()
     if "loop" in parts:
-        C._vanilla_loop.lower(target.params, plan, prefill.out_info).compile()
+        C.vanilla_loop.lower(target.params, plan, prefill.out_info).compile()
 
 
 def _decode(target, draft, prompt_ids, max_new_tokens, method, sync, tree, ddd, temperature, top_p, seed, loop,
@@ -170,7 +170,7 @@ def _decode(target, draft, prompt_ids, max_new_tokens, method, sync, tree, ddd, 
     key = jax.random.PRNGKey(seed)
     if mesh is not None:  # replicated: a global array on every process of a multi-host mesh
         key = sharding.put(np.asarray(key), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    s = C._prefill(tparams, dparams, plan, toks, plen, key, capacity=capacity, mesh=mesh)
+    s = C.prefill_state(tparams, dparams, plan, toks, plen, key, capacity=capacity, mesh=mesh)
     jax.block_until_ready(s)
     t1 = time.perf_counter()
     if plan.method == "vanilla":

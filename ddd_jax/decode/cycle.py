@@ -57,7 +57,7 @@ def _features(plan: Plan, out: llama.Output):
 
 
 @partial(jax.jit, static_argnames=("plan", "capacity", "mesh"))
-def _prefill(tparams, dparams, plan: Plan, tokens, plen, key, *, capacity: int, mesh=None) -> State:
+def prefill_state(tparams, dparams, plan: Plan, tokens, plen, key, *, capacity: int, mesh=None) -> State:
     B, T = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     tcache = llama.new_cache(plan.tcfg, B, capacity, tparams["embed"].dtype)
@@ -119,7 +119,7 @@ def _vanilla_step(tparams, plan: Plan, s: State) -> State:
                                done=done, key=key, cycle=s.cycle + 1, acc_hist=s.acc_hist.at[s.cycle].set(keep))
 
 
-_vanilla_step_jit = jax.jit(_vanilla_step, static_argnames=("plan",), donate_argnames=("s",))
+vanilla_step_jit = jax.jit(_vanilla_step, static_argnames=("plan",), donate_argnames=("s",))
 
 
 def _unfinished(plan: Plan, s: State):
@@ -127,7 +127,7 @@ def _unfinished(plan: Plan, s: State):
 
 
 @partial(jax.jit, static_argnames=("plan",), donate_argnames=("s",))
-def _vanilla_loop(tparams, plan: Plan, s: State) -> State:
+def vanilla_loop(tparams, plan: Plan, s: State) -> State:
     return jax.lax.while_loop(partial(_unfinished, plan), lambda s: _vanilla_step(tparams, plan, s), s)
 
 
@@ -210,7 +210,7 @@ def _cycle(tparams, dparams, plan: Plan, s: State, threshold) -> State:
     return _verify_commit(tparams, plan, s, d)
 
 
-_cycle_jit = jax.jit(_cycle, static_argnames=("plan",), donate_argnames=("s",))
+cycle_jit = jax.jit(_cycle, static_argnames=("plan",), donate_argnames=("s",))
 
 
 # The phases as programs of their own (profile=True): the target cache travels apart from the rest of
@@ -238,11 +238,11 @@ def _verify_commit_begin(tparams, dparams, plan: Plan, s: State, dlen, d: drafti
     return dataclasses.replace(s, dcache=None), s.dcache.length, d_next, conf
 
 
-_verify_commit_begin_jit = jax.jit(_verify_commit_begin, static_argnames=("plan",), donate_argnames=("s", "dcache"))
-_verify_jit = jax.jit(_verify_phase, static_argnames=("plan",), donate_argnames=("tcache",))
-_commit_jit = jax.jit(_commit_phase, static_argnames=("plan",), donate_argnames=("rest", "tcache_new", "dcache"))
+verify_commit_begin_jit = jax.jit(_verify_commit_begin, static_argnames=("plan",), donate_argnames=("s", "dcache"))
+verify_jit = jax.jit(_verify_phase, static_argnames=("plan",), donate_argnames=("tcache",))
+commit_jit = jax.jit(_commit_phase, static_argnames=("plan",), donate_argnames=("rest", "tcache_new", "dcache"))
 
 
 @partial(jax.jit, static_argnames=("plan",), donate_argnames=("s",))
-def _spec_loop(tparams, dparams, plan: Plan, s: State, threshold) -> State:
+def spec_loop(tparams, dparams, plan: Plan, s: State, threshold) -> State:
     return jax.lax.while_loop(partial(_unfinished, plan), lambda s: _cycle(tparams, dparams, plan, s, threshold), s)

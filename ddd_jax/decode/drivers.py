@@ -1,4 +1,4 @@
-"""The loops that run a decode after its prefill: one device loop (`cycle._spec_loop`, `cycle._vanilla_loop`), or
+"""The loops that run a decode after its prefill: one device loop (`cycle.spec_loop`, `cycle.vanilla_loop`), or
 a Python loop over jitted cycles -- with host-synced DDD checks (sync="host"), with each phase timed
 (profile=True), or streaming. The Python loops are generators that yield each cycle's new tokens and return the
 final state; `api.generate` and `api.stream` consume them. Then `result` turns the state into a GenerateResult."""
@@ -40,10 +40,10 @@ def run_vanilla(tparams, plan: Plan, s: State, loop: str, counter: SyncCounter, 
     """Vanilla decoding after the prefill; a generator yielding each step's new tokens (row 0, the prefill's token
     with the first) when streaming, returning the final state."""
     if loop == "device":
-        return C._vanilla_loop(tparams, plan, s)
+        return C.vanilla_loop(tparams, plan, s)
     shown = 0
     while True:
-        s = C._vanilla_step_jit(tparams, plan, s)
+        s = C.vanilla_step_jit(tparams, plan, s)
         shown, new, finished = _poll(s, plan, counter, streaming, shown)
         if streaming:
             yield new
@@ -90,7 +90,7 @@ def run_host_checks(tparams, dparams, plan: Plan, s: State, threshold, counter: 
             return dataclasses.replace(s, dcache=with_length(d.dcache, dlen))
         counter.count_draft()  # the read was this cycle's first check
         d = drafting.finish_from_host(tparams, dparams, plan, d, (conf, active), threshold, counter)
-        s, dlen, d, conf = C._verify_commit_begin_jit(tparams, dparams, plan, s, dlen,
+        s, dlen, d, conf = C.verify_commit_begin_jit(tparams, dparams, plan, s, dlen,
                                                       dataclasses.replace(d, dcache=None), d.dcache, threshold)
 
 
@@ -98,7 +98,7 @@ def run_spec(tparams, dparams, plan: Plan, s: State, threshold, loop: str, count
              clock: PhaseClock, streaming: bool):
     """Speculative decoding after the prefill (a generator, as `run_vanilla`)."""
     if loop == "device" and not clock.enabled:
-        return C._spec_loop(tparams, dparams, plan, s, threshold)
+        return C.spec_loop(tparams, dparams, plan, s, threshold)
     if plan.host_checks and not clock.enabled:
         return (yield from run_host_checks(tparams, dparams, plan, s, threshold, counter, streaming))
     shown = 0
@@ -109,12 +109,12 @@ def run_spec(tparams, dparams, plan: Plan, s: State, threshold, loop: str, count
                                          threshold, counter)
             clock.lap("draft", d)
             rest = dataclasses.replace(s, tcache=None)
-            tc_new, verified, acc, key, L = C._verify_jit(tparams, plan, rest, s.tcache, d)
+            tc_new, verified, acc, key, L = C.verify_jit(tparams, plan, rest, s.tcache, d)
             clock.lap("verify", acc)
-            s = C._commit_jit(plan, rest, L, tc_new, verified, acc, key, dataclasses.replace(d, dcache=None), d.dcache)
+            s = C.commit_jit(plan, rest, L, tc_new, verified, acc, key, dataclasses.replace(d, dcache=None), d.dcache)
             clock.lap("commit", s)
         else:  # one fused jitted cycle per iteration
-            s = C._cycle_jit(tparams, dparams, plan, s, threshold)
+            s = C.cycle_jit(tparams, dparams, plan, s, threshold)
         shown, new, finished = _poll(s, plan, counter, streaming, shown)
         if streaming:
             yield new

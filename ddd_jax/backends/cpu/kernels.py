@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import precision
-from .layout import KINDS, _from_panels, dequantize_blocks, pack_array, unpack_array
+from .layout import KINDS, from_panels, dequantize_blocks, pack_array, unpack_array
 
 TARGETS = {"ddd_linear": "DddLinear", "ddd_linear_f16": "DddLinearF16", "ddd_linear_blocks": "DddLinearBlocks",
            "ddd_linear_panels": "DddLinearPanels", "ddd_linear_panels_f16": "DddLinearPanelsF16",
@@ -77,7 +77,7 @@ def _load() -> bool:
         _warn(f"ddd_jax: CPU kernel library {path} not usable ({e}); using XLA's dot")
         return False
     _state["lib"] = lib
-    chosen = _read_panel_tiles()
+    chosen = read_panel_tiles()
     if chosen is not None and lib.ddd_avx512():  # this CPU's measured choice (`choose_panel_tiles`)
         lib.ddd_set_panel512_rows(ctypes.c_uint64(chosen["panel512_rows"]))
     return True
@@ -160,7 +160,7 @@ def _panel_tiles_path():
     return root / "kernels" / f"{slug}-panel-tiles.json"
 
 
-def _read_panel_tiles() -> dict | None:
+def read_panel_tiles() -> dict | None:
     import json
     p = _panel_tiles_path()
     try:
@@ -390,7 +390,7 @@ def _qpanels_call(x2, w4, layer, static):
 
 def _qpanels_layer(w4, layer, kind, n):
     """Layer `layer` of stacked quantized panels w4 [L, P, nb, .] dequantized, as output rows: [n, K] float32."""
-    return dequantize_blocks(_from_panels(jax.lax.dynamic_index_in_dim(w4, layer, 0, keepdims=False), kind, n), kind)
+    return dequantize_blocks(from_panels(jax.lax.dynamic_index_in_dim(w4, layer, 0, keepdims=False), kind, n), kind)
 
 
 def _qpanels_xla(x2, w4, layer, static):

@@ -61,20 +61,20 @@ def dequantize_blocks(blocks, kind: str):
     return w.reshape(*blocks.shape[:-1], nb * BLOCK)
 
 
-def _panel_header(kind: str) -> tuple[int, int]:
+def panel_header(kind: str) -> tuple[int, int]:
     """(bytes before a panel block's quants, quant bytes per column)."""
     return (4 * PANEL if kind == "q4_1" else 2 * PANEL), KINDS[kind][1] - (4 if kind == "q4_1" else 2)
 
 
 @partial(jax.jit, static_argnames=("kind",))
-def _to_panels(blocks, kind: str):
+def to_panels(blocks, kind: str):
     """[..., R, nb * bytes] GGUF rows -> [..., P, nb, 48 * bytes] panels (see BlockPanels)."""
     nbytes = KINDS[kind][1]
     lead, R, nb = blocks.shape[:-2], blocks.shape[-2], blocks.shape[-1] // nbytes
     P = -(-R // PANEL)
     b = jnp.pad(blocks, [(0, 0)] * len(lead) + [(0, P * PANEL - R), (0, 0)])
     b = jnp.swapaxes(b.reshape(*lead, P, PANEL, nb, nbytes), -3, -2)  # [..., P, nb, 48, bytes]
-    quants = nbytes - _panel_header(kind)[1]  # where a GGUF block's quants start (after d, m)
+    quants = nbytes - panel_header(kind)[1]  # where a GGUF block's quants start (after d, m)
     parts = [b[..., 0:2].reshape(*b.shape[:-2], 2 * PANEL)]
     if kind == "q4_1":
         parts.append(b[..., 2:4].reshape(*b.shape[:-2], 2 * PANEL))
@@ -83,9 +83,9 @@ def _to_panels(blocks, kind: str):
 
 
 @partial(jax.jit, static_argnames=("kind", "n"))
-def _from_panels(data, kind: str, n: int):
-    """The inverse of _to_panels: [..., P, nb, 48 * bytes] -> [..., n, nb * bytes]."""
-    hdr, nq = _panel_header(kind)
+def from_panels(data, kind: str, n: int):
+    """The inverse of to_panels: [..., P, nb, 48 * bytes] -> [..., n, nb * bytes]."""
+    hdr, nq = panel_header(kind)
     lead, P = data.shape[:-3], data.shape[-3]
     parts = [data[..., 0:2 * PANEL].reshape(*data.shape[:-1], PANEL, 2)]
     if kind == "q4_1":

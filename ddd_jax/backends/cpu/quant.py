@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import Packed, check_layout
-from .layout import (BLOCK, GGUF_KINDS, KINDS, _from_panels, _panel_header, _to_panels,  # noqa: F401
+from .layout import (BLOCK, GGUF_KINDS, KINDS, from_panels, panel_header, to_panels,  # noqa: F401
                      check_kind, dequantize_blocks)
 from .panels import PANEL, is_panels, unpack
 
@@ -174,7 +174,7 @@ class BlockPanels(Packed):
 
     def blocks(self) -> BlockWeight:
         """The GGUF blocks back in their row layout (a BlockWeight: outputs as rows)."""
-        return BlockWeight(_from_panels(self.data, self.kind, self.n), self.kind, transposed=not self.rows)
+        return BlockWeight(from_panels(self.data, self.kind, self.n), self.kind, transposed=not self.rows)
 
     def dequantize(self) -> jax.Array:
         """The float32 weight in its logical layout (`shape`)."""
@@ -189,7 +189,7 @@ class BlockPanels(Packed):
             return take_rows(self.table, ids)
         ids = jnp.asarray(ids, jnp.int32)
         c = (ids % PANEL)[..., None, None]
-        hdr, nq = _panel_header(self.kind)
+        hdr, nq = panel_header(self.kind)
         d = 2 * c + jnp.arange(2)
         offs = [d, d + 2 * PANEL] if self.kind == "q4_1" else [d]
         offs.append(hdr + jnp.arange(nq) * PANEL + c)
@@ -214,7 +214,7 @@ def pack_blocks(w: BlockWeight, table: bool = False) -> BlockPanels:
     if table and (w.transposed or w.ndim != 2):
         raise ValueError("pack_blocks: a lookup table goes with an unstacked row-layout BlockWeight (an embedding)")
     n = w.blocks.shape[-2]
-    return BlockPanels(_to_panels(jnp.asarray(w.blocks), w.kind), w.kind, n, rows=not w.transposed,
+    return BlockPanels(to_panels(jnp.asarray(w.blocks), w.kind), w.kind, n, rows=not w.transposed,
                        table=w if table else None)
 
 
