@@ -396,6 +396,43 @@ def pick(preds: list[dict]) -> dict:
             "predictions": sorted(preds, key=lambda p: -p["predicted_speedup"])}
 
 
+def profile_for(target, draft, profile: dict | None, progress: bool = False) -> tuple[dict, bool | list]:
+    """(the head's acceptance profile, what was measured now): `profile` when given (it must be current), else the
+    stored one with any candidates added since measured and stored beside it, else all of it measured now."""
+    if profile is not None:
+        if not profile_is_current(profile):
+            raise ValueError(f"calibrate: the profile given lacks the rows each cycle needed (`need_hist`, format "
+                             f"version {PROFILE_VERSION}): measure it again with acceptance_profile")
+        return profile, False
+    profile, measured = load_profile(draft), False
+    if not profile_is_current(profile):  # none, or measured before need histograms: all of it again
+        if progress and profile is not None:
+            import sys
+            print(f"calibrate: the stored acceptance profile is format version {profile.get('version', 1)}; "
+                  f"measuring it again (version {PROFILE_VERSION} adds the rows each cycle needs)",
+                  file=sys.stderr, flush=True)
+        profile, measured = acceptance_profile(target, draft, progress=progress), True
+    else:  # candidates added since the profile was measured: measure those alone and keep them with the rest
+        have = {e["label"] for e in profile["entries"]}
+        missing = [c for c in CANDIDATES if c[0] not in have]
+        if missing:
+            more = acceptance_profile(target, draft, candidates=missing, progress=progress)
+            profile = {**profile, "entries": profile["entries"] + more["entries"]}
+            measured = [c[0] for c in missing]
+    if measured:
+        save_profile(profile, draft)
+    return profile, measured
+
+
+def check(target, draft, short: list[dict], prompt_ids: list, batch: int) -> None:
+    """Give each shortlisted prediction its `checked_speedup`: the profile's τ (more prompts) over the cycle its plan
+    costs in real decodes beside vanilla's step (`measure_cycles`)."""
+    got = measure_cycles(target, draft, short, prompt_ids, batch=batch)
+    for p in short:
+        p.update(checked_cycle_ms=got[p["label"]], checked_vanilla_ms=got["vanilla"],
+                 checked_speedup=p["tau"] * got["vanilla"] / got[p["label"]])
+
+
 def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, repeat: int = 5,
               batch_sizes=(1,), progress: bool = False, gain: bool = True, prompt_ids: list | None = None,
               measure: int = 4) -> dict:
@@ -418,29 +455,7 @@ def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, 
     batch_sizes = sorted({int(b) for b in batch_sizes})
     if not batch_sizes or batch_sizes[0] < 1:
         raise ValueError(f"calibrate: batch sizes must be >= 1, got {batch_sizes}")
-    measured_profile = False
-    if profile is not None and not profile_is_current(profile):
-        raise ValueError(f"calibrate: the profile given lacks the rows each cycle needed (`need_hist`, format "
-                         f"version {PROFILE_VERSION}): measure it again with acceptance_profile")
-    if profile is None:
-        profile = load_profile(draft)
-        if not profile_is_current(profile):  # none, or measured before need histograms: all of it again
-            if progress and profile is not None:
-                import sys
-                print(f"calibrate: the stored acceptance profile is format version {profile.get('version', 1)}; "
-                      f"measuring it again (version {PROFILE_VERSION} adds the rows each cycle needs)",
-                      file=sys.stderr, flush=True)
-            profile = acceptance_profile(target, draft, progress=progress)
-            measured_profile = True
-        else:  # candidates added since the profile was measured: measure those alone and keep them with the rest
-            have = {e["label"] for e in profile["entries"]}
-            missing = [c for c in CANDIDATES if c[0] not in have]
-            if missing:
-                more = acceptance_profile(target, draft, candidates=missing, progress=progress)
-                profile = {**profile, "entries": profile["entries"] + more["entries"]}
-                measured_profile = [c[0] for c in missing]
-        if measured_profile:
-            save_profile(profile, draft)
+    profile, measured_profile = profile_for(target, draft, profile, progress)
     entries = [e for e in profile["entries"]
                if not (draft.config.draft_vocab_size and e["tree"]["top_k"] > draft.config.draft_vocab_size)]
     if not entries:
@@ -464,11 +479,7 @@ def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, 
         more = gain_entries(pools, costs) if pools is not None else []
         preds = predict({**profile, "entries": entries + more}, costs, batch=b)
         if measure and check_ids:
-            short = shortlist(preds, measure)
-            got = measure_cycles(target, draft, short, check_ids, batch=b)
-            for p in short:  # the profile's tau (more prompts) over the cycle each plan really costs
-                p.update(checked_cycle_ms=got[p["label"]], checked_vanilla_ms=got["vanilla"],
-                         checked_speedup=p["tau"] * got["vanilla"] / got[p["label"]])
+            check(target, draft, shortlist(preds, measure), check_ids, b)
         by_batch[str(b)] = {"costs": costs, **pick(preds)}
     out = {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION,
            "key": {**device_key(target), "draft": head_id(draft)},

@@ -227,7 +227,8 @@ def calibrated_configs(target, draft, method: str = "ddd", batch: int = 1):
     try:  # a file written by a version whose configs had other fields is not used (a calibration redoes it)
         tree = TreeConfig(**(choice["ddd_tree"] if method == "ddd" else choice["tree"]))
         ddd = DDDConfig.from_dict(choice["ddd"])
-        check_tree_for_ddd(tree, ddd)
+        if method == "ddd":  # EAGLE-2 reads no DDD rule (the one returned is DDD's, with its own tree)
+            check_tree_for_ddd(tree, ddd)
     except (TypeError, ValueError, KeyError):
         return None
     note = "; vanilla is predicted to be as fast here" if choice.get("vanilla_predicted_faster") else ""
