@@ -390,7 +390,8 @@ def pick(preds: list[dict]) -> dict:
     return {"tree": tree.to_dict(), "ddd": ddd.to_dict(),
             "ddd_tree": (TreeConfig(**ddd_pick["tree"]) if ddd_pick else tree).to_dict(),
             "recommended_method": "vanilla" if slower else top["method"], "vanilla_predicted_faster": slower,
-            "best": {m: (p["label"], round(p[key], 3)) if p else None for m, p in best.items()},
+            "best": {m: (p["label"], round(p.get(key, p["predicted_speedup"]), 3)) if p else None
+                     for m, p in best.items()},
             "best_overall": (top["label"], round(top[key], 3)), "predicted_best": said,
             "chosen_by": "checked" if measured else "predicted",
             "predictions": sorted(preds, key=lambda p: -p["predicted_speedup"])}

@@ -211,3 +211,24 @@ def test_gain_rule_is_lossless_for_drawn_models_batches_and_sync_modes(tiny):
         assert seen[0] == seen[1] == seen[2]
 
     prop()
+
+
+def test_a_checked_shortlist_that_loses_to_vanilla_saves_the_cheapest_trees(monkeypatch, tmp_path):
+    import dataclasses
+
+    from ddd_jax import calibration as cal
+    monkeypatch.setenv("DDD_JAX_CACHE", str(tmp_path))
+    target, draft = tiny_target(), dataclasses.replace(fitted_draft(), name="tiny-head")
+    trees = {"eagle2-k2-n3-d1": TreeConfig(top_k=2, total_tokens=3, depth=1),
+             "eagle2-k2-n6-d2": TreeConfig(top_k=2, total_tokens=6, depth=2)}
+    prof = {"format": cal.PROFILE_FORMAT, "entries": [
+        {"label": k, "method": "eagle2", "tree": t.to_dict(), "ddd": None, "tau": 1.2, "mean_depth": float(t.depth),
+         "need_hist": {t.total_tokens: 1}} for k, t in trees.items()]}
+    monkeypatch.setattr(cal, "measure_costs", lambda *a, **k: {"target_ms": {n: 10.0 * n for n in (1, 2, 3, 4, 6)},
+                                                               "draft_ms": {2: 0.1}})
+    monkeypatch.setattr(cal, "measure_loop", lambda *a, **k: {"scale": 1.0, "draft_ms": 0.1, "draft_k": 2,
+                                                              "fixed_ms": 0.0})
+    monkeypatch.setattr(cal, "measure_cycles", lambda t, d, entries, *a, **k: {
+        "vanilla": 10.0, **{e["label"]: 40.0 for e in entries}})
+    c = cal.calibrate(target, draft, profile=prof, prompt_ids=PROMPTS, gain=False, measure=1)
+    assert c["recommended_method"] == "vanilla" and c["tree"] == trees["eagle2-k2-n3-d1"].to_dict()
