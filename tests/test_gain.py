@@ -10,6 +10,7 @@ import ddd_jax
 from ddd_jax import DDDConfig, TreeConfig
 from ddd_jax.config import GainModel, verify_widths
 from ddd_jax.measure import node_acceptance as na
+from ddd_jax.measure.acceptance import histogram
 
 from spec_helpers import fitted_draft, prompts, tiny_target
 
@@ -82,7 +83,7 @@ def test_gain_rule_is_lossless_in_every_sync_mode_and_decodes_as_replayed(tiny, 
         depths += seen["device"][0]
         needs += seen["device"][1]
     replay = na.Replay(rec, tab, COSTS, verify_widths(N)).gain(N, DEPTH, 0.0, rate or None)
-    assert na._hist(depths) == replay["depth_hist"] and na._hist(needs) == replay["need_hist"]
+    assert histogram(depths) == replay["depth_hist"] and histogram(needs) == replay["need_hist"]
     assert len(set(depths)) >= 2 and len(set(needs)) >= 2  # the rule decided differently across cycles
 
 

@@ -68,9 +68,9 @@ def measure_runs(target, prompt_ids: list, runs: dict, *, max_new_tokens: int = 
     return out
 
 
-def _hist(values: list) -> dict:
+def histogram(values: list) -> dict:
     """{value: count}, ascending."""
-    return {int(k): int(v) for k, v in zip(*np.unique(values, return_counts=True))} if values else {}
+    return {int(k): int(v) for k, v in zip(*np.unique(values, return_counts=True))} if len(values) else {}
 
 
 def summarize_acceptance(per_prompt: list) -> dict:
@@ -85,9 +85,9 @@ def summarize_acceptance(per_prompt: list) -> dict:
     rows = [r for p in per_prompt for r in p.get("verified_per_call", ())]
     need = [r for p in per_prompt for r in p.get("needed_per_call", ())]
     return {"tau": float(np.mean(acc)) if acc else 0.0, "mean_depth": float(np.mean(dep)) if dep else 0.0,
-            "depth_hist": _hist(dep),
+            "depth_hist": histogram(dep),
             "mean_verified": float(np.mean(rows)) if rows else None,
-            "mean_needed": float(np.mean(need)) if need else None, "need_hist": _hist(need),
+            "mean_needed": float(np.mean(need)) if need else None, "need_hist": histogram(need),
             "target_calls": len(acc), "new_tokens": int(sum(acc)),
             "identical": int(sum(p["identical"] for p in per_prompt)), "prompts": len(per_prompt),
             "per_prompt": per_prompt}

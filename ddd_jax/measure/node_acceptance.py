@@ -21,7 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddd_jax.config import DDDConfig, TreeConfig
+from ddd_jax.gain import pool_depths  # noqa: F401 (the pools' layout, read here too)
 from ddd_jax.decode import drafting, generate, make_plan
+from ddd_jax.measure.acceptance import histogram
 
 # bin edges of a node's cumulative draft log-prob (ascending); bin i holds scores in [edges[i-1], edges[i])
 SCORE_EDGES = (-12.0, -9.0, -7.0, -5.5, -4.5, -3.5, -2.75, -2.0, -1.5, -1.0, -0.7, -0.45, -0.25, -0.1)
@@ -54,11 +56,6 @@ def _features(tparams, cfg, tokens, *, aux: tuple):
     pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
     o = llama.forward(tparams, cfg, tokens, pos, return_logits=False, aux_layers=aux)
     return o.aux if aux else o.hidden
-
-
-def pool_depths(k: int, max_depth: int) -> np.ndarray:
-    """[P] depth of each pool slot (`tree` layout: pool[0:k] depth 1, step j's k*k children depth j + 1)."""
-    return np.concatenate([np.ones(k, np.int32)] + [np.full(k * k, j + 1, np.int32) for j in range(1, max_depth + 1)])
 
 
 def label_pool(pool_tok, pool_parent, depth, cont) -> np.ndarray:
@@ -119,7 +116,8 @@ def pool_records(target, draft, prompt_ids: list, *, top_k: int = 4, max_depth: 
         bar.close()
     P = len(depth)
     return {"score": np.array(scores, np.float32).reshape(-1, P), "accepted": np.array(accepted, bool).reshape(-1, P),
-            "prompt": np.array(prompt_of, np.int32), "depth": depth, "prompts": len(prompt_ids), "top_k": top_k, "max_depth": max_depth}
+            "prompt": np.array(prompt_of, np.int32), "depth": depth, "prompts": len(prompt_ids), "top_k": top_k,
+            "max_depth": max_depth}
 
 
 def _flat(records: dict):
@@ -252,7 +250,8 @@ class Replay:
         cost = self.t[wi] + self.d * (1 + depth) + self.fixed
         tau = 1 + acc
         return {"tau": float(tau.mean()), "mean_depth": float(depth.mean()),
-                "depth_hist": _hist(depth), "need_hist": _hist(need), "mean_width": float(np.mean(np.asarray(self.widths)[wi])),
+                "depth_hist": histogram(depth), "need_hist": histogram(need),
+                "mean_width": float(np.mean(np.asarray(self.widths)[wi])),
                 "cycle_ms": float(cost.mean()), "speedup": float(tau.mean() * self.t1 / cost.mean())}
 
     def static(self, total_tokens: int, depth: int):
@@ -332,7 +331,3 @@ class Replay:
         cost = np.array([t(1 + x) for x in a]) + self.d * np.maximum(a, 1) + self.fixed
         return {"tau": float((1 + a).mean()), "speedup": float((1 + a).mean() * self.t1 / cost.mean())}
 
-
-def _hist(values) -> dict:
-    v, c = np.unique(np.asarray(values), return_counts=True)
-    return {int(a): int(b) for a, b in zip(v, c)}
