@@ -210,6 +210,18 @@ def measure_costs(target, draft, sizes, beams, repeat: int = 5, progress: bool =
             "estimate": "median of interleaved rounds"}
 
 
+def alternating_medians(runs: dict, measure, rounds: int) -> dict:
+    """{name: the median of `measure(arg)` over `rounds`} for runs {name: arg}: one warm-up of each first (its
+    compiles), then rounds in which every run takes its turn, so a drift of the machine reaches them all alike."""
+    for arg in runs.values():
+        measure(arg)
+    got = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, arg in runs.items():
+            got[k].append(measure(arg))
+    return {k: sorted(v)[len(v) // 2] for k, v in got.items()}
+
+
 # two EAGLE-2 trees that verify the same width (every cycle alike) and differ only in draft steps: their real
 # decodes price a draft step inside the loop, and with it what else a cycle costs
 LOOP_TREES = (TreeConfig(top_k=4, total_tokens=5, depth=1), TreeConfig(top_k=4, total_tokens=5, depth=3))
@@ -237,14 +249,7 @@ def measure_loop(target, draft, costs: dict, batch: int = 1, rounds: int = 3, ma
                       method="eagle2" if tree else "vanilla", tree=tree or TreeConfig(), ddd=DDDConfig()).stats
         return 1e3 * st["decode_s"] / max(st["per_sequence"][0]["target_calls"], 1)
 
-    runs = {"vanilla": None, "shallow": shallow, "deep": deep}
-    for tree in runs.values():
-        per_cycle(tree)  # compiles
-    times = {k: [] for k in runs}
-    for _ in range(rounds):
-        for k, tree in runs.items():
-            times[k].append(per_cycle(tree))
-    med = {k: sorted(v)[rounds // 2] for k, v in times.items()}
+    med = alternating_medians({"vanilla": None, "shallow": shallow, "deep": deep}, per_cycle, rounds)
     scale = med["vanilla"] / t(1)
     step = max(0.0, (med["deep"] - med["shallow"]) / (deep.depth - shallow.depth))
     fixed = med["shallow"] - scale * t(shallow.total_tokens) - (1 + shallow.depth) * step
@@ -354,15 +359,7 @@ def measure_cycles(target, draft, entries: list[dict], prompt_ids: list, batch: 
             calls += max(s["target_calls"] for s in st["per_sequence"])
         return 1e3 * secs / max(calls, 1)
 
-    labels = ["vanilla"] + [e["label"] for e in entries]
-    runs = dict(zip(labels, [None, *entries]))
-    for e in runs.values():
-        per_cycle(e)  # compiles
-    ms = {k: [] for k in labels}
-    for _ in range(rounds):
-        for k, e in runs.items():
-            ms[k].append(per_cycle(e))
-    return {k: sorted(v)[len(v) // 2] for k, v in ms.items()}
+    return alternating_medians({"vanilla": None, **{e["label"]: e for e in entries}}, per_cycle, rounds)
 
 
 def pick(preds: list[dict]) -> dict:

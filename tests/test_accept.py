@@ -102,8 +102,8 @@ def test_accept_heads_errors(tmp_path):
 def test_accept_measures_at_the_runs_of_the_recipe():
     from train_draft import recipe
     for heads, ref, labels in [({"e3": "d3", "e1": "d1"}, {"ref": "dr"}, 0), ({"e3": "d3"}, None, 2)]:
+        assert recipe.acceptance_runs is accept.acceptance_runs  # one implementation, the recipe's stage (f) too
         runs = accept.acceptance_runs(heads, ref, labels)
-        assert list(runs) == list(recipe.acceptance_runs(heads, ref, labels))
         assert list(runs)[:3 if ref else 1] == ["e3/eagle2-default"] + (["e1/eagle2-default", "ref/eagle2-default"]
                                                                          if ref else [])
     info = accept.device_info()

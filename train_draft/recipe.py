@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import platform
 import shutil
 import time
 import traceback
@@ -38,6 +37,7 @@ import numpy as np
 
 from ddd_jax import io as dio
 
+from .accept import acceptance_runs, device_info  # noqa: F401 (recipe.acceptance_runs: what its tests call)
 from .eagle3_fit import Fit3Config
 from .recipe_inputs import (INPUTS_FORMAT, PARTS, PROBE_TEXT, TEXT, check_inputs_for, load_inputs,  # noqa: F401
                             prepare_inputs, save_inputs)
@@ -161,15 +161,6 @@ def with_overrides(cfg: RecipeConfig, assignments) -> RecipeConfig:
 
 
 # ----------------------------------------------------------------------------------------------- the run
-
-
-def device_info() -> dict:
-    import jax
-    from ddd_jax.settings.calibration import cpu_model
-    dev = jax.devices()[0]
-    cpu = cpu_model()
-    return {"backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
-            "device_count": jax.device_count(), "host_cpu": cpu or platform.processor(), "jax": jax.__version__}
 
 
 def process_start() -> float:
@@ -385,32 +376,6 @@ def acceptance_stage(target, runs: dict, prompts: list, cfg: RecipeConfig, measu
     from .accept import measure_acceptance
     return measure_acceptance(target, runs, prompts, measured, max_new_tokens=cfg.tau_max_new,
                               batch_size=cfg.tau_batch, deadline=deadline, on_update=on_update, progress=progress)
-
-
-def acceptance_runs(heads: dict, reference: dict | None = None, labels: int = 0) -> dict:
-    """{label: run} of stage (f), most important first: for each head EAGLE-2's default tree, DDD at the paper's
-    settings, then the shipped tuned CPU and GPU trees (EAGLE-2 and DDD); `labels` > 0 keeps that many of them. The
-    `reference` head's default-tree run comes right after the new heads' (the comparison that decides what ships),
-    its other runs last."""
-    from ddd_jax.config import DDDConfig, TreeConfig
-    from ddd_jax.settings import load_settings, settings_dir, to_configs
-    tuned = {}
-    for backend in ("cpu", "gpu"):
-        s = load_settings(path=settings_dir() / f"{backend}.json")
-        if s is not None:
-            tuned[backend] = to_configs(s)
-    order = [("eagle2-default", "eagle2", TreeConfig(), DDDConfig()),
-             ("ddd-paper", "ddd", TreeConfig(), DDDConfig())]
-    for backend, (tree, ddd) in tuned.items():
-        order += [(f"eagle2-{backend}", "eagle2", tree, ddd), (f"ddd-{backend}", "ddd", tree, ddd)]
-    order = order[:labels or None]
-
-    def runs(hs: dict) -> list:
-        return [(f"{hname}/{label}", {"draft": draft, "method": method, "tree": tree, "ddd": ddd})
-                for label, method, tree, ddd in order for hname, draft in hs.items()]
-
-    new, ref = runs(heads), runs(reference or {})
-    return dict(new[:len(heads)] + ref[:1] + new[len(heads):] + ref[1:])
 
 
 # ------------------------------------------------------------------------------------------- the fit's plan
@@ -784,7 +749,7 @@ def _eval_eagle1(target, draft, held, cfg: RecipeConfig) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from .train import eval_rows, frozen_target_arrays, make_eval_step, metric_means as _finish
+    from .train import eval_rows, frozen_target_arrays, make_eval_step, metric_means
     fs = _with_features(target, held, cfg, None, False)
     fcfg = dataclasses.replace(cfg.eagle1, dtype="float32")
     embed, lm_w = frozen_target_arrays(target)
@@ -795,5 +760,5 @@ def _eval_eagle1(target, draft, held, cfg: RecipeConfig) -> dict:
     for b in eval_rows(fs, fcfg, cfg.eval_batches):
         s = ev(params, embed, lm_w, b)
         tot = s if tot is None else jax.tree.map(jnp.add, tot, s)
-    r = {k: float(v) for k, v in _finish(jax.device_get(tot)).items()}
+    r = {k: float(v) for k, v in metric_means(jax.device_get(tot)).items()}
     return {"acc0": r["acc"], "vloss": r["vloss"], "ploss": r["ploss"], "tokens": int(r["count"])}
