@@ -52,7 +52,8 @@ def run(args) -> int:
 
 
 def summary(c: dict, top: int = 4) -> str:
-    """The calibration per batch size: the choice, t(1), and the best predictions (τ, mean verify width, cycle)."""
+    """The calibration per batch size: the choice, t(1), and the best predictions (τ, mean verify width, cycle, and
+    the checked speed-up of those decoded beside vanilla)."""
     lines = [f"calibrated {c['key']['target']} + {c['key']['draft']} on {c['key']['device']} "
              f"({c['key']['backend']}, {c['key']['storage']} weights) in {c['seconds']} s -> {c.get('path', '')}"]
     for b, ch in c["by_batch"].items():
@@ -61,13 +62,15 @@ def summary(c: dict, top: int = 4) -> str:
         if ch["recommended_method"] == "vanilla":
             said = f"vanilla: no speculative setting is predicted to beat it (best: {label} {x:.2f}x)"
         else:
-            said = f"{ch['recommended_method']} ({label}, predicted {x:.2f}x)"
+            how = "checked" if ch.get("chosen_by") == "checked" else "predicted"
+            said = f"{ch['recommended_method']} ({label}, {how} {x:.2f}x)"
         per = ch.get("predicted_best") or ch["best"]
         defaults = ", ".join(f"{m} -> {'vanilla' if v[1] < 1.0 else m} (its best: {v[0]} {v[1]:.2f}x)"
                              for m, v in per.items() if v)
         lines.append(f"  batch {b}: t(1) = {t[min(t, key=int)]:.1f} ms; recommended {said}; "
                      f"generate's defaults: {defaults}")
         for p in ch["predictions"][:top]:
+            checked = f"  checked {p['checked_speedup']:.2f}x" if "checked_speedup" in p else ""
             lines.append(f"    {p['label']:<34} tau {p['tau']:.2f}  mean width {p['mean_width']:.2f}  "
-                         f"cycle {p['cycle_ms']:.1f} ms  predicted {p['predicted_speedup']:.2f}x")
+                         f"cycle {p['cycle_ms']:.1f} ms  predicted {p['predicted_speedup']:.2f}x{checked}")
     return "\n".join(lines)
