@@ -86,6 +86,13 @@ PROMPTS = (
 # ------------------------------------------------------------------------------------------ acceptance profile
 
 
+def calibration_prompts(target) -> list | None:
+    """`PROMPTS` as the target's chat renders them, or None for a target without a chat template."""
+    if not getattr(target, "chat_template", None):
+        return None
+    return [target.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+
+
 def acceptance_profile(target, draft, prompt_ids: list | None = None, candidates=CANDIDATES,
                        max_new_tokens: int = 64, batch_size: int = 8, progress: bool = False) -> dict:
     """τ, drafted depth and rows needed per cycle (`need_hist` {rows: cycles}, each sequence's own: batch 1's) of
@@ -93,7 +100,7 @@ def acceptance_profile(target, draft, prompt_ids: list | None = None, candidates
     prompt_ids: token-id prompts (default: `PROMPTS`, chat-rendered)."""
     from .measure.acceptance import measure_runs
     if prompt_ids is None:
-        prompt_ids = [target.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+        prompt_ids = [target.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]  # (raises without a chat)
     runs = {}
     for label, method, tree, ddd in candidates:
         if draft.config.draft_vocab_size and tree.top_k > draft.config.draft_vocab_size:
@@ -238,9 +245,8 @@ def measure_loop(target, draft, costs: dict, batch: int = 1, rounds: int = 3, ma
     * "fixed_ms" = the shallower tree's cycle - scale * t_b(N) - its steps * draft_ms, at least 0: building the
       tree, acceptance, the commit."""
     from .decode import generate
-    from .measure.cost import COST_PROMPT
-    ids = target.encode_chat([{"role": "user", "content": COST_PROMPT}]) if getattr(target, "chat_template", None) \
-        else [1 + i % (target.config.vocab_size - 1) for i in range(8)]
+    from .measure.cost import cost_prompt_ids
+    ids = cost_prompt_ids(target)
     t = _interp(costs["target_ms"])
     shallow, deep = LOOP_TREES
 
@@ -284,12 +290,10 @@ def pools_for(target, draft, prompt_ids: list | None = None, progress: bool = Fa
     rec = load_pools(draft)
     if rec is not None and rec["top_k"] == GAIN_TREES[0][0] and rec["max_depth"] == GAIN_DEPTH:
         return rec, False
+    prompt_ids = prompt_ids or calibration_prompts(target)
     if prompt_ids is None:
-        if not getattr(target, "chat_template", None):
-            return None, False
-        prompt_ids = [target.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    ids = prompt_ids
-    rec = pool_records(target, draft, ids, top_k=GAIN_TREES[0][0], max_depth=GAIN_DEPTH, progress=progress)
+        return None, False
+    rec = pool_records(target, draft, prompt_ids, top_k=GAIN_TREES[0][0], max_depth=GAIN_DEPTH, progress=progress)
     save_pools(rec, draft)
     return rec, True
 
@@ -365,9 +369,9 @@ def measure_cycles(target, draft, entries: list[dict], prompt_ids: list, batch: 
 def pick(preds: list[dict]) -> dict:
     """The EAGLE-2 tree and DDD rule with the best speed-up -- checked where candidates were checked (the profile's
     τ over the cycle each plan costs in real decodes, `measure_cycles` over a `shortlist`; only those compete
-    then), else predicted -- or, when none beats vanilla,
-    the choice "vanilla" (`recommended_method`; `generate`'s defaults then decode as vanilla does) with the cheapest
-    cycle of each method saved for explicit calls that leave the tree or the rule out. `best_overall`: the best
+    then), else predicted -- or, when none beats vanilla, the choice "vanilla" (`recommended_method`; `generate`'s
+    defaults then decode as vanilla does) with the cheapest cycle of each method saved for explicit calls that
+    leave the tree or the rule out. `best_overall`: the best
     candidate and its speed-up either way; `predicted_best`: each method's (a method whose best is below 1 decodes
     as vanilla by default, `settings.calibration.calibrated_vanilla`)."""
     measured = [p for p in preds if "checked_speedup" in p]
@@ -447,8 +451,8 @@ def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, 
     what a plan's own shape costs (its tree's size, its pool, its width switch), so the `measure` best-predicted
     candidates (and each method's best) are then decoded on two of the prompts beside vanilla, and the choice is
     made among them by their profile τ over the cycle time measured there (`checked_speedup`; `measure=0`: by
-    prediction alone). Returns the calibration (saved under
-    $DDD_JAX_CACHE unless save=False); its top-level choice is the smallest batch size's."""
+    prediction alone). Returns the calibration (saved under $DDD_JAX_CACHE unless save=False); its top-level
+    choice is the smallest batch size's."""
     t0 = time.time()
     batch_sizes = sorted({int(b) for b in batch_sizes})
     if not batch_sizes or batch_sizes[0] < 1:
@@ -464,9 +468,7 @@ def calibrate(target, draft, *, profile: dict | None = None, save: bool = True, 
     vocab = draft.config.draft_vocab_size
     if gain and (not vocab or vocab >= GAIN_TREES[0][0]):
         pools, pools_measured = pools_for(target, draft, prompt_ids, progress=progress)
-    check_ids = list(prompt_ids[:2]) if prompt_ids else (
-        [target.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:2]]
-        if getattr(target, "chat_template", None) else None)
+    check_ids = (prompt_ids or calibration_prompts(target) or [])[:2]
     by_batch = {}
     trees = [e["tree"] for e in entries] + [{"top_k": k, "total_tokens": n} for k, n in GAIN_TREES]
     widths = {w for t in trees for w in verify_widths(t["total_tokens"])}

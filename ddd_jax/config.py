@@ -430,8 +430,10 @@ class GainModel:
             raise ValueError("GainModel: costs and rate must be >= 0")
 
     def to_dict(self) -> dict:
-        return {k: (list(v) if not isinstance(v, tuple) or k != "accept" else [list(r) for r in v])
-                if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        """The model as JSON-able lists (`GainModel(**d)` reads it back)."""
+        d = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        d["accept"] = [list(r) for r in self.accept]
+        return d
 
 
 @dataclass(frozen=True)

@@ -268,18 +268,23 @@ def calibrated_eagle2(args, target, draft, methods: list) -> list:
     return methods if got is None else [method_label("eagle2", got[0]) if m == "eagle2" else m for m in methods]
 
 
+def names_gain(method: str) -> bool:
+    """Whether a method spec asks for the gain rule ('ddd-device[rule=gain]')."""
+    return "rule=gain" in method.replace(" ", "")
+
+
 def calibrated_gain(target, draft, ddd, methods: list) -> list:
     """A method naming the gain rule (`rule=gain`) where the calibrated defaults are another rule runs the gain
     rule that this device's calibration predicted best (`settings.calibration.calibrated_rule`)."""
     from ddd_jax.settings.calibration import calibrated_rule
     from .run import GAIN_NEEDS_CALIBRATION, parse_method
-    if ddd.rule == "gain" or not any("rule=gain" in m.replace(" ", "") for m in methods):
+    if ddd.rule == "gain" or not any(names_gain(m) for m in methods):
         return methods
     got = calibrated_rule(target, draft, "gain")
     if got is None:
         raise SystemExit(f"ddd-jax bench: {GAIN_NEEDS_CALIBRATION}")
     tree, gain, _ = got
-    return [parse_method(m, tree, gain) if "rule=gain" in m.replace(" ", "") else m for m in methods]
+    return [parse_method(m, tree, gain) if names_gain(m) else m for m in methods]
 
 
 def refuse_uncalibrated_gain(args, methods) -> None:
@@ -288,7 +293,7 @@ def refuse_uncalibrated_gain(args, methods) -> None:
     import os
     from ddd_jax.calibration import TREE_FLAGS
     from .run import GAIN_NEEDS_CALIBRATION
-    if not any("rule=gain" in m.replace(" ", "") for m in methods):
+    if not any(names_gain(m) for m in methods):
         return
     if (args.settings != "auto" or os.environ.get("DDD_JAX_CALIBRATE") == "0"
             or any(getattr(args, k, None) is not None for k in TREE_FLAGS)):

@@ -64,6 +64,13 @@ def _greedy_step(params, cfg, cache, tokens, positions):
 COST_PROMPT = "Write a detailed essay on the history of the printing press and how it changed Europe."
 
 
+def cost_prompt_ids(target) -> list[int]:
+    """`COST_PROMPT` as the target's chat renders it; the token ids 1..8 for a target without a chat template."""
+    if getattr(target, "chat_template", None):
+        return target.encode_chat([{"role": "user", "content": COST_PROMPT}])
+    return [1 + i % (target.config.vocab_size - 1) for i in range(8)]
+
+
 def decoded_inputs(target, n: int, capacity: int, dtype):
     """(ids [n], cache): the first n tokens of a greedy decode by the target itself -- a chat prompt (`COST_PROMPT`;
     the token ids 1..8 for a target without a tokenizer) and its continuation, end-of-turn tokens included -- and
@@ -71,8 +78,7 @@ def decoded_inputs(target, n: int, capacity: int, dtype):
     if n > capacity:
         raise ValueError(f"{n} decoded tokens exceed capacity={capacity}")
     cfg = target.config
-    prompt = target.encode_chat([{"role": "user", "content": COST_PROMPT}]) if target.tokenizer is not None \
-        else [1 + i % (cfg.vocab_size - 1) for i in range(8)]
+    prompt = cost_prompt_ids(target)
     prompt = prompt[:n]
     cache = llama.new_cache(cfg, 1, capacity, dtype)
     ids = list(prompt)

@@ -100,12 +100,12 @@ def pool_records(target, draft, prompt_ids: list, *, top_k: int = 4, max_depth: 
         tok[0, :len(seq)] = seq
         feats = _features(target.params, target.config, jnp.asarray(tok), aux=aux)
         capacity = -(-(T + plan.scratch + 8) // 256) * 256
+        toks, feats = jnp.repeat(jnp.asarray(tok), rows, axis=0), jnp.repeat(feats, rows, axis=0)  # one row a root
         for i in range(0, len(roots), rows):
             part = roots[i:i + rows]
             L = np.array(part + [part[-1]] * (rows - len(part)), np.int32)
-            ptok, pscore, ppar = jax.device_get(_pools(
-                target.params, dparams, plan, jnp.repeat(jnp.asarray(tok), rows, axis=0),
-                jnp.repeat(feats, rows, axis=0), jnp.asarray(L), capacity=capacity))
+            ptok, pscore, ppar = jax.device_get(_pools(target.params, dparams, plan, toks, feats, jnp.asarray(L),
+                                                       capacity=capacity))
             for r, root in enumerate(part):
                 prompt_of.append(pi)
                 scores.append(pscore[r])

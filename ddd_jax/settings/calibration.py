@@ -107,9 +107,16 @@ def _cached_profile_path(draft) -> Path:
 
 
 def _pools_paths(draft) -> list[Path]:
-    from ..checkpoints.registry import cache_root
-    own = [head_dir(draft) / POOLS_FILE] if head_dir(draft) else []
-    return own + [cache_root() / "profiles" / f"{_slug(head_id(draft))}-{POOLS_FILE}"]
+    """Where the head's pools may be: beside it, then in the cache beside its cached profile."""
+    own = head_dir(draft)
+    cached = _cached_profile_path(draft)
+    return ([own / POOLS_FILE] if own else []) + [cached.with_name(f"{cached.stem}-{POOLS_FILE}")]
+
+
+def _beside_head(draft, name: str, cached: Path) -> Path:
+    """`name` in the head's own directory when it has one that is writable, else `cached`."""
+    own = head_dir(draft) if draft is not None else None
+    return own / name if own is not None and os.access(own, os.W_OK) else cached
 
 
 def load_pools(draft) -> dict | None:
@@ -131,8 +138,7 @@ def load_pools(draft) -> dict | None:
 def save_pools(records: dict, draft) -> Path:
     """Write recorded pools beside the head (a writable head directory), else under $DDD_JAX_CACHE/profiles/."""
     import numpy as np
-    own = head_dir(draft)
-    path = own / POOLS_FILE if own is not None and os.access(own, os.W_OK) else _pools_paths(draft)[-1]
+    path = _beside_head(draft, POOLS_FILE, _pools_paths(draft)[-1])
     with dio.atomic_file(path) as tmp, open(tmp, "wb") as f:
         np.savez_compressed(f, **records)
     return path
@@ -152,8 +158,7 @@ def load_profile(draft) -> dict | None:
 def save_profile(profile: dict, draft=None, path=None) -> Path:
     """Write a profile beside the head (a writable head directory), else under $DDD_JAX_CACHE/profiles/."""
     if path is None:
-        d = head_dir(draft) if draft is not None else None
-        path = (d / PROFILE_FILE) if d is not None and os.access(d, os.W_OK) else _cached_profile_path(draft)
+        path = _beside_head(draft, PROFILE_FILE, _cached_profile_path(draft))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     dio.atomic_write_text(path, json.dumps(profile, indent=1) + "\n")
