@@ -56,7 +56,7 @@ def feature_layers(dcfg: DraftConfig, tcfg: ModelConfig) -> tuple:
 
 
 def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions, cache: KVCache | None = None,
-                 attn_mask=None, mask_start=None):
+                 attn_mask=None, mask_start=None, attend=None):
     """Run the head. tokens [B,T] (token_{i+1}), features [B,T,D] (feature_i: `project_features` of the target's,
     or the head's own outputs), positions [B,T].
 
@@ -64,9 +64,11 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions,
     With a cache, K/V are written at slots cache.length + t, and the new tokens attend every slot before
     mask_start [B] (default cache.length) and the W slots from it as attn_mask allows (`layers.cache_mask`: a
     draft step's beam sees the prefix and its ancestors among the scratch slots). Returns (next_features [B,T,D],
-    cache with K/V written and length unchanged).
+    cache with K/V written and length unchanged). attend: (q, k, v, layer) -> [B, T, N*H] replaces the masked
+    attention over the cache (training-time test's `layers.ttt_attention`, `train_draft.ttt`).
     """
-    return kind(dcfg).head_forward(dparams, dcfg, embed, tokens, features, positions, cache, attn_mask, mask_start)
+    return kind(dcfg).head_forward(dparams, dcfg, embed, tokens, features, positions, cache, attn_mask, mask_start,
+                                   attend=attend)
 
 
 def project_features(dparams, dcfg: DraftConfig, feats):

@@ -81,17 +81,18 @@ def project_features(dparams, dcfg: DraftConfig, feats):
 
 
 def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions, cache: KVCache | None = None,
-                 attn_mask=None, mask_start=None):
+                 attn_mask=None, mask_start=None, attend=None):
     """The head over (token, feature) pairs: fc(cat(embed(token), feature)), then the decoder layer (see
-    `eagle.head_forward` for shapes, cache and masks). Returns (next_features [B,T,D], cache)."""
+    `eagle.head_forward` for shapes, cache, masks and `attend`). Returns (next_features [B,T,D], cache)."""
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
     e = embed_rows(embed, tokens).astype(features.dtype)
     x = linear(jnp.concatenate([e, features], axis=-1), _weight(dparams["fc_w"], features.dtype))
     if "fc_b" in dparams:
         x = x + dparams["fc_b"].astype(features.dtype)
-    kv_mask = cache_mask(causal_mask(B, T) if attn_mask is None else attn_mask, cache, mask_start)
-    x, cache = decoder_stack(dparams["layers"], dcfg.layer_config(), x, positions, cache, kv_mask)
+    kv_mask = None if attend is not None else cache_mask(causal_mask(B, T) if attn_mask is None else attn_mask,
+                                                         cache, mask_start)
+    x, cache = decoder_stack(dparams["layers"], dcfg.layer_config(), x, positions, cache, kv_mask, attend=attend)
     return x, cache
 
 

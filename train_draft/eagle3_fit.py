@@ -36,7 +36,6 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import jax
@@ -46,10 +45,10 @@ import optax
 
 from ddd_jax import eagle, eagle3, layers, llama
 from ddd_jax import io as dio
-from ddd_jax.cache import init_cache, with_length
 from ddd_jax.checkpoints.ours import save_draft
 from ddd_jax.config import DraftConfig
 
+from . import ttt
 from .extract import FeatureSet
 from .train import TrainConfig, pack_rows
 from .vocab import frequent_tokens
@@ -145,23 +144,14 @@ class RowPlan:
         return make_batch(self.fs, self.rows(e)[i * B:(i + 1) * B], self.cfg.seq_len)
 
 
-def _shift(x, k: int, fill=0):
-    """x[:, c + k] at position c (fill past the end)."""
-    if k == 0:
-        return x
-    pad = jnp.full(x.shape[:1] + (k,) + x.shape[2:], fill, x.dtype)
-    return jnp.concatenate([x[:, k:], pad], axis=1)
-
-
 def ttt_loss(params, d2t, dcfg: DraftConfig, fcfg: Fit3Config, tparams, tcfg, ids, msk, pos, seg):
-    """(loss, metrics) of one packed batch [B, L]: the frozen target forward, then K unrolled head steps."""
-    B, L = ids.shape
-    K = fcfg.ttt_steps
+    """(loss, metrics) of one packed batch [B, L]: the frozen target forward, then K unrolled head steps
+    (`ttt.unroll`)."""
     dt = jnp.dtype(fcfg.dtype)
     if dt != jnp.float32:  # compute copies; the float32 masters get the gradients
         params = jax.tree.map(lambda w: w.astype(dt), params)
         tparams = jax.tree.map(lambda w: w.astype(dt) if jnp.issubdtype(w.dtype, jnp.floating) else w, tparams)
-    causal_same = jnp.tril(jnp.ones((L, L), bool))[None] & (seg[:, :, None] == seg[:, None, :]) & (seg > 0)[:, :, None]
+    causal_same = ttt.packed_causal(seg)
     o = llama.forward(tparams, tcfg, ids, pos, attn_mask=causal_same, return_logits=False,
                       aux_layers=eagle3.feature_layers(tcfg))
     aux = jax.lax.stop_gradient(o.aux)
@@ -170,33 +160,25 @@ def ttt_loss(params, d2t, dcfg: DraftConfig, fcfg: Fit3Config, tparams, tcfg, id
     in_vocab = jnp.zeros((tcfg.vocab_size,), bool).at[d2t].set(True)
     top_ok = in_vocab[jnp.argmax(full, -1)]  # official position_mask: the target's argmax is drafted
     p_all = jax.lax.stop_gradient(jax.nn.softmax(full[..., d2t], axis=-1))  # [B, L, V'] target_p
-    embed = tparams["embed"]
     dp = {**params, "d2t": d2t}
-    cache = init_cache(1, B, K * L, dcfg.num_key_value_heads, dcfg.head_dim, aux.dtype)
-    h = eagle3.project_features(dp, dcfg, aux)
-    denom = None
-    loss, metrics = 0.0, {}
-    for k in range(K):
-        valid = _shift(seg, 2 + k) == seg  # x_{c+1+k}, p_{c+1+k} and x_{c+2+k} belong to position c's sequence
-        m = _shift(msk, 2 + k) * _shift(top_ok, 1 + k, False) * valid * (seg > 0)  # loss mask of x_{c+2+k}
-        # step k's queries attend step 0's keys causally and steps 1..k's at their own position
-        attend = partial(_ttt_attend, mask0=causal_same, steps=k)
-        h, cache = eagle3.head_forward(dp, dcfg, embed, _shift(ids, 1 + k), h, pos + k,
-                                       with_length(cache, jnp.full((B,), k * L, jnp.int32)), attend=attend)
+    shift = ttt.shift
+    m0 = shift(msk, 2) * shift(top_ok, 1, False) * (shift(seg, 2) == seg) * (seg > 0)
+    denom = jnp.maximum(jnp.sum(m0), 1.0)
+
+    def step_loss(k, h):
+        valid = shift(seg, 2 + k) == seg  # x_{c+1+k}, p_{c+1+k} and x_{c+2+k} belong to position c's sequence
+        m = shift(msk, 2 + k) * shift(top_ok, 1 + k, False) * valid * (seg > 0)  # loss mask of x_{c+2+k}
         logq = jax.nn.log_softmax(eagle3.logits(dp, dcfg, h).astype(jnp.float32), axis=-1)
-        p = _shift(p_all, 1 + k)
+        p = shift(p_all, 1 + k)
         ce = -jnp.sum(p * logq, axis=-1)
-        denom = jnp.maximum(jnp.sum(m), 1.0) if denom is None else denom
-        loss = loss + fcfg.step_decay ** k * jnp.sum(m * ce) / denom
-        metrics[f"ploss{k}"] = jnp.sum(m * ce) / jnp.maximum(jnp.sum(m), 1.0)
-        metrics[f"acc{k}"] = jnp.sum(m * (jnp.argmax(logq, -1) == jnp.argmax(p, -1))) / jnp.maximum(jnp.sum(m), 1.0)
+        n = jnp.maximum(jnp.sum(m), 1.0)
+        return jnp.sum(m * ce) / denom, {"ploss": jnp.sum(m * ce) / n,
+                                         "acc": jnp.sum(m * (jnp.argmax(logq, -1) == jnp.argmax(p, -1))) / n}
+
+    loss, metrics = ttt.unroll(dp, dcfg, tparams["embed"], shift(ids, 1), eagle3.project_features(dp, dcfg, aux),
+                               pos, causal_same, fcfg.ttt_steps, step_loss, fcfg.step_decay)
     metrics["loss"] = loss
     return loss, metrics
-
-
-def _ttt_attend(q, k, v, i, *, mask0, steps: int):
-    """Layer i of the unrolled head's caches k, v [L, B, K, K*T, H] through `layers.ttt_attention`."""
-    return layers.ttt_attention(q, k[i], v[i], mask0, steps)
 
 
 def make_step(dcfg: DraftConfig, fcfg: Fit3Config, tcfg, tx):

@@ -108,36 +108,39 @@ def _identity_keys(manifest: dict) -> dict:
                                          "max_len", "shard_size", "n_items", "buckets")}
 
 
-def _write_shard(target, items: list, render, max_len: int, buckets, path: Path, bar=None) -> None:
+def _write_shard(target, items: list, render, max_len: int, buckets, path: Path, bar=None,
+                 batch_size: int = 1) -> None:
     """One shard of features: `items` rendered (those that render to None left out), cut to `max_len` tokens,
-    through the target; written atomically to `path`."""
-    ids_l, feat_l, mask_l, seq_ids = [], [], [], []
+    through the target (`batch_size` sequences a forward, `features_in_batches`); written atomically to `path`."""
+    ids_l, mask_l, seq_ids = [], [], []
     for item in items:
         ex = render(item)
         if ex is None:
             continue
-        ids = np.asarray(ex["ids"][:max_len], np.int32)
-        feats = target_features(target, ids, buckets)
-        ids_l.append(ids)
-        feat_l.append(feats)
+        ids_l.append(np.asarray(ex["ids"][:max_len], np.int32))
         mask_l.append(np.asarray(ex["mask"][:max_len], np.uint8))
         seq_ids.append(str(ex["id"]))
-        if bar is not None:
-            bar.update(len(ids))
+    D = target.config.hidden_size
+    if batch_size > 1:
+        feats = features_in_batches(target, ids_l, buckets, batch_size)
+    else:
+        feats = np.concatenate([target_features(target, ids, buckets) for ids in ids_l]) if ids_l else None
+    if bar is not None:
+        bar.update(sum(len(x) for x in ids_l))
     lens = [len(x) for x in ids_l]
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-    D = target.config.hidden_size
     _write_npz_atomic(path,
                       ids=np.concatenate(ids_l) if ids_l else np.zeros(0, np.int32),
-                      features=np.concatenate(feat_l) if feat_l else np.zeros((0, D), np.float16),
+                      features=feats if ids_l else np.zeros((0, D), np.float16),
                       mask=np.concatenate(mask_l) if mask_l else np.zeros(0, np.uint8),
                       offsets=offsets, seq_ids=np.asarray(seq_ids, dtype=str))
 
 
 def extract(target, items: list, render, out_dir, *, source: dict, max_len: int, shard_size: int = 64,
             buckets=(256, 512, 1024), max_tokens: int | None = None, time_limit_s: float | None = None,
-            progress: bool = True) -> dict:
-    """Extract features for `items` (rendered lazily by `render(item) -> {"id","ids","mask"} | None`).
+            progress: bool = True, batch_size: int = 1) -> dict:
+    """Extract features for `items` (rendered lazily by `render(item) -> {"id","ids","mask"} | None`), `batch_size`
+    sequences of similar length a target forward (the features do not depend on it).
 
     Stops after the shard that brings the total to `max_tokens`, or at the first shard boundary after
     `time_limit_s`. Returns the manifest. Rerunning with the same arguments resumes.
@@ -186,7 +189,7 @@ def extract(target, items: list, render, out_dir, *, source: dict, max_len: int,
             if i in entries:
                 continue
             _write_shard(target, items[i * shard_size:(i + 1) * shard_size], render, max_len, buckets,
-                         out_dir / shard_name(i), bar)
+                         out_dir / shard_name(i), bar, batch_size)
             entries[i] = _shard_entry(out_dir / shard_name(i), i)
             total += entries[i]["n_tokens"]
             write_manifest()

@@ -48,10 +48,11 @@ from flax import nnx
 
 from ddd_jax import eagle, ops
 from ddd_jax import io as dio
-from ddd_jax.checkpoints.ours import load_draft_dir, save_draft
+from ddd_jax.checkpoints.ours import save_draft
 from ddd_jax.config import DraftConfig
 from ddd_jax.modules import EagleHeadModule
 
+from . import ttt
 from .extract import FeatureSet
 
 
@@ -90,10 +91,17 @@ class FitConfig(TrainConfig):
     match): `TrainConfig` plus the EAGLE objective's fields."""
 
     accum: int = 1  # micro-batches per optimizer step
+    ttt_steps: int = 1  # K: draft steps unrolled in training (1: EAGLE's teacher-forced objective; `train_draft.ttt`)
+    step_decay: float = 0.8  # weight of unrolled step k: step_decay**k (EAGLE-3's)
     w_cls: float = 0.1
     noise: float = 0.2
     init: str = "random"  # or "target-last-layer" or "head:<dir>" (warm start)
     ce_positions: int = 0  # >0: vocab terms (CE, top-1) from this many random loss positions per row (unbiased)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.ttt_steps < 1:
+            raise ValueError(f"FitConfig.ttt_steps must be >= 1, got {self.ttt_steps}")
 
 
 class Batch(NamedTuple):
@@ -226,38 +234,57 @@ def packed_mask(segments):
 
 
 def loss_sums(params, dcfg: DraftConfig, embed, lm_w, mb: Batch, key, noise: float, w_cls: float, dtype,
-              ce_positions: int = 0):
-    """Unnormalised sums over one micro-batch [B, L]: (weighted loss sum, metrics sums)."""
+              ce_positions: int = 0, steps: int = 1, step_decay: float = 0.8):
+    """Unnormalised sums over one micro-batch [B, L]: (weighted loss sum, metrics sums).
+
+    steps = 1: the EAGLE objective (module docstring). steps = K > 1: training-time test (`ttt.unroll`): step k
+    reads the token x_{t+1+k} and the head's own output of step k-1, and is scored against the target's feature
+    f_{t+1+k} and its soft labels, weighted step_decay**k; its metrics sums are `correct{k}` and `count{k}`
+    (`vloss`, `ploss`, `correct`, `count` stay step 0's, and `count` normalises every step's loss).
+    """
     f_in = mb.feat_in.astype(jnp.float32)
     if noise:
         f_in = f_in + (jax.random.uniform(key, f_in.shape, jnp.float32) - 0.5) * noise
     p = jax.tree.map(lambda w: w.astype(dtype), params)
-    g, _ = eagle.head_forward(p, dcfg, embed.astype(dtype), mb.tokens, f_in.astype(dtype), mb.positions,
-                              attn_mask=packed_mask(mb.segments))
-    g = g.astype(jnp.float32)
-    tgt = mb.feat_tgt.astype(jnp.float32)
-    m = mb.mask
-    v = jnp.sum(m * jnp.mean(smooth_l1(g - tgt), axis=-1))
-    w = m
-    if ce_positions and ce_positions < m.shape[-1]:
-        # Unbiased estimate of the vocab terms from `ce_positions` random loss positions per row (the lm_head
-        # projections dominate the step's FLOPs): pick masked positions first, in random order, and weight each
-        # pick by n_masked / n_picked.
-        score = m + 0.5 * jax.random.uniform(jax.random.fold_in(key, 1), m.shape)
-        _, idx = jax.lax.top_k(score, ce_positions)  # [B, K]
-        take = lambda x: jnp.take_along_axis(x, idx[..., None], axis=1)
-        g, tgt = take(g), take(tgt)
-        picked = jnp.take_along_axis(m, idx, axis=1)
-        n = jnp.sum(m, axis=-1, keepdims=True)
-        w = picked * n / jnp.maximum(jnp.sum(picked, axis=-1, keepdims=True), 1.0)
-    logits = jnp.einsum("bld,dv->blv", g, lm_w, preferred_element_type=jnp.float32)
-    t_logits = jax.lax.stop_gradient(jnp.einsum("bld,dv->blv", tgt, lm_w, preferred_element_type=jnp.float32))
-    p_t = jax.nn.softmax(t_logits, axis=-1)
-    ce = -jnp.sum(p_t * jax.nn.log_softmax(logits, axis=-1), axis=-1)
-    pl = jnp.sum(w * ce)
-    correct = jnp.sum(w * (jnp.argmax(logits, -1) == jnp.argmax(t_logits, -1)))
-    total = v + w_cls * pl
-    return total, {"vloss": v, "ploss": pl, "correct": correct, "count": jnp.sum(m)}
+    seg, tgt_all = mb.segments, mb.feat_tgt.astype(jnp.float32)
+
+    def step_loss(k, g):
+        g = g.astype(jnp.float32)
+        tgt = ttt.shift(tgt_all, k)  # f_{t+1+k}
+        m = ttt.shift(mb.mask, k) * ((ttt.shift(seg, k) == seg) & (seg > 0))  # loss mask of x_{t+1+k}
+        v = jnp.sum(m * jnp.mean(smooth_l1(g - tgt), axis=-1))
+        w = m
+        if ce_positions and ce_positions < m.shape[-1]:
+            # Unbiased estimate of the vocab terms from `ce_positions` random loss positions per row (the lm_head
+            # projections dominate the step's FLOPs): pick masked positions first, in random order, and weight
+            # each pick by n_masked / n_picked.
+            score = m + 0.5 * jax.random.uniform(jax.random.fold_in(key, 1 + k), m.shape)
+            _, idx = jax.lax.top_k(score, ce_positions)  # [B, K]
+            take = lambda x: jnp.take_along_axis(x, idx[..., None], axis=1)  # noqa: E731
+            g, tgt = take(g), take(tgt)
+            picked = jnp.take_along_axis(m, idx, axis=1)
+            n = jnp.sum(m, axis=-1, keepdims=True)
+            w = picked * n / jnp.maximum(jnp.sum(picked, axis=-1, keepdims=True), 1.0)
+        logits = jnp.einsum("bld,dv->blv", g, lm_w, preferred_element_type=jnp.float32)
+        t_logits = jax.lax.stop_gradient(jnp.einsum("bld,dv->blv", tgt, lm_w, preferred_element_type=jnp.float32))
+        ce = -jnp.sum(jax.nn.softmax(t_logits, axis=-1) * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+        pl = jnp.sum(w * ce)
+        correct = jnp.sum(w * (jnp.argmax(logits, -1) == jnp.argmax(t_logits, -1)))
+        return v + w_cls * pl, {"vloss": v, "ploss": pl, "correct": correct, "count": jnp.sum(m)}
+
+    total, per = ttt.unroll(p, dcfg, embed.astype(dtype), mb.tokens, f_in.astype(dtype), mb.positions,
+                            packed_mask(seg), steps, step_loss, step_decay)
+    sums = {k: per[k + "0"] for k in SUM_KEYS}
+    sums.update({f"{k}{j}": per[f"{k}{j}"] for j in range(1, steps) for k in ("correct", "count")})
+    return total, sums
+
+
+SUM_KEYS = ("vloss", "ploss", "correct", "count")
+
+
+def sum_keys(steps: int) -> tuple:
+    """The names of `loss_sums`' metrics sums for a `steps`-step objective."""
+    return SUM_KEYS + tuple(f"{k}{j}" for j in range(1, steps) for k in ("correct", "count"))
 
 
 def make_optimizer(cfg):
@@ -271,10 +298,16 @@ def make_optimizer(cfg):
 
 
 def metric_means(sums):
-    """Means per loss token of `loss_sums`' sums: {"vloss", "ploss", "acc", "count"} (count: the loss tokens)."""
+    """Means per loss token of `loss_sums`' sums: {"vloss", "ploss", "acc", "count"} (count: the loss tokens), and
+    "acc{k}" of each later unrolled step k (top-1 on the head's own features of step k-1)."""
     c = jnp.maximum(sums["count"], 1e-5)
     vl, pl = sums["vloss"] / c, sums["ploss"] / c
-    return {"vloss": vl, "ploss": pl, "acc": sums["correct"] / c, "count": sums["count"]}
+    out = {"vloss": vl, "ploss": pl, "acc": sums["correct"] / c, "count": sums["count"]}
+    k = 1
+    while f"count{k}" in sums:
+        out[f"acc{k}"] = sums[f"correct{k}"] / jnp.maximum(sums[f"count{k}"], 1e-5)
+        k += 1
+    return out
 
 
 def make_train_step(graphdef: nnx.GraphDef, treedef, dcfg: DraftConfig, cfg: FitConfig):
@@ -297,7 +330,7 @@ def make_train_step(graphdef: nnx.GraphDef, treedef, dcfg: DraftConfig, cfg: Fit
 
         def loss(p, mb, k):
             return loss_sums(nnx.to_pure_dict(nnx.merge_state(p, rest)), dcfg, embed, lm_w, mb, k, cfg.noise,
-                             cfg.w_cls, dtype, cfg.ce_positions)
+                             cfg.w_cls, dtype, cfg.ce_positions, cfg.ttt_steps, cfg.step_decay)
 
         grad_fn = jax.grad(loss, has_aux=True)
 
@@ -307,7 +340,7 @@ def make_train_step(graphdef: nnx.GraphDef, treedef, dcfg: DraftConfig, cfg: Fit
             return jax.tree.map(jnp.add, acc, (g, aux)), None
 
         zero = (jax.tree.map(jnp.zeros_like, params),
-                {k: jnp.zeros((), jnp.float32) for k in ("vloss", "ploss", "correct", "count")})
+                {k: jnp.zeros((), jnp.float32) for k in sum_keys(cfg.ttt_steps)})
         (grads, sums), _ = jax.lax.scan(micro, zero, (batch, keys))
         c = jnp.maximum(sums["count"], 1e-5)
         grads = jax.tree.map(lambda x: x / c, grads)
@@ -320,13 +353,20 @@ def make_train_step(graphdef: nnx.GraphDef, treedef, dcfg: DraftConfig, cfg: Fit
     return jax.jit(step, donate_argnums=(0,))
 
 
-def make_eval_step(dcfg: DraftConfig, cfg: FitConfig):
+EVAL_STEPS = 6  # held-out top-1 is reported for at least this many free-running draft steps
+
+
+def make_eval_step(dcfg: DraftConfig, cfg: FitConfig, steps: int | None = None):
+    """Jitted (params, embed, lm_w, batch [1, B, L]) -> held-out metrics sums over `steps` unrolled draft steps
+    (default max(cfg.ttt_steps, EVAL_STEPS)): step k > 0 free-running on the head's own features."""
     dtype = jnp.dtype(cfg.dtype)
+    steps = max(cfg.ttt_steps, EVAL_STEPS) if steps is None else steps
 
     @jax.jit
     def ev(params, embed, lm_w, batch: Batch):
         mb = jax.tree.map(lambda x: x[0], batch)
-        _, sums = loss_sums(params, dcfg, embed, lm_w, mb, None, 0.0, cfg.w_cls, dtype)
+        _, sums = loss_sums(params, dcfg, embed, lm_w, mb, None, 0.0, cfg.w_cls, dtype, steps=steps,
+                            step_decay=cfg.step_decay)
         return sums
 
     return ev
@@ -344,8 +384,9 @@ def init_head_params(dcfg: DraftConfig, target, cfg: FitConfig) -> dict:
         params["layers"] = {k: jnp.asarray(ops.as_float(lp[k])[-1:], jnp.float32) for k in params["layers"]}
         D = dcfg.hidden_size
         params["fc_w"] = params["fc_w"].at[D:].set(jnp.eye(D, dtype=jnp.float32))
-    elif cfg.init.startswith("head:"):  # warm start from a head directory in our format
-        d = load_draft_dir(cfg.init[len("head:"):], target, dtype=jnp.float32)
+    elif cfg.init.startswith("head:"):  # warm start from a head (packaged name, our format, official layout)
+        from ddd_jax.checkpoints.loading import load_draft
+        d = load_draft(cfg.init[len("head:"):], target, dtype=jnp.float32)
         # a reduced draft vocabulary is not trained (`train-draft draft-vocab` sets it afterwards): warm starts
         # from a head that has one keep its weights and drop its d2t
         got = dataclasses.replace(d.config, draft_vocab_size=dcfg.draft_vocab_size)
@@ -353,7 +394,7 @@ def init_head_params(dcfg: DraftConfig, target, cfg: FitConfig) -> dict:
             raise ValueError(f"init head {cfg.init!r} has config {d.config}, expected {dcfg}")
         params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), {k: v for k, v in d.params.items() if k != "d2t"})
     elif cfg.init != "random":
-        raise ValueError(f"unknown init {cfg.init!r} (random | target-last-layer | head:<dir>)")
+        raise ValueError(f"unknown init {cfg.init!r} (random | target-last-layer | head:<name or path>)")
     return params
 
 
@@ -571,7 +612,7 @@ class _Progress:
         ms = jax.device_get(self.pending)
         dt = time.time() - self.t_last
         rec = {"step": done, "epoch": round(plan.epoch_of(done), 4), "lr": float(sched(done - 1)),
-               **{k: float(np.mean([x[k] for x in ms])) for k in ("loss", "vloss", "ploss", "acc", "grad_norm")},
+               **{k: float(np.mean([x[k] for x in ms])) for k in ms[-1] if k != "count"},
                "tokens_per_s": self.tokens / max(dt, 1e-9), "elapsed_s": time.time() - t_start}
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{rec['acc']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
@@ -649,7 +690,8 @@ def _train(run: _Run, target, dcfg: DraftConfig, cfg: FitConfig, plan: BatchPlan
             r = evaluate(eval_step, run.params(), embed, lm_w, held)
             run.last_eval = {"step": done, "split": "eval", "eval_vloss": r["vloss"], "eval_ploss": r["ploss"],
                              "eval_loss": r["vloss"] + cfg.w_cls * r["ploss"], "eval_acc": r["acc"],
-                             "eval_tokens": r["count"]}
+                             "eval_tokens": r["count"],
+                             **{f"eval_{k}": v for k, v in r.items() if k.startswith("acc") and k != "acc"}}
             run.log(run.last_eval)
         if tau_every and tau_prompts and (done % tau_every == 0 or done == end):
             run.log({"step": done, "split": "tau", **measure_tau(target, dcfg, run.params(), tau_prompts, tau_max_new)})
