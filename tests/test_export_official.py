@@ -16,7 +16,7 @@ import pytest
 
 from ddd_jax import Draft, Target, eagle, head_kinds, init_draft, llama, load_draft, save_draft, save_official
 from ddd_jax import io as dio
-from ddd_jax.checkpoints.eagle_official import EAGLE1_RULES
+from ddd_jax.checkpoints.eagle_official import EAGLE1_RULES, EXTENSIONS_FILE
 from ddd_jax.checkpoints.ours import save_target
 from ddd_jax.checkpoints.safetensors import safetensors_sources
 from ddd_jax.cli import main
@@ -129,7 +129,8 @@ def tensors(path) -> dict:
 def test_round_trip_is_bit_exact(tmp_path, name, dtype):
     d = head(name)
     out = save_official(d, tmp_path / "official", dtype=dtype)
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == sorted(
+        ["README.md", "config.json", "model.safetensors"] + ([EXTENSIONS_FILE] if name == "eagle1-vocab" else []))
     back = load_draft(out, d.target, dtype=dtype)  # the official importer, as for any official head
     # (fc_bias means nothing to an EAGLE-3 head, whose fc never has a bias: the importer says False)
     assert back.config == (dataclasses.replace(d.config, fc_bias=False) if name.startswith("eagle3") else d.config)
@@ -171,7 +172,7 @@ def test_torch_reference_state_dicts_are_the_exported_names(tmp_path):
         cfg = json.loads((out / "config.json").read_text())
         with torch.device("meta"):
             sd = module(cfg).state_dict()
-        assert set(tensors(out)) - {"draft_token_ids"} == set(sd), name
+        assert set(tensors(out)) == set(sd), name  # nothing of ours where their strict loader reads
         for k, s in tensors(out).items():
             if k in sd:
                 assert tuple(s.shape) == tuple(sd[k].shape), k
@@ -191,9 +192,12 @@ def test_export_holds_what_official_loaders_read(tmp_path):
     assert set(tensors(nb)) == set(EAGLE_TENSORS) - {"fc.bias"}
 
     v = save_official(head("eagle1-vocab"), tmp_path / "v")
-    ids = tensors(v)["draft_token_ids"]
-    assert set(tensors(v)) == set(EAGLE_TENSORS) | {"draft_token_ids"} and ids.dtype == np.int64
-    assert "draft_token_ids" in (v / "README.md").read_text()  # the model card names the extension
+    assert set(tensors(v)) == set(EAGLE_TENSORS)  # EAGLE-2's ea_model.py: load_state_dict(strict=True)
+    side = {s.name: s for s in safetensors_sources(v / EXTENSIONS_FILE)}  # ours, in a file they never open
+    assert set(side) == {"draft_token_ids"} and side["draft_token_ids"].dtype == np.int64
+    np.testing.assert_array_equal(side["draft_token_ids"].load(), [95, 3, 40, 7, 12, 60, 2, 33, 81, 0])
+    card = (v / "README.md").read_text()  # the model card names the side file and what each program drafts from
+    assert EXTENSIONS_FILE in card and "whole vocabulary" in card and "lossless" in card
 
     d3 = head("eagle3")
     e3 = save_official(d3, tmp_path / "e3")
@@ -210,6 +214,42 @@ def test_export_holds_what_official_loaders_read(tmp_path):
     np.testing.assert_array_equal(np.arange(40) + off, ids)  # EAGLE: topk_index + d2t[topk_index]; SGLang hot ids
     np.testing.assert_array_equal(np.flatnonzero(t2d), np.sort(ids))
     assert "base_model: tiny4-v96" in (e3 / "README.md").read_text()
+
+
+@pytest.mark.parametrize("name", [h for h in HEADS if h.startswith("eagle1")])
+def test_model_file_holds_only_official_tensors(tmp_path, name):
+    """model.safetensors of an EAGLE-1/2 export holds the official cnets1 `Model`'s tensors and nothing else (a
+    strict load fails on any other key); the torch mirror, which defines exactly those names, loads it strictly."""
+    torch = pytest.importorskip("torch")
+    from ddd_jax.checkpoints.torch_ref import TorchEagleHead, load_official_head
+    out = save_official(head(name), tmp_path / name, dtype="float32")
+    assert set(tensors(out)) <= set(EAGLE_TENSORS), set(tensors(out)) - set(EAGLE_TENSORS)
+    cfg = json.loads((out / "config.json").read_text())
+    with torch.device("meta"):
+        assert set(TorchEagleHead(cfg).state_dict()) == set(tensors(out))
+    load_official_head(out)  # strict=True inside
+
+
+def test_an_extension_in_the_model_file_fails_the_strict_mirror(tmp_path):
+    """The mirror is as strict as EAGLE's loader: a model.safetensors with `draft_token_ids` in it (what exports
+    wrote before the side file) fails its load -- and still loads in ddd-jax, bit for bit."""
+    pytest.importorskip("torch")
+    from ddd_jax.checkpoints.safetensors import write_safetensors
+    from ddd_jax.checkpoints.torch_ref import load_official_head
+    d = head("eagle1-vocab")
+    out = save_official(d, tmp_path / "new", dtype="float16")
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in ("config.json", "README.md"):
+        (old / f).write_bytes((out / f).read_bytes())
+    merged = {k: np.asarray(s.load()) for k, s in tensors(out).items()}
+    merged["draft_token_ids"] = np.asarray(safetensors_sources(out / EXTENSIONS_FILE)[0].load())
+    write_safetensors(merged, old / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match="draft_token_ids"):
+        load_official_head(old)
+    assert_same_params(load_draft(old, d.target, dtype="float16"), d.astype(jnp.float16))
+    (out / EXTENSIONS_FILE).unlink()  # no side file: the whole vocabulary, as EAGLE's code drafts
+    assert "d2t" not in load_draft(out, d.target).params
 
 
 def test_key_table_inversion_and_unmapped_params():
@@ -317,7 +357,8 @@ def test_shipped_head_exports_and_the_reference_agrees(smollm2_by_name, smollm2_
     assert card.startswith("---\nbase_model: HuggingFaceTB/SmolLM2-135M-Instruct\nlibrary_name: ddd-jax\n"
                            "license: apache-2.0\n")
     assert "## Training" in card and "held-out top-1 | 0.627" in card and "## Acceptance (τ)" in card
-    assert "draft_token_ids" in card and "| `draft_token_ids` | [8192] | int64 |" in card
+    assert f"| `draft_token_ids` | {EXTENSIONS_FILE} | [8192] | int64 |" in card
+    assert set(tensors(out)) == set(EAGLE_TENSORS)
     back = load_draft(out, smollm2_by_name, dtype="float16")
     assert_same_params(back, smollm2_head.astype(jnp.float16))  # the shipped weights are float16
     diffs = check_head(out, smollm2_head)  # the torch reference modules reading the exported files

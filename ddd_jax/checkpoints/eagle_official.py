@@ -9,9 +9,12 @@ biases) + `pytorch_model.bin` or `model.safetensors` holding
     layers.0.self_attn.{q,k,v,o}_proj.weight, layers.0.mlp.{gate,up,down}_proj.weight,
     layers.0.post_attention_layernorm.weight      (no input_layernorm on layer 0)
     layers.0.self_attn.{q,k,v}_proj.bias          (only with "qkv_bias": true)
-and one ddd-jax extension, which EAGLE's loader (`load_state_dict(strict=False)`) and SGLang's ignore:
+and nothing else: EAGLE-2's `ea_model.py` loads them with `load_state_dict(strict=True)`. What is ddd-jax's own
+lives in a side file, `ddd-jax/extensions.safetensors` (`EXTENSIONS_FILE`), which official loaders never open (they
+read model.safetensors / pytorch_model.bin, and SGLang globs only the directory's own *.safetensors):
     draft_token_ids [V'] int64      a reduced draft vocabulary: the target ids the head drafts over (our `d2t`;
                                     SGLang's FR-Spec "hot" tokens). Absent: the whole target vocabulary.
+Heads exported before the side file held draft_token_ids in model.safetensors; they still load.
 
 The layer is EAGLE's own LLaMA layer whatever the config's `model_type` says: head_dim is hidden_size /
 num_attention_heads (cnets1 ignores a `head_dim` field; so do we, with a warning when it differs), there are no
@@ -40,7 +43,22 @@ EAGLE1_RULES = (
 )
 EMBED_KEY = "embed_tokens.weight"
 DRAFT_IDS_KEY = "draft_token_ids"
-EXTENSIONS = (DRAFT_IDS_KEY,)  # tensors official loaders do not know (and ignore)
+EXTENSIONS = (DRAFT_IDS_KEY,)  # tensors official loaders do not know: written to EXTENSIONS_FILE, never beside theirs
+EXTENSIONS_FILE = "ddd-jax/extensions.safetensors"  # relative to the head directory
+
+
+def extension_sources(d: Path) -> list:
+    """The tensors of `d`'s side file (`EXTENSIONS_FILE`), [] when it has none; only `EXTENSIONS` names may be in
+    it."""
+    path = Path(d) / EXTENSIONS_FILE
+    if not path.is_file():
+        return []
+    from .safetensors import safetensors_sources
+    out = safetensors_sources(path)
+    unknown = sorted(s.name for s in out if s.name not in EXTENSIONS)
+    if unknown:
+        raise ValueError(f"{path}: unknown tensors {unknown} (ddd-jax's side file holds only {list(EXTENSIONS)})")
+    return out
 EAGLE1_IGNORE = (r".*rotary_emb\.inv_freq", r"embed_tokens\.weight")  # embed: compared, then dropped
 
 
@@ -54,6 +72,9 @@ def convert_official_head(src, target, dtype=None, embed_check: str = "warn") ->
     sources = checkpoint_sources(src)
     names = [s.name for s in sources]
     from .eagle3_official import convert_official_eagle3, is_eagle3
+    if not is_eagle3(names):
+        sources = sources + extension_sources(src)  # ddd-jax's side file (draft_token_ids)
+        names = [s.name for s in sources]
     if is_eagle3(names):  # midlayer / hidden_norm / d2t / t2d tensors
         return convert_official_eagle3(src, target, dtype, embed_check)
     dcfg = draft_config_from_official(raw, what, target_name=getattr(target, "name", None))

@@ -12,9 +12,10 @@ named. Layouts, each one directory written atomically (it exists whole or not at
                          (as EAGLE's released heads)
       model.safetensors  fc.{weight,bias}, layers.0.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj,
                          post_attention_layernorm}.weight (+ q/k/v biases), embed_tokens.weight (the target's
-                         embedding: cnets1 has the parameter, and with `strict=False` nothing says when it is absent);
-                         ddd-jax's extension `draft_token_ids` [V'] int64 for a reduced draft vocabulary (official
-                         loaders ignore it; `load_draft` reads it back)
+                         embedding: cnets1 has the parameter, and EAGLE-2's `ea_model.py` loads with
+                         `strict=True`): exactly the official model's tensors, nothing of ours
+      ddd-jax/extensions.safetensors   ddd-jax's own tensors, which official loaders never open: `draft_token_ids`
+                         [V'] int64 for a reduced draft vocabulary (`load_draft` reads it back)
 * "eagle3" (EAGLE-3 heads): EAGLE's `eagle/model/cnets.py` `Model` (`use_eagle3=True`) and SGLang's
   `LlamaForCausalLMEagle3` (`python/sglang/srt/models/llama_eagle3.py`).
       config.json        the same LlamaConfig fields, architectures LlamaForCausalLMEagle3, draft_vocab_size, and
@@ -43,7 +44,7 @@ from .. import io as dio
 from ..backends.cpu import quant
 from ..keytable import export, resolve_dtype
 from .eagle3_official import EAGLE3_RULES, INVERSE as EAGLE3_INVERSE, t2d_mask
-from .eagle_official import DRAFT_IDS_KEY, EAGLE1_RULES, EMBED_KEY
+from .eagle_official import DRAFT_IDS_KEY, EAGLE1_RULES, EMBED_KEY, EXTENSIONS, EXTENSIONS_FILE
 
 EXPORT_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -199,13 +200,17 @@ def save_official(draft, path, layout: str | None = None, dtype: str = "float16"
                       "SGLang reads it, EAGLE's own EConfig accepts only 'linear' / 'dynamic' scaling", stacklevel=2)
     cfg = official_config(draft, lo, dtype)
     tensors = official_tensors(draft, lo, dtype)
+    side = {k: tensors.pop(k) for k in EXTENSIONS if k in tensors}  # ours: never where official loaders look
     if card is None:
         card = head_card(draft)
-    readme = model_card(draft, lo, dtype, cfg, tensors, card, base_model, license)
+    readme = model_card(draft, lo, dtype, cfg, tensors, card, base_model, license, side)
     with dio.atomic_dir(path) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         from .safetensors import write_safetensors
         write_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        if side:
+            (tmp / EXTENSIONS_FILE).parent.mkdir()
+            write_safetensors(side, tmp / EXTENSIONS_FILE, metadata={"format": "ddd-jax-extensions"})
         (tmp / "README.md").write_text(readme)
         mask = os.umask(0)
         os.umask(mask)
@@ -271,7 +276,7 @@ def _profile_beside(path_or_name) -> dict | None:
 
 
 def model_card(draft, layout: Layout, dtype: str, cfg: dict, tensors: dict, card: dict, base_model=None,
-               license=None) -> str:
+               license=None, side: dict | None = None) -> str:
     """README.md of an exported head: the hub's metadata block, the files, how to load it, the head's own card."""
     from .registry import HUB_TARGETS
     dcfg = draft.config
@@ -291,16 +296,23 @@ def model_card(draft, layout: Layout, dtype: str, cfg: dict, tensors: dict, card
              "## Files", "",
              "| file | holds |", "|---|---|",
              f"| `config.json` | LlamaConfig fields, one decoder layer, architectures `{layout.architecture}` |",
-             "| `model.safetensors` | the tensors below |", "| `README.md` | this card |", "",
-             "| tensor | shape | dtype |", "|---|---|---|",
-             *[f"| `{k}` | {list(v.shape)} | {v.dtype} |" for k, v in sorted(tensors.items())], ""]
+             "| `model.safetensors` | the tensors below: exactly the official model's |",
+             *([f"| `{EXTENSIONS_FILE}` | ddd-jax's own tensors (below), which official loaders never open |"]
+               if side else []),
+             "| `README.md` | this card |", "",
+             "| tensor | file | shape | dtype |", "|---|---|---|---|",
+             *[f"| `{k}` | model.safetensors | {list(v.shape)} | {v.dtype} |" for k, v in sorted(tensors.items())],
+             *[f"| `{k}` | {EXTENSIONS_FILE} | {list(v.shape)} | {v.dtype} |" for k, v in sorted((side or {}).items())],
+             ""]
     notes = [f"`{EMBED_KEY}` is the head's own embedding (narrower than the target's)." if "embed" in draft.params
              else f"`{EMBED_KEY}` is a copy of the target's embedding (the head shares it)."]
-    if layout.name == "eagle" and DRAFT_IDS_KEY in tensors:
-        notes.append(f"`{DRAFT_IDS_KEY}` is a ddd-jax extension: the {dcfg.draft_vocab_size} target token ids this "
-                     "head drafts over (a reduced draft vocabulary). EAGLE's loader (`load_state_dict(strict=False)`) "
-                     "and SGLang ignore it and draft over the whole vocabulary; for SGLang's FR-Spec the same ids "
-                     "are a hot-token map (`--speculative-token-map`). ddd-jax reads it back.")
+    if layout.name == "eagle" and DRAFT_IDS_KEY in (side or {}):
+        notes.append(f"`{DRAFT_IDS_KEY}` (in `{EXTENSIONS_FILE}`) is ddd-jax's own: the {dcfg.draft_vocab_size} "
+                     "target token ids this head drafts over (a reduced draft vocabulary). ddd-jax reads it back and "
+                     "restricts the draft to those tokens; SafeAILab/EAGLE's code (which loads model.safetensors "
+                     "with `strict=True`) and SGLang never open the side file and draft over the whole vocabulary. "
+                     "Both are lossless: the target verifies every drafted token, so only the acceptance rate can "
+                     "differ. For SGLang's FR-Spec the same ids are a hot-token map (`--speculative-token-map`).")
     if layout.name == "eagle3":
         notes.append("`d2t` holds EAGLE's offsets (target id = draft id + d2t[draft id]) and `t2d` marks the target "
                      "ids of the draft vocabulary. `target_hidden_size` is written even when it equals "

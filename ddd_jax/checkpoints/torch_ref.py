@@ -198,12 +198,11 @@ def load_official_head(src, dtype=torch.float32) -> TorchEagleHead:
     src = Path(src)
     cfg = json.loads((src / "config.json").read_text())
     head = TorchEagleHead(cfg)
-    from .eagle_official import EXTENSIONS  # ddd-jax's extra tensors: EAGLE's loader (strict=False) skips them too
+    # what EAGLE-2's `ea_model.py` does: every tensor of the checkpoint (model.safetensors / pytorch_model.bin; never
+    # ddd-jax's side file) into the official Model with `load_state_dict(strict=True)` -- an unknown or a missing
+    # tensor fails the load (released heads' non-persistent rotary buffers aside)
     sd = {s.name: torch.from_numpy(np.array(s.load(), np.float32)) for s in checkpoint_sources(src)
-          if s.name not in EXTENSIONS}
-    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
-    if "embed_tokens.weight" not in sd:
-        sd["embed_tokens.weight"] = head.embed_tokens.weight.detach()
+          if not s.name.endswith("rotary_emb.inv_freq")}
     head.load_state_dict(sd, strict=True)
     return head.to(dtype).eval()
 
