@@ -13,7 +13,8 @@ def add_parser(sub) -> None:
     p.add_argument("--target", default="smollm2-135m-instruct", help="target name or path")
     p.add_argument("--draft", default=None, help="head name or path (default: the target's packaged head)")
     p.add_argument("--draft-dtype", default=None, help="the head's weight dtype (default: the tuned settings')")
-    p.add_argument("--gguf-blocks", action="store_true", help="calibrate the target kept as GGUF blocks")
+    from .generate_cli import add_gguf_blocks_arg
+    add_gguf_blocks_arg(p, "calibrate the target kept as GGUF blocks")
     p.add_argument("--repeat", type=int, default=3, help="timed rounds of the cost curve (median)")
     p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes to calibrate (default 1; e.g. "
                                                       "1,4,8,16: a batch verifies batch x N rows, so it picks smaller "

@@ -62,6 +62,22 @@ def tree_and_ddd(args):
     return tree, ddd, source
 
 
+def gguf_blocks_value(s: str):
+    """--gguf-blocks' optional value: "int8" (integer products), or "exact" (the same as the bare flag)."""
+    if s in ("int8", "exact"):
+        return "int8" if s == "int8" else True
+    raise argparse.ArgumentTypeError(f"--gguf-blocks takes int8 (or exact, the default), not {s!r}")
+
+
+def add_gguf_blocks_arg(p, help: str) -> None:
+    """`--gguf-blocks` (args.gguf_blocks True: the exact float32 products of the blocks) or `--gguf-blocks int8`
+    (args.gguf_blocks "int8": integer products over int8 activations, llama.cpp's arithmetic); default False. The
+    value goes to `load_target(..., gguf_blocks=...)` as it is."""
+    p.add_argument("--gguf-blocks", nargs="?", const=True, default=False, type=gguf_blocks_value, metavar="int8",
+                   help=help + "; '--gguf-blocks int8': the layer products by int8 integer dot products (close to, "
+                               "not bitwise, the float32 products; docs/cpu.md)")
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text with vanilla, EAGLE-2 or DDD decoding")
     p.add_argument("--target", default=DEFAULT_TARGET, help="target name or path (default %(default)s)")
@@ -83,9 +99,8 @@ def add_parser(sub) -> None:
                    help="with --compare: timed runs of each, alternating method and vanilla after one warm-up run "
                         "of each; the medians are reported (a noisy CPU's speed drifts between runs)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
-    p.add_argument("--gguf-blocks", action="store_true",
-                   help="(GGUF targets) keep the Q4_1 / Q8_0 / Q4_0 matrices as blocks: the same float32 values and "
-                        "arithmetic, ~1/6 of the bytes per forward")
+    add_gguf_blocks_arg(p, "(GGUF targets) keep the Q4_1 / Q8_0 / Q4_0 matrices as blocks: the same float32 values "
+                           "and arithmetic, ~1/6 of the bytes per forward")
     p.add_argument("--no-panels", action="store_true",
                    help="keep the float32 layer matrices row-major (default on CPU: panel-major, bitwise the same "
                         "products, faster streams)")

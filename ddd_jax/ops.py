@@ -5,7 +5,8 @@ Model and decode code (layers, llama, eagle, eagle1, eagle3, drafting, generate)
 packed weight (`backends.Packed`: panels, GGUF blocks, ...) carries its own product; a plain array takes the
 backend's kernel where one applies (`backends/cpu`: float32 work of at most 128 rows) and XLA otherwise. The
 results do not depend on which path ran: the CPU kernels are bitwise the float32 products they replace, row by
-row, whatever the number of rows.
+row, whatever the number of rows -- except GGUF blocks loaded as `gguf_blocks="int8"`, whose weights carry their
+own integer product (close to the float32 one, and still the same bits whatever the number of rows).
 """
 from __future__ import annotations
 

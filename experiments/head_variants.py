@@ -15,7 +15,8 @@ speed-ups share one stretch of the host.
 MT-bench first turns [START, START+N) with the chat template, 64 new tokens, greedy; SmolLM2-135M-Instruct and the
 shipped head (or `head`: a head directory, to compare candidate heads in one run); every variant compiled for
 every prompt first, then per prompt all variants in alternating order.
---weights: the target loads to run them on (default float: float32 weights; blocks: `gguf_blocks=True`; float48 /
+--weights: the target loads to run them on (default float: float32 weights; blocks: `gguf_blocks=True`; int8:
+`gguf_blocks="int8"`, integer products whose tokens differ from float vanilla's; float48 /
 float16: float32 weights in 48- / 16-column panels, `panels=48` / `panels=16`); every
 variant and vanilla runs on each, named `<name>/<weights>` when there is more than one.
 Prints per variant: tok/s (decode time only), speed-up vs the vanilla of the same weights (and vs float vanilla),
@@ -53,7 +54,9 @@ def _replaced(target, draft, edits: str):
     return tree, ddd
 
 
-PANEL_WIDTH = {"float": None, "blocks": None, "float48": 48, "float16": 16}  # --weights: load_target's panels
+# --weights: load_target's panels
+PANEL_WIDTH = {"float": None, "blocks": None, "int8": None, "float48": 48, "float16": 16}
+GGUF_BLOCKS = {"blocks": True, "int8": "int8"}  # --weights: load_target's gguf_blocks (others: False)
 
 
 def main(argv) -> int:
@@ -66,7 +69,7 @@ def main(argv) -> int:
             raise SystemExit(f"--weights takes {', '.join(PANEL_WIDTH)}, got {weights}")
     n, start = int(argv[0]), int(argv[1])
     # (a head packs its panels at its target's width)
-    targets = {w: dj.load_target("smollm2-135m-instruct", gguf_blocks=w == "blocks", panels=PANEL_WIDTH[w])
+    targets = {w: dj.load_target("smollm2-135m-instruct", gguf_blocks=GGUF_BLOCKS.get(w, False), panels=PANEL_WIDTH[w])
                for w in weights}
     specs = [("vanilla", None)] + [(v.split(":")[0], v.split(":")[1:]) for v in argv[2:]]
     runs = {}

@@ -39,9 +39,9 @@ def _common(p: argparse.ArgumentParser, limit_default, max_new_default) -> None:
                         "init_draft(target, 0) (speed plumbing only: acceptance is meaningless); 'none' with --cost-curve "
                         "= target only")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: as stored)")
-    p.add_argument("--gguf-blocks", action="store_true",
-                   help="(GGUF targets) keep the Q4_1 / Q8_0 / Q4_0 matrices as blocks: the same float32 values and "
-                        "arithmetic, ~1/6 of the bytes per forward (vanilla and speculative alike)")
+    from ddd_jax.generate_cli import add_gguf_blocks_arg
+    add_gguf_blocks_arg(p, "(GGUF targets) keep the Q4_1 / Q8_0 / Q4_0 matrices as blocks: the same float32 values "
+                           "and arithmetic, ~1/6 of the bytes per forward (vanilla and speculative alike)")
     p.add_argument("--no-panels", action="store_true",
                    help="keep the float32 layer matrices row-major (default on CPU: panel-major, `ddd_jax.backends.cpu.panels`; "
                         "bitwise the same products, faster streams)")
@@ -184,7 +184,7 @@ def add_peers_parser(subparsers) -> None:
 def load_models(args, need_draft: bool = True):
     """(target, draft | None, draft description). A missing default head falls back to a random one, loudly."""
     import ddd_jax
-    kw = {"gguf_blocks": True} if getattr(args, "gguf_blocks", False) else {}
+    kw = {"gguf_blocks": args.gguf_blocks} if getattr(args, "gguf_blocks", False) else {}  # True or "int8"
     if getattr(args, "no_panels", False):
         if getattr(args, "panel_width", None):
             raise SystemExit("--no-panels and --panel-width contradict each other: drop one")

@@ -54,7 +54,7 @@ def resolve_source(path_or_name) -> tuple[str, Path]:
     return "hf", path
 
 
-def load_target(path_or_name, dtype=None, mesh=None, gguf_blocks: bool = False,
+def load_target(path_or_name, dtype=None, mesh=None, gguf_blocks: bool | str = False,
                 panels: bool | int | None = None) -> Target:
     """Load a target.
 
@@ -66,6 +66,9 @@ def load_target(path_or_name, dtype=None, mesh=None, gguf_blocks: bool = False,
     gguf_blocks: (GGUF sources) keep the matrices stored as Q4_1 / Q8_0 / Q4_0 as those blocks (`ddd_jax.backends.cpu.quant`):
     the same float32 values and arithmetic, ~1/6 of the bytes a forward reads; the CPU kernel dequantizes them
     exactly. Matrices of other types (K-quants, float16) are dequantized to float32, with a warning naming them.
+    gguf_blocks="int8": the same blocks, but the layer matrices multiply by integer dot products over activations
+    quantized per 32 values to int8 (`quant.BlockPanels.int8`, llama.cpp's arithmetic): close to, not bitwise, the
+    float32 products, and every row's result still independent of the number of rows (docs/cpu.md, "int8 blocks").
     panels: store the float32 layer matrices panel-major (`ddd_jax.backends.cpu.panels`: bitwise the same products, read as
     contiguous streams by the CPU kernel), and GGUF blocks too (`quant.BlockPanels`: bitwise the float32 panels'
     products of their dequantized values, so a GGUF target decodes the same tokens with or without gguf_blocks).
@@ -77,12 +80,18 @@ def load_target(path_or_name, dtype=None, mesh=None, gguf_blocks: bool = False,
     """
     if not (panels is None or isinstance(panels, bool) or (isinstance(panels, int) and panels in P.WIDTHS)):
         raise ValueError(f"panels must be None, True, False, 16 or 48, not {panels!r}")
-    target = _with_panels(_load_target(path_or_name, dtype, mesh, gguf_blocks), panels)
+    if gguf_blocks not in (False, True, "int8"):
+        raise ValueError(f"gguf_blocks must be False, True or 'int8', not {gguf_blocks!r}")
+    int8 = gguf_blocks == "int8"
+    if int8 and panels is False:
+        raise ValueError("gguf_blocks='int8' multiplies quantized panels; panels=False does not apply")
+    target = _with_panels(_load_target(path_or_name, dtype, mesh, bool(gguf_blocks)),
+                          (True if panels is None else panels) if int8 else panels, int8)
     hugepages.collapse(target.params)
     return target
 
 
-def _with_panels(target: Target, panels: bool | int | None) -> Target:
+def _with_panels(target: Target, panels: bool | int | None, int8: bool = False) -> Target:
     """`target` with panel-major matrices where `panels` (load_target's argument) asks for them and they apply."""
     if panels is False:
         return target
@@ -95,7 +104,7 @@ def _with_panels(target: Target, panels: bool | int | None) -> Target:
     if panels is None and not P.auto():
         return target
     # GGUF blocks (gguf_blocks=True) become quantized panels (`quant.BlockPanels`), float32 matrices float panels
-    params = quant.pack_block_params(target.params, tied=target.config.tie_word_embeddings)
+    params = quant.pack_block_params(target.params, tied=target.config.tie_word_embeddings, int8=int8)
     width = None if panels is None or panels is True else int(panels)
     return dataclasses.replace(target, params=P.pack_params(params, width))
 

@@ -36,7 +36,9 @@ def device_key(target) -> dict:
     backend = jax.default_backend()
     dev = jax.devices()[0]
     kind = cpu_model() if backend == "cpu" else getattr(dev, "device_kind", str(dev))
-    return {"backend": backend, "device": kind, "storage": weight_storage(target) or "float",
+    from ..backends.cpu import quant
+    int8 = quant.has_int8_blocks(getattr(target, "params", {}))  # integer products: their own cost curve
+    return {"backend": backend, "device": kind, "storage": "blocks-int8" if int8 else weight_storage(target) or "float",
             "target": getattr(target, "name", None)}
 
 

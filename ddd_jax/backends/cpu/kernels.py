@@ -11,7 +11,10 @@ panel-major float32 weights (`panels`: every panel one contiguous stream, any nu
 row-major product; float16 panels for a draft head bound to a panel-major target; for greedy decoding's lm_head
 the same product also returns each row's first maximum, `greedy_panels`), and GGUF blocks stored panel-major
 (`quant.BlockPanels`, `product_qpanels`: dequantized in registers, bitwise `product_panels` of the dequantized
-weight). Everything else, and every machine where
+weight), and the same quantized panels multiplied by integer dot products (`product_qpanels_int8`, `gguf_blocks=
+"int8"`: activations quantized per 32 values to int8, exact integer block sums, scaled in float32 in one fixed
+order -- close to the float32 product, not bitwise, and the same bits for every row count and for every integer
+variant, `int8_variant()`). Everything else, and every machine where
 the library is missing, cannot be loaded or the CPU lacks AVX2/FMA/F16C, takes XLA (one stderr line when the
 library is missing or broken). `DDD_JAX_NO_KERNELS=1` disables them. On CPUs with AVX-512 (F/VL/BW/DQ), x @ W
 products of 3 to 85 rows (tree verification), GGUF-block products and attention use 16-wide vectors (`avx512()`;
@@ -73,6 +76,10 @@ def _load() -> bool:
         lib.ddd_set_panel512_rows.argtypes = [ctypes.c_uint64]
         for name, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        if hasattr(lib, "DddLinearQPanelsInt8"):  # (a build from before int8 blocks keeps everything else)
+            jax.ffi.register_ffi_target("ddd_linear_qpanels_int8", jax.ffi.pycapsule(lib.DddLinearQPanelsInt8),
+                                        platform="cpu")
+            _choose_int8_variant(lib)
     except Exception as e:  # noqa: BLE001  (any failure here must leave the XLA path working)
         _warn(f"ddd_jax: CPU kernel library {path} not usable ({e}); using XLA's dot")
         return False
@@ -81,6 +88,56 @@ def _load() -> bool:
     if chosen is not None and lib.ddd_avx512():  # this CPU's measured choice (`choose_panel_tiles`)
         lib.ddd_set_panel512_rows(ctypes.c_uint64(chosen["panel512_rows"]))
     return True
+
+
+INT8_VARIANTS = ("avx2", "avxvnni", "avx512vnni")  # the kernel's g_i8_variant numbers, in order
+
+
+def _choose_int8_variant(lib) -> None:
+    """Apply DDD_JAX_INT8_VARIANT (if set) at load; a name this CPU lacks is kept as an error that `int8_variant`
+    (and so every int8 block product) raises."""
+    lib.ddd_int8_variant.restype = ctypes.c_int
+    lib.ddd_int8_supported.argtypes = [ctypes.c_int]
+    lib.ddd_set_int8_variant.argtypes = [ctypes.c_int]
+    want = os.environ.get("DDD_JAX_INT8_VARIANT", "")
+    if not want:
+        return
+    if want not in INT8_VARIANTS:
+        _state["int8_error"] = f"DDD_JAX_INT8_VARIANT={want!r}: the variants are {', '.join(INT8_VARIANTS)}"
+    elif not lib.ddd_set_int8_variant(INT8_VARIANTS.index(want)):
+        have = [v for i, v in enumerate(INT8_VARIANTS) if lib.ddd_int8_supported(i)]
+        _state["int8_error"] = (f"DDD_JAX_INT8_VARIANT={want}: this CPU (or this build of the kernel library) lacks "
+                                f"it; it has {', '.join(have)}")
+
+
+def int8_variant() -> str | None:
+    """Which integer instructions the int8 block products (`product_qpanels_int8`) use: "avx512vnni"
+    (_mm512_dpbusd_epi32), "avxvnni" (_mm256_dpbusd_avx_epi32) or "avx2" (maddubs + madd) -- the best this CPU has
+    (avx512vnni only with the AVX-512 paths on, see `avx512()`), or DDD_JAX_INT8_VARIANT's. Every variant gives the
+    same bits. None without the kernel (XLA computes the same arithmetic). Raises RuntimeError when
+    DDD_JAX_INT8_VARIANT names a variant this CPU lacks."""
+    if not available() or not hasattr(_state["lib"], "DddLinearQPanelsInt8"):
+        return None
+    if "int8_error" in _state:
+        raise RuntimeError(_state["int8_error"])
+    return INT8_VARIANTS[_state["lib"].ddd_int8_variant()]
+
+
+def int8_variants() -> tuple:
+    """The int8 variants this CPU and build can run (empty without the kernel)."""
+    if int8_variant() is None:
+        return ()
+    return tuple(v for i, v in enumerate(INT8_VARIANTS) if _state["lib"].ddd_int8_supported(i))
+
+
+def set_int8_variant(name: str) -> None:
+    """Use variant `name` for this process (compiled functions follow: the kernel reads it every call). Raises
+    ValueError for one this CPU lacks. For tests and benchmarks; the bits never depend on it."""
+    if name not in INT8_VARIANTS:
+        raise ValueError(f"unknown int8 variant {name!r}; known: {', '.join(INT8_VARIANTS)}")
+    if int8_variant() is None or not _state["lib"].ddd_set_int8_variant(INT8_VARIANTS.index(name)):
+        raise ValueError(f"int8 variant {name}: this CPU (or build) lacks it; it has {', '.join(int8_variants())}")
+    _state.pop("int8_error", None)
 
 
 def available() -> bool:
@@ -415,6 +472,91 @@ def product_qpanels(x, data, kind: str, n: int, layer=None):
     layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
     K = x.shape[-1]
     impl = _qpanels if available() and x.dtype == jnp.float32 else _qpanels_xla
+    out = impl(x.reshape(-1, K).astype(jnp.float32), w4, layer, (kind, n))
+    return out.reshape(*x.shape[:-1], n)
+
+
+# ----------------------------------------------------------------------------------------------- int8 blocks
+def _qpanels_int8_call(x2, w4, layer, static):
+    kind, n = static
+    call = jax.ffi.ffi_call("ddd_linear_qpanels_int8", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
+    return call(x2, w4, layer, kind=np.int64(KINDS[kind][0]))
+
+
+def quantize_rows_int8(x2):
+    """Each row of x2 [M, K] float32 quantized per 32 values to int8 with a float32 scale, as the kernel does:
+    amax = max |x|, d = amax / 127, id = 1 / d (0 when d = 0), q = clip(rint(x * id), -127, 127) (rint: half to
+    even). Returns (q [M, K/32, 32] int32, d [M, K/32] float32, s [M, K/32] int32 = sum q)."""
+    M, K = x2.shape
+    xb = x2.reshape(M, K // 32, 32)
+    amax = jnp.max(jnp.abs(xb), axis=-1)
+    # a divisor of amax's shape behind a barrier: XLA:CPU turns a division by a broadcast constant into a
+    # multiplication by its reciprocal, which is not always the correctly rounded quotient
+    d = amax / jax.lax.optimization_barrier(jnp.full(amax.shape, 127, jnp.float32))
+    inv = jnp.where(d != 0, jnp.float32(1) / jnp.where(d != 0, d, jnp.float32(1)), jnp.float32(0))
+    q = jnp.clip(jnp.round(xb * inv[..., None]), -127, 127).astype(jnp.int32)
+    return q, d, jnp.sum(q, axis=-1)
+
+
+def _block_ints(blocks, kind):
+    """GGUF rows [N, nb * bytes] -> (quants [N, nb, 32] int32 as the kernel multiplies them: the nibble 0..15 or
+    the int8, d [N, nb] float32, m [N, nb] float32 (zeros but for q4_1))."""
+    nbytes = KINDS[kind][1]
+    N, nb = blocks.shape[0], blocks.shape[1] // nbytes
+    b = blocks.reshape(N, nb, nbytes)
+    f16 = lambda lo: jax.lax.bitcast_convert_type(b[..., lo:lo + 2], jnp.float16).astype(jnp.float32)  # noqa: E731
+    d = f16(0)
+    m = f16(2) if kind == "q4_1" else jnp.zeros_like(d)
+    if kind == "q8_0":
+        q = jax.lax.bitcast_convert_type(b[..., 2:34], jnp.int8).astype(jnp.int32)
+    else:
+        qs = b[..., 4:20] if kind == "q4_1" else b[..., 2:18]
+        q = jnp.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(jnp.int32)
+    return q, d, m
+
+
+def _qpanels_int8_xla(x2, w4, layer, static):
+    """The kernel's arithmetic in XLA: exact integer block sums, then per block acc + float(isum) * (wd * d) (and
+    for q4_1 + wm * (d * float(s))), the blocks in order (a scan, so the float steps are the kernel's)."""
+    kind, n = static
+    q, wd, wm = _block_ints(from_panels(jax.lax.dynamic_index_in_dim(w4, layer, 0, keepdims=False), kind, n), kind)
+    xq, xd, xs = quantize_rows_int8(x2)
+    isum = jnp.einsum("mbk,nbk->bmn", xq, q, preferred_element_type=jnp.int32)
+    if kind == "q4_0":
+        isum = isum - 8 * xs.T[:, :, None]
+    ds = xd * xs.astype(jnp.float32)
+
+    def step(acc, blk):
+        i, wdb, wmb, xdb, dsb = blk
+        acc = acc + i.astype(jnp.float32) * (wdb[None, :] * xdb[:, None])
+        if kind == "q4_1":
+            acc = acc + wmb[None, :] * dsb[:, None]
+        return acc, None
+
+    acc, _ = jax.lax.scan(step, jnp.zeros((x2.shape[0], n), jnp.float32), (isum, wd.T, wm.T, xd.T, ds.T))
+    return acc
+
+
+def _qpanels_int8_bwd(static, res, g):  # d/dx of the float product of the dequantized weight (straight through)
+    return _qpanels_bwd(static, res, g)
+
+
+_qpanels_int8 = _kernel_product(_qpanels_int8_call, _qpanels_int8_xla, _qpanels_int8_bwd)
+
+
+def product_qpanels_int8(x, data, kind: str, n: int, layer=None):
+    """x [..., K] @ W for W GGUF blocks of `kind` stored panel-major (as `product_qpanels`), by integer products:
+    each row of x quantized per 32 values to int8 with a float32 scale (`quantize_rows_int8`), exact integer sums
+    against each weight block, each block's sum scaled in float32 and the blocks summed in order (the .cc file's
+    "int8 blocks"). Returns [..., N] float32, close to (not bitwise) the float32 product; a row's result does not
+    depend on the other rows, on the threads or on `int8_variant()`. Float32 x on CPU runs the kernel; elsewhere
+    XLA computes the same arithmetic."""
+    w4 = data if data.ndim == 4 else data[None]
+    layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+    K = x.shape[-1]
+    kernel = available() and x.dtype == jnp.float32 and int8_variant() is not None
+    impl = _qpanels_int8 if kernel else _qpanels_int8_xla
     out = impl(x.reshape(-1, K).astype(jnp.float32), w4, layer, (kind, n))
     return out.reshape(*x.shape[:-1], n)
 

@@ -18,7 +18,9 @@ SmolLM2-135M's Q4_1 layers and Q8_0 embedding are ~96 MB against 540 MB of float
 On CPU, `load_target` stores them panel-major instead (`BlockPanels`, `pack_blocks`): the kernel
 (`kernels.product_qpanels`) dequantizes a panel's K rows in registers and reduces in the float32 panel kernel's
 order, so a product is bitwise the float32 panels' product of the dequantized weight (a GGUF target's logits are
-its float32 load's, bit for bit).
+its float32 load's, bit for bit). `BlockPanels.int8` (`load_target(..., gguf_blocks="int8")`) multiplies the same
+panels by integer dot products over int8-quantized activations instead (`kernels.product_qpanels_int8`): close to
+the float32 product, not bitwise, and still independent of the number of rows.
 
 `layers.linear` and `layers.embed` take a BlockWeight wherever they take an array; off CPU, for more than
 `kernels.MAX_ROWS` rows, and for gradients (with respect to the activations only; blocks are constants) the weight
@@ -126,6 +128,10 @@ class BlockPanels(Packed):
         decoder matrices, an untied lm_head), True [..., N, K] (output rows: a tied embedding, used as x @ w.T);
         all static.
     table: None, or (rows layout, unstacked) the same matrix as a row-layout BlockWeight, for lookups.
+    int8: (static) products by integer dot products (`gguf_blocks="int8"`): each activation row quantized per 32
+        values to int8 with a float32 scale, exact integer sums against the blocks, scaled in float32
+        (`kernels.product_qpanels_int8`) -- close to the float32 product, not bitwise, and still the same bits for
+        a row whatever the number of rows. False: the exact float32 product of the dequantized weight.
     """
 
     data: jax.Array
@@ -133,13 +139,15 @@ class BlockPanels(Packed):
     n: int
     rows: bool = False
     table: "BlockWeight | None" = None
+    int8: bool = False
 
     def tree_flatten(self):
-        return (self.data, self.table), (self.kind, self.n, self.rows)
+        return (self.data, self.table), (self.kind, self.n, self.rows, self.int8)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(children[0], *aux, table=children[1])
+        kind, n, rows, int8 = aux
+        return cls(children[0], kind, n, rows, table=children[1], int8=int8)
 
     @property
     def block_bytes(self) -> int:
@@ -170,7 +178,7 @@ class BlockPanels(Packed):
     @property
     def T(self) -> "BlockPanels":
         """The same panels as the transposed logical matrix (no copy)."""
-        return BlockPanels(self.data, self.kind, self.n, not self.rows)
+        return BlockPanels(self.data, self.kind, self.n, not self.rows, int8=self.int8)
 
     def blocks(self) -> BlockWeight:
         """The GGUF blocks back in their row layout (a BlockWeight: outputs as rows)."""
@@ -198,36 +206,48 @@ class BlockPanels(Packed):
         return dequantize_blocks(got.reshape(*ids.shape, -1), self.kind)
 
     def product(self, x, layer=None, *, transposed: bool = False):
-        """x @ w (or x @ rows.T): dequantized in registers, bitwise the float32 panels' product."""
+        """x @ w (or x @ rows.T): dequantized in registers, bitwise the float32 panels' product; with `int8`, by
+        integer products over int8-quantized activations (`kernels.product_qpanels_int8`)."""
         from . import kernels
         check_layout(self, self.rows, transposed)
+        if self.int8:
+            return kernels.product_qpanels_int8(x, self.data, self.kind, self.n, layer)
         return kernels.product_qpanels(x, self.data, self.kind, self.n, layer)
 
 
-def pack_blocks(w: BlockWeight, table: bool = False) -> BlockPanels:
+def pack_blocks(w: BlockWeight, table: bool = False, int8: bool | None = None) -> BlockPanels:
     """A BlockWeight as BlockPanels (the same bytes, panel-major). table=True (an unstacked row-layout weight: an
-    embedding) keeps the BlockWeight for lookups (`BlockPanels.take`)."""
+    embedding) keeps the BlockWeight for lookups (`BlockPanels.take`). int8=True: products by integer dot products
+    (`BlockPanels.int8`); None: a BlockPanels keeps its own, a BlockWeight gets the exact float32 product."""
     if isinstance(w, BlockPanels):
-        return w
+        return w if int8 is None or w.int8 == int8 else BlockPanels(w.data, w.kind, w.n, w.rows, table=w.table,
+                                                                      int8=int8)
     if not isinstance(w, BlockWeight):
         raise ValueError(f"pack_blocks takes a BlockWeight, not {type(w).__name__}")
     if table and (w.transposed or w.ndim != 2):
         raise ValueError("pack_blocks: a lookup table goes with an unstacked row-layout BlockWeight (an embedding)")
     n = w.blocks.shape[-2]
     return BlockPanels(to_panels(jnp.asarray(w.blocks), w.kind), w.kind, n, rows=not w.transposed,
-                       table=w if table else None)
+                       table=w if table else None, int8=bool(int8))
 
 
-def pack_block_params(params: dict, tied: bool) -> dict:
+def pack_block_params(params: dict, tied: bool, int8: bool = False) -> dict:
     """A target's params with every BlockWeight panel-major (`BlockPanels`): the stacked layer matrices, an untied
-    lm_head, and a tied embedding (which keeps its BlockWeight as the lookup table). Anything else as it is."""
+    lm_head, and a tied embedding (which keeps its BlockWeight as the lookup table). Anything else as it is.
+    int8=True: the layer matrices take integer products (`BlockPanels.int8`); the output projection keeps the
+    exact float32 product."""
     out = dict(params)
-    out["layers"] = {k: pack_blocks(v) if is_block(v) else v for k, v in params["layers"].items()}
+    out["layers"] = {k: pack_blocks(v, int8=int8) if is_block(v) else v for k, v in params["layers"].items()}
     if "lm_head" in params and is_block(params["lm_head"]):
         out["lm_head"] = pack_blocks(params["lm_head"])
     if tied and is_block(params["embed"]):
         out["embed"] = pack_blocks(params["embed"], table=True)
     return out
+
+
+def has_int8_blocks(tree) -> bool:
+    """Whether any weight of `tree` is GGUF blocks multiplied by integer products (`BlockPanels.int8`)."""
+    return any(isinstance(x, BlockPanels) and x.int8 for x in jax.tree.leaves(tree, is_leaf=is_block))
 
 
 def quantize(w, kind: str, transposed: bool = False) -> BlockWeight:
@@ -285,6 +305,7 @@ def describe(tree) -> str:
     blocks = [x for x in jax.tree.leaves(tree, is_leaf=is_block) if is_block(x)]
     if blocks:
         layout = " (panels)" if any(isinstance(x, BlockPanels) for x in blocks) else ""
+        layout += " int8" if any(isinstance(x, BlockPanels) and x.int8 for x in blocks) else ""
         return "gguf blocks " + "+".join(sorted({x.kind for x in blocks})) + layout
     floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
     from .panels import PANEL16, is_panels, width_of

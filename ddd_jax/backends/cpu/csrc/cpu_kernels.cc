@@ -12,6 +12,10 @@
 //   exactly, four rows at a time (eight on AVX-512), into an L1 buffer that the float32 trans kernel reads:
 //   bitwise that kernel's product of the dequantized weight). A 4-bit target reads ~1/6 of its float32 bytes per
 //   forward.
+// ddd_linear_qpanels_int8: x @ W over the quantized panels of ddd_linear_qpanels by integer dot products (rows of x
+//   quantized per 32 values to int8, llama.cpp's arithmetic; AVX-512 VNNI, AVX-VNNI or AVX2 variants with the same
+//   bits; see "int8 blocks" below for its own fixed order). Not the float32 product: the one kernel here whose
+//   numerics below do not apply, though a row's result is still independent of the other rows.
 // ddd_attention: q [B, T, N, H] against layer `layer` of k, v [L, B, Kh, S, H] (head-major caches) under
 //   mask [B, T, S].
 //
@@ -1337,6 +1341,368 @@ ffi::Error LinearQPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------- x @ W, W quantized panels, integer products ("int8 blocks")
+// The same quantized panels (and the same bytes) as LinearQPanels, multiplied as llama.cpp multiplies GGUF blocks:
+// each row of x is quantized per 32 values (one K block) to int8 with a float32 scale, and every weight block meets
+// its activation block in an exact integer dot product. Not the float32 product of the dequantized weight: the
+// activations lose their low bits (relative error ~1e-2 of the products' magnitude), in exchange for integer
+// instructions (`gguf_blocks="int8"`).
+//
+// Activations (i8_quantize_row, one implementation for every variant), per row and K block b of 32 values x_k:
+//   amax = max |x_k|;  d = amax / 127;  id = d != 0 ? 1 / d : 0;  q_k = clamp(rint(x_k * id), -127, 127)
+// (float32 operations; rint rounds half to even, as llama.cpp's AVX quantize_row_q8_0 / q8_1 do with
+// _mm256_round_ps; its scalar reference rounds half away from zero -- the two differ only at exact halves). The
+// quants stay in [-127, 127], so the AVX2 sign trick below never meets -128. Per block also s = sum q_k (int32) and
+// ds = d * float(s) (float32, for Q4_1's min term).
+// Weights, per output column c and block: integer quants w_k and float16 scale wd (and min wm): Q4_1 w = wd u + wm,
+// Q4_0 w = wd (u - 8) (u the nibble, 0..15), Q8_0 w = wd q (q int8). The block's exact integer sum is
+//   Q4_1: isum = sum u_k q_k     Q4_0: isum = sum u_k q_k - 8 s     Q8_0: isum = sum w_k q_k
+// (|isum| <= 32 * 128 * 127 < 2^24, so float(isum) is exact) and every output element is reduced in one fixed order:
+//   acc = 0; for b = 0, 1, ..., K/32 - 1:  acc = acc + float(isum) * (wd * d);  (Q4_1:) acc = acc + wm * ds
+// -- float32 multiplies and adds, never fused (-ffp-contract=off; the intrinsics are plain mul / add), lanes being
+// output columns. So a row's result depends on nothing but that row and the weight: not on the number of rows, the
+// row tiles, the threads' column chunks, or the variant below (integer sums are exact in any order).
+// Variants of the integer dot products (g_i8_variant, chosen at load: the best this CPU has; DDD_JAX_INT8_VARIANT
+// forces one, kernels.int8_variant() names it):
+//   avx512vnni: _mm512_dpbusd_epi32 (u8 x s8, four products per int32 lane); Q8_0 as (w ^ 0x80) = w + 128,
+//               minus 128 s;
+//   avxvnni:    the same with _mm256_dpbusd_avx_epi32 (compiled where the compiler knows AVX-VNNI);
+//   avx2:       _mm256_maddubs_epi16 + _mm256_madd_epi16: a pair of products sums to int16 without saturating
+//               (4-bit: 2 * 15 * 127 = 3810, and a block's eight quads of pairs still fit int16 before madd:
+//               30480; Q8_0 by the sign trick |w| x (q sign(w)): 2 * 128 * 127 = 32512, widened quad by quad).
+// Layout: each chunk's panel is repacked once into a thread-local buffer (i8_repack), per K block: wd [48] float32,
+// wm [48] float32, then the quants as [8 quads][48 columns][4 K rows] bytes, so that one 32-bit lane holds four K
+// rows of one column (what dpbusd / maddubs + madd reduce) and a vector 16 (or 8) columns.
+#if defined(__clang__)
+#define DDD_HAVE_AVXVNNI (__clang_major__ >= 12)
+#elif defined(__GNUC__)
+#define DDD_HAVE_AVXVNNI (__GNUC__ >= 11)
+#else
+#define DDD_HAVE_AVXVNNI 0
+#endif
+#define DDD_AVX512VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c")))
+#define DDD_AVXVNNI __attribute__((target("avxvnni,avx2,fma,f16c")))
+
+constexpr int kI8Avx2 = 0, kI8AvxVnni = 1, kI8Avx512Vnni = 2;  // kernels.INT8_VARIANTS, in this order
+int g_i8_variant = kI8Avx2;                                     // set at load (ddd_cpu_supported)
+
+bool i8_supported(int v) {
+  if (v == kI8Avx2) return true;
+#if DDD_HAVE_AVXVNNI
+  if (v == kI8AvxVnni) return __builtin_cpu_supports("avxvnni");
+#endif
+  if (v == kI8Avx512Vnni)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni");
+  return false;
+}
+
+constexpr int64_t kI8Quads = kQK / 4;                       // 4-row groups of a K block
+constexpr int64_t kI8Quants = kI8Quads * kPanel512 * 4;     // 1536 bytes of quants a repacked block
+constexpr int64_t kI8Block = 2 * kPanel512 * 4 + kI8Quants;  // + wd [48], wm [48] float32: 1920 bytes
+constexpr int kI8Group = 16;                                // columns a tile covers (one AVX-512 vector)
+constexpr int kI8Rows = 4;                                  // rows a tile covers at most
+
+// One row of x [K] -> q [K] int8, d [K/32] float32, s [K/32] int32, ds [K/32] float32 (see above).
+DDD_AVX2 void i8_quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* s, float* ds) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  for (int64_t b = 0; b < K / kQK; ++b) {
+    const float* xb = x + b * kQK;
+    __m256 v[4];
+    DDD_UNROLL for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(xb + 8 * j);
+    const __m256 m4 = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                                    _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m4);
+    float amax = lanes[0];
+    for (int j = 1; j < 8; ++j) amax = std::max(amax, lanes[j]);
+    const float dd = amax / 127.0f;
+    const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+    const __m256 idv = _mm256_set1_ps(id);
+    int32_t sum = 0;
+    DDD_UNROLL for (int j = 0; j < 4; ++j) {
+      __m256 r = _mm256_round_ps(_mm256_mul_ps(v[j], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
+      alignas(32) int32_t qi[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(qi), _mm256_cvtps_epi32(r));
+      for (int t = 0; t < 8; ++t) {
+        q[b * kQK + 8 * j + t] = static_cast<int8_t>(qi[t]);
+        sum += qi[t];
+      }
+    }
+    d[b] = dd;
+    s[b] = sum;
+    ds[b] = dd * static_cast<float>(sum);
+  }
+}
+
+// One panel's nb K blocks (quantized panels of KIND) -> dst [nb][kI8Block] (see above). A quad's four K rows of
+// 16 columns are a 4 x 16 byte transpose (unpack 8, then 16 bits).
+template <int64_t KIND>
+DDD_AVX2 void i8_repack(const uint8_t* wp, int64_t nb, uint8_t* dst) {
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b, wp += qp_bytes(KIND), dst += kI8Block) {
+    float* wd = reinterpret_cast<float*>(dst);
+    float* wm = wd + kPanel512;
+    DDD_UNROLL for (int v = 0; v < 6; ++v) {
+      _mm256_storeu_ps(wd + 8 * v, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16 * v))));
+      _mm256_storeu_ps(wm + 8 * v, KIND == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                                       reinterpret_cast<const __m128i*>(wp + 96 + 16 * v)))
+                                                 : _mm256_setzero_ps());
+    }
+    const uint8_t* qs = wp + qp_qs(KIND);
+    uint8_t* out = dst + 2 * kPanel512 * 4;
+    for (int i = 0; i < kI8Quads; ++i)
+      for (int g = 0; g < kPanel512 / 16; ++g) {
+        __m128i r[4];
+        for (int t = 0; t < 4; ++t) {
+          // K row 4i + t: Q8_0 its own byte row; 4-bit kinds byte row (4i + t) mod 16, low nibble for rows < 16
+          const int row = KIND == kQ8_0 ? 4 * i + t : (4 * i + t) % 16;
+          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + row * kPanel512 + 16 * g));
+          r[t] = KIND == kQ8_0 ? raw : 4 * i + t < 16 ? _mm_and_si128(raw, nib)
+                                                      : _mm_and_si128(_mm_srli_epi16(raw, 4), nib);
+        }
+        const __m128i a = _mm_unpacklo_epi8(r[0], r[1]), bq = _mm_unpackhi_epi8(r[0], r[1]);
+        const __m128i c = _mm_unpacklo_epi8(r[2], r[3]), e = _mm_unpackhi_epi8(r[2], r[3]);
+        uint8_t* o = out + (i * kPanel512 + 16 * g) * 4;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm_unpacklo_epi16(a, c));        // columns 0..3
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 16), _mm_unpackhi_epi16(a, c));   // 4..7
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 32), _mm_unpacklo_epi16(bq, e));  // 8..11
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 48), _mm_unpackhi_epi16(bq, e));  // 12..15
+      }
+  }
+}
+
+// The quantized rows of x for one call (filled by the calling thread, read by the helpers during the call).
+struct I8Rows {
+  const int8_t* q = nullptr;   // [M, K]
+  const float* d = nullptr;    // [M, K/32]
+  const int32_t* s = nullptr;  // [M, K/32]
+  const float* ds = nullptr;   // [M, K/32]
+  int64_t K = 0, nb = 0;
+};
+
+inline int32_t quad_at(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// MT rows (from row m) x the 16 columns [16 g, 16 g + 16) of a repacked panel -> out [MT][16] (ldo floats apart).
+// The integer sums per variant, then the float steps in the order above (8-wide here, 16-wide on AVX-512: the same
+// operations per lane).
+template <int MT, int64_t KIND>
+DDD_AVX2 void i8_tile_avx2(const I8Rows& x, int64_t m, const uint8_t* rp, int g, float* out, int64_t ldo) {
+  __m256 acc[MT][2];
+  DDD_UNROLL for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < x.nb; ++b, rp += kI8Block) {
+    // 4-bit kinds: the maddubs pairs (|.| <= 3810) of all eight quads summed in int16 (|.| <= 30480, exact), widened
+    // once a block; Q8_0 pairs (|.| <= 32512) widened quad by quad
+    __m256i isum[MT][2];
+    DDD_UNROLL for (int r = 0; r < MT; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+    const uint8_t* qs = rp + 2 * kPanel512 * 4 + 16 * g * 4;
+    DDD_UNROLL for (int i = 0; i < kI8Quads; ++i) {
+      __m256i w[2];
+      DDD_UNROLL for (int v = 0; v < 2; ++v)
+        w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + i * kPanel512 * 4 + 32 * v));
+      DDD_UNROLL for (int r = 0; r < MT; ++r) {
+        const __m256i xb = _mm256_set1_epi32(quad_at(x.q + (m + r) * x.K + b * kQK + 4 * i));
+        DDD_UNROLL for (int v = 0; v < 2; ++v) {
+          if (KIND == kQ8_0)
+            isum[r][v] = _mm256_add_epi32(isum[r][v], _mm256_madd_epi16(_mm256_maddubs_epi16(
+                _mm256_sign_epi8(w[v], w[v]), _mm256_sign_epi8(xb, w[v])), ones));
+          else
+            isum[r][v] = _mm256_add_epi16(isum[r][v], _mm256_maddubs_epi16(w[v], xb));
+        }
+      }
+    }
+    if (KIND != kQ8_0)
+      DDD_UNROLL for (int r = 0; r < MT; ++r)
+        DDD_UNROLL for (int v = 0; v < 2; ++v) isum[r][v] = _mm256_madd_epi16(isum[r][v], ones);
+    const float* wd = reinterpret_cast<const float*>(rp) + 16 * g;
+    const float* wm = wd + kPanel512;
+    DDD_UNROLL for (int r = 0; r < MT; ++r) {
+      const int64_t at = (m + r) * x.nb + b;
+      const __m256 xd = _mm256_set1_ps(x.d[at]);
+      DDD_UNROLL for (int v = 0; v < 2; ++v) {
+        __m256i is = isum[r][v];
+        if (KIND == kQ4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * x.s[at]));
+        const __m256 t = _mm256_mul_ps(_mm256_loadu_ps(wd + 8 * v), xd);
+        acc[r][v] = _mm256_add_ps(acc[r][v], _mm256_mul_ps(_mm256_cvtepi32_ps(is), t));
+        if (KIND == kQ4_1)
+          acc[r][v] = _mm256_add_ps(acc[r][v], _mm256_mul_ps(_mm256_loadu_ps(wm + 8 * v), _mm256_set1_ps(x.ds[at])));
+      }
+    }
+  }
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int v = 0; v < 2; ++v) _mm256_storeu_ps(out + r * ldo + 8 * v, acc[r][v]);
+}
+
+#if DDD_HAVE_AVXVNNI
+template <int MT, int64_t KIND>
+DDD_AVXVNNI void i8_tile_avxvnni(const I8Rows& x, int64_t m, const uint8_t* rp, int g, float* out, int64_t ldo) {
+  __m256 acc[MT][2];
+  DDD_UNROLL for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < x.nb; ++b, rp += kI8Block) {
+    __m256i isum[MT][2];
+    DDD_UNROLL for (int r = 0; r < MT; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+    const uint8_t* qs = rp + 2 * kPanel512 * 4 + 16 * g * 4;
+    DDD_UNROLL for (int i = 0; i < kI8Quads; ++i) {
+      __m256i w[2];
+      DDD_UNROLL for (int v = 0; v < 2; ++v) {
+        w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + i * kPanel512 * 4 + 32 * v));
+        if (KIND == kQ8_0) w[v] = _mm256_xor_si256(w[v], flip);  // w + 128, unsigned
+      }
+      DDD_UNROLL for (int r = 0; r < MT; ++r) {
+        const __m256i xb = _mm256_set1_epi32(quad_at(x.q + (m + r) * x.K + b * kQK + 4 * i));
+        DDD_UNROLL for (int v = 0; v < 2; ++v) isum[r][v] = _mm256_dpbusd_avx_epi32(isum[r][v], w[v], xb);
+      }
+    }
+    const float* wd = reinterpret_cast<const float*>(rp) + 16 * g;
+    const float* wm = wd + kPanel512;
+    DDD_UNROLL for (int r = 0; r < MT; ++r) {
+      const int64_t at = (m + r) * x.nb + b;
+      const __m256 xd = _mm256_set1_ps(x.d[at]);
+      DDD_UNROLL for (int v = 0; v < 2; ++v) {
+        __m256i is = isum[r][v];
+        if (KIND == kQ4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * x.s[at]));
+        if (KIND == kQ8_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(128 * x.s[at]));
+        const __m256 t = _mm256_mul_ps(_mm256_loadu_ps(wd + 8 * v), xd);
+        acc[r][v] = _mm256_add_ps(acc[r][v], _mm256_mul_ps(_mm256_cvtepi32_ps(is), t));
+        if (KIND == kQ4_1)
+          acc[r][v] = _mm256_add_ps(acc[r][v], _mm256_mul_ps(_mm256_loadu_ps(wm + 8 * v), _mm256_set1_ps(x.ds[at])));
+      }
+    }
+  }
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int v = 0; v < 2; ++v) _mm256_storeu_ps(out + r * ldo + 8 * v, acc[r][v]);
+}
+#endif
+
+template <int MT, int64_t KIND>
+DDD_AVX512VNNI void i8_tile_avx512vnni(const I8Rows& x, int64_t m, const uint8_t* rp, int g, float* out,
+                                       int64_t ldo) {
+  __m512 acc[MT];
+  DDD_UNROLL for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < x.nb; ++b, rp += kI8Block) {
+    __m512i isum[MT];
+    DDD_UNROLL for (int r = 0; r < MT; ++r) isum[r] = _mm512_setzero_si512();
+    const uint8_t* qs = rp + 2 * kPanel512 * 4 + 16 * g * 4;
+    DDD_UNROLL for (int i = 0; i < kI8Quads; ++i) {
+      __m512i w = _mm512_loadu_si512(qs + i * kPanel512 * 4);
+      if (KIND == kQ8_0) w = _mm512_xor_si512(w, flip);  // w + 128, unsigned
+      DDD_UNROLL for (int r = 0; r < MT; ++r)
+        isum[r] = _mm512_dpbusd_epi32(isum[r], w, _mm512_set1_epi32(quad_at(x.q + (m + r) * x.K + b * kQK + 4 * i)));
+    }
+    const float* wd = reinterpret_cast<const float*>(rp) + 16 * g;
+    const float* wm = wd + kPanel512;
+    DDD_UNROLL for (int r = 0; r < MT; ++r) {
+      const int64_t at = (m + r) * x.nb + b;
+      __m512i is = isum[r];
+      if (KIND == kQ4_0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(8 * x.s[at]));
+      if (KIND == kQ8_0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(128 * x.s[at]));
+      const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(wd), _mm512_set1_ps(x.d[at]));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(is), t));
+      if (KIND == kQ4_1) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_loadu_ps(wm), _mm512_set1_ps(x.ds[at])));
+    }
+  }
+  DDD_UNROLL for (int r = 0; r < MT; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+template <int MT, int64_t KIND>
+void i8_tile(const I8Rows& x, int64_t m, const uint8_t* rp, int g, float* out, int64_t ldo) {
+  switch (g_i8_variant) {
+    case kI8Avx512Vnni: return i8_tile_avx512vnni<MT, KIND>(x, m, rp, g, out, ldo);
+#if DDD_HAVE_AVXVNNI
+    case kI8AvxVnni: return i8_tile_avxvnni<MT, KIND>(x, m, rp, g, out, ldo);
+#endif
+    default: return i8_tile_avx2<MT, KIND>(x, m, rp, g, out, ldo);
+  }
+}
+
+// Columns [n0, n1) of out (n0 a multiple of 48), all M rows, panel by panel: each panel repacked once, then row
+// tiles of up to kI8Rows rows over its 16-column groups.
+template <int64_t KIND>
+void i8_chunk(const I8Rows& x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t nb = x.nb;
+  thread_local std::vector<uint8_t> rp;
+  if (static_cast<int64_t>(rp.size()) < nb * kI8Block) rp.resize(nb * kI8Block);
+  alignas(64) float tile[kI8Rows * kPanel512];
+  for (int64_t c0 = n0; c0 < n1; c0 += kPanel512) {
+    i8_repack<KIND>(w + (c0 / kPanel512) * nb * qp_bytes(KIND), nb, rp.data());
+    const int64_t cw = std::min<int64_t>(kPanel512, n1 - c0);
+    for (int64_t m = 0; m < M; m += kI8Rows) {
+      const int64_t mt = std::min<int64_t>(kI8Rows, M - m);
+      for (int g = 0; g * kI8Group < cw; ++g) {
+        float* o = tile + g * kI8Group;
+        switch (mt) {
+          case 4: i8_tile<4, KIND>(x, m, rp.data(), g, o, kPanel512); break;
+          case 3: i8_tile<3, KIND>(x, m, rp.data(), g, o, kPanel512); break;
+          case 2: i8_tile<2, KIND>(x, m, rp.data(), g, o, kPanel512); break;
+          default: i8_tile<1, KIND>(x, m, rp.data(), g, o, kPanel512); break;
+        }
+      }
+      for (int64_t r = 0; r < mt; ++r) std::memcpy(out + (m + r) * N + c0, tile + r * kPanel512, cw * sizeof(float));
+    }
+  }
+}
+
+// x [..., K] float32 @ w [L, P, K / 32, 48 * block bytes] (quantized panels of `kind`) at `layer` -> out [..., N],
+// 48 (P - 1) < N <= 48 P, by integer products (see above). Every M.
+ffi::Error LinearQPanelsInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                             ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t kind) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto od = out->dimensions();
+  if (kind != kQ4_1 && kind != kQ8_0 && kind != kQ4_0)
+    return ffi::Error::InvalidArgument("ddd_linear_qpanels_int8: unknown kind");
+  if (wd.size() != 4 || wd[3] != qp_bytes(kind) || xd.size() < 1 || od.size() < 1)
+    return ffi::Error::InvalidArgument("ddd_linear_qpanels_int8: w must be [L, P, K / 32, 48 * block bytes]");
+  const int64_t K = xd.back();
+  const int64_t M = K ? x.element_count() / K : 0;
+  const int64_t P = wd[1], N = od.back();
+  if (K % kQK != 0 || wd[2] != K / kQK) return ffi::Error::InvalidArgument("ddd_linear_qpanels_int8: K mismatch");
+  if (N > P * kPanel512 || N <= (P - 1) * kPanel512 || out->element_count() != M * N)
+    return ffi::Error::InvalidArgument("ddd_linear_qpanels_int8: the output's columns do not match the panels");
+  if (!i8_supported(g_i8_variant))
+    return ffi::Error::InvalidArgument("ddd_linear_qpanels_int8: this CPU lacks the chosen integer variant");
+  const uint8_t* wp = w.typed_data() + layer_index(layer, wd[0]) * P * wd[2] * wd[3];
+  float* o = out->typed_data();
+  const int64_t nb = K / kQK;
+  // the calling thread's; read by the helpers only during this call
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d, ds;
+  thread_local std::vector<int32_t> s;
+  q.resize(static_cast<size_t>(M * K));
+  d.resize(static_cast<size_t>(M * nb));
+  ds.resize(static_cast<size_t>(M * nb));
+  s.resize(static_cast<size_t>(M * nb));
+  for (int64_t m = 0; m < M; ++m)
+    i8_quantize_row(x.typed_data() + m * K, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb,
+                    ds.data() + m * nb);
+  I8Rows rows;
+  rows.q = q.data();
+  rows.d = d.data();
+  rows.s = s.data();
+  rows.ds = ds.data();
+  rows.K = K;
+  rows.nb = nb;
+  for_column_chunks(pool, M, K, N, kPanel512, o, [=](int64_t n0, int64_t n1) {
+    if (kind == kQ4_1)
+      i8_chunk<kQ4_1>(rows, wp, o, M, N, n0, n1);
+    else if (kind == kQ4_0)
+      i8_chunk<kQ4_0>(rows, wp, o, M, N, n0, n1);
+    else
+      i8_chunk<kQ8_0>(rows, wp, o, M, N, n0, n1);
+  });
+  return ffi::Error::Success();
+}
+
 // The same product (bitwise: the same chunks), plus each row's greedy token: the index of its first maximum, V - 1
 // for a row holding a NaN -- what `verify.greedy_token` computes from the logits. Each chunk scans its columns
 // while they are still in cache; the chunks' answers are merged in column order (a later chunk wins only when
@@ -2407,6 +2773,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearQPanels, LinearQPanels,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [..., N]
                                   .Attr<int64_t>("kind"));        // 0: Q4_1, 1: Q8_0, 2: Q4_0
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearQPanelsInt8, LinearQPanelsInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [..., K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // w [L, P, K/32, 48 * block bytes]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [..., N]
+                                  .Attr<int64_t>("kind"));        // 0: Q4_1, 1: Q8_0, 2: Q4_0
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearPanelsGreedy, LinearPanelsGreedy,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -2444,6 +2819,9 @@ __attribute__((visibility("default"))) int ddd_cpu_supported() {
   g_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") && !env_set("DDD_JAX_NO_AVX512");
   g_screen = screen_supported() && !env_set("DDD_JAX_NO_SCREEN");
+  g_i8_variant = g_avx512 && i8_supported(kI8Avx512Vnni) ? kI8Avx512Vnni
+                 : i8_supported(kI8AvxVnni)               ? kI8AvxVnni
+                                                          : kI8Avx2;
   const char* l2 = std::getenv("DDD_JAX_L2_PREFETCH_ROWS");
   g_l2_prefetch_rows = l2 && *l2 ? std::max<int64_t>(1, std::atoll(l2)) : __builtin_cpu_is("amd") ? 1 : 6;
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -2477,6 +2855,16 @@ __attribute__((visibility("default"))) void ddd_set_p16(int64_t tall_rows, int64
   g_p16_pf_rows = pf_rows;
   g_p16_ahead = std::max<int64_t>(0, ahead);
   g_p16_tall_ahead = std::max<int64_t>(0, tall_ahead);
+}
+// The integer variant of int8 block products (0 avx2, 1 avxvnni, 2 avx512vnni; see LinearQPanelsInt8).
+__attribute__((visibility("default"))) int ddd_int8_variant() { return g_i8_variant; }
+// 1 when this CPU (and this build) has variant v.
+__attribute__((visibility("default"))) int ddd_int8_supported(int v) { return i8_supported(v); }
+// Choose variant v; 0 (and no change) when this CPU or build lacks it.
+__attribute__((visibility("default"))) int ddd_set_int8_variant(int v) {
+  if (!i8_supported(v)) return 0;
+  g_i8_variant = v;
+  return 1;
 }
 // Cap the threads a product uses (0: the XLA pool's size). For benchmarks.
 __attribute__((visibility("default"))) void ddd_set_max_threads(int64_t n) { g_max_threads = n; }

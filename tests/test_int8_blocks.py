@@ -1,0 +1,259 @@
+"""Integer products over GGUF blocks (`gguf_blocks="int8"`, `quant.BlockPanels.int8`): the kernel against a numpy
+model of the same integer arithmetic, bitwise, for every variant this CPU runs; a row's outputs independent of the
+other rows (a hypothesis property); closeness to the float32 product; greedy speculative decoding over an int8
+target gives its vanilla tokens."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ddd_jax import Target, generate, llama
+from ddd_jax.backends.cpu import kernels, quant
+
+gguf = pytest.importorskip("gguf")
+from quant_helpers import SMALL, blocks_of, blocks_target  # noqa: E402
+
+KINDS = ("q4_1", "q4_0", "q8_0")
+needs_kernel = pytest.mark.skipif(kernels.int8_variant() is None,
+                                  reason="CPU kernel library (int8 blocks) not available")
+
+
+# ----------------------------------------------------------------------------------------------- the numpy model
+def model_quantize(x):
+    """x [M, K] float32 -> (q [M, nb, 32] int64, d [M, nb] float32, s [M, nb] int64): per 32 values, d = amax / 127,
+    q = clip(rint(x / d), -127, 127) computed as x * (1 / d) (rint: half to even)."""
+    M, K = x.shape
+    xb = x.reshape(M, K // 32, 32).astype(np.float32)
+    d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(xb * inv[..., None]), -127, 127).astype(np.int64)
+    return q, d, q.sum(-1)
+
+
+def model_blocks(rows, kind):
+    """GGUF rows [N, nb * bytes] -> (integer quants [N, nb, 32] int64 (nibbles 0..15, or int8), d, m [N, nb])."""
+    nbytes = quant.KINDS[kind][1]
+    b = np.asarray(rows).reshape(rows.shape[0], -1, nbytes)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "q4_1" else np.zeros_like(d)
+    if kind == "q8_0":
+        q = b[..., 2:34].view(np.int8).astype(np.int64)
+    else:
+        qs = b[..., 4:20] if kind == "q4_1" else b[..., 2:18]
+        q = np.concatenate([qs & 0x0F, qs >> 4], -1).astype(np.int64)
+    return q, d, m
+
+
+def model_product(x, rows, kind):
+    """x [M, K] @ the GGUF rows [N, .] as the int8 kernel computes it: exact integer block sums, then per block
+    acc = acc + float(isum) * (wd * d), for q4_1 also acc = acc + wm * (d * float(s)), blocks in order."""
+    xq, xd, xs = model_quantize(np.asarray(x, np.float32))
+    q, wd, wm = model_blocks(rows, kind)
+    isum = np.einsum("mbk,nbk->mnb", xq, q)
+    if kind == "q4_0":
+        isum = isum - 8 * xs[:, None, :]
+    ds = (xd * xs.astype(np.float32)).astype(np.float32)
+    acc = np.zeros((x.shape[0], rows.shape[0]), np.float32)
+    for b in range(q.shape[1]):
+        t = wd[None, :, b] * xd[:, b, None]
+        acc = acc + isum[:, :, b].astype(np.float32) * t
+        if kind == "q4_1":
+            acc = acc + wm[None, :, b] * ds[:, b, None]
+    return acc
+
+
+def int8_weight(kind, K, N, seed=0):
+    """(GGUF rows [N, .], the same weight as int8 BlockPanels) of a random [K, N] float weight."""
+    w = np.random.RandomState(seed).randn(N, K).astype(np.float32) * 0.3
+    rows = blocks_of(w, kind)
+    return rows, quant.pack_blocks(quant.BlockWeight(jax.numpy.asarray(rows), kind, transposed=True), int8=True)
+
+
+def product(x, wp):
+    return np.asarray(jax.jit(lambda a: wp.product(a))(jax.numpy.asarray(x, np.float32)))
+
+
+def rows_of(M, K, seed):
+    r = np.random.RandomState(seed)
+    return (r.randn(M, K) * r.choice([0.01, 1.0, 30.0], (M, 1))).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------------------------- (a) bitwise model
+@needs_kernel
+@pytest.mark.parametrize("variant", kernels.INT8_VARIANTS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_is_the_numpy_model_bitwise(kind, variant):
+    if variant not in kernels.int8_variants():
+        pytest.skip(f"this CPU (or build) lacks the {variant} variant; it has {kernels.int8_variants()}")
+    before = kernels.int8_variant()
+    kernels.set_int8_variant(variant)
+    try:
+        K, N = 96, 100  # three K blocks, three panels (the last partial)
+        rows, wp = int8_weight(kind, K, N)
+        x = rows_of(7, K, 1)
+        x[2] = 0.0  # a zero row: d = 0
+        x[3, :32] = 0.5  # a block of equal values: exact halves are not hit, amax is every element
+        np.testing.assert_array_equal(product(x, wp), model_product(x, rows, kind))
+    finally:
+        kernels.set_int8_variant(before)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_xla_path_is_the_numpy_model(kind):
+    """Off the kernel (other backends, no library), XLA computes the same arithmetic."""
+    K, N = 64, 50
+    rows, wp = int8_weight(kind, K, N, seed=3)
+    x = rows_of(5, K, 4)
+    with kernels.enabled(False):
+        got = product(x, wp)
+    np.testing.assert_allclose(got, model_product(x, rows, kind), rtol=2e-6, atol=1e-6)  # (XLA may fuse mul + add)
+
+
+# ----------------------------------------------------------------------------------------------- (b) row invariance
+@needs_kernel
+@settings(max_examples=12, derandomize=True, deadline=None)
+@given(kind=st.sampled_from(KINDS), M=st.integers(1, 64), data=st.data(), seed=st.integers(0, 2 ** 16))
+def test_a_rows_outputs_do_not_depend_on_the_other_rows(kind, M, data, seed):
+    pos = data.draw(st.integers(0, M - 1), label="pos")
+    K, N = 64, 48 * 10 + 7  # enough work for several threads' column chunks from two rows on
+    _, wp = int8_weight(kind, K, N, seed=seed % 4)
+    x = rows_of(M, K, seed)
+    alone = product(x[pos:pos + 1], wp)
+    np.testing.assert_array_equal(product(x, wp)[pos:pos + 1], alone)
+
+
+# ----------------------------------------------------------------------------------------------- (c) closeness
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+def test_int8_product_is_close_to_the_float_product(kind):
+    K, N = 128, 96
+    rows, wp = int8_weight(kind, K, N, seed=5)
+    x = rows_of(6, K, 6)
+    exact = x @ np.asarray(quant.dequantize_blocks(rows, kind)).T
+    got = product(x, wp)
+    err = np.linalg.norm(got - exact, axis=1) / np.linalg.norm(exact, axis=1)
+    assert err.max() < 1e-2, err  # int8 activations: ~1/254 of each block's largest value per element
+    assert err.max() > 0  # (not the float path by mistake)
+
+
+# ----------------------------------------------------------------------------------------------- (d) decoding
+@pytest.fixture(scope="module")
+def int8_target():
+    params = llama.init_params(SMALL, jax.random.PRNGKey(0), std=0.25)
+    params["layers"]["wo"] = params["layers"]["wo"] * 0.15
+    tb = blocks_target(Target("small", SMALL, params))
+    return dataclasses.replace(tb, params=quant.pack_block_params(tb.params, tied=True, int8=True))
+
+
+def test_int8_target_is_described_and_multiplies_by_integers(int8_target):
+    assert quant.describe(int8_target.params) == "gguf blocks q4_1+q8_0 (panels) int8"
+    assert quant.has_int8_blocks(int8_target.params)
+    assert not int8_target.params["embed"].int8  # the output projection keeps the exact float32 product
+    assert int8_target.params["layers"]["wq"].T.int8
+
+
+@pytest.mark.parametrize("method", [pytest.param("eagle2", marks=pytest.mark.slow), "ddd"])
+def test_speculative_over_int8_blocks_equals_int8_vanilla(int8_target, method):
+    """Verified trees (8 rows a sequence, 24 a call) against vanilla's 3 rows a call: the same tokens. (An untrained
+    head: few drafts are accepted, but every tree is verified as one batch of rows.)"""
+    from ddd_jax import init_draft
+    from ddd_jax.config import TreeConfig
+    from spec_helpers import prompts
+    draft = init_draft(int8_target, seed=1)
+    ps = prompts(3, seed=7, vocab=90)
+    ref = generate(int8_target, None, ps, max_new_tokens=16)
+    got = generate(int8_target, draft, ps, max_new_tokens=16, method=method, sync="device",
+                   tree=TreeConfig(top_k=3, total_tokens=8, depth=3))
+    assert got.tokens == ref.tokens
+
+
+# ----------------------------------------------------------------------------------------------- variants, flags
+@needs_kernel
+def test_the_variant_env_var_picks_or_refuses_clearly():
+    import os
+    import subprocess
+    import sys
+    code = "from ddd_jax.backends.cpu import kernels; print(kernels.int8_variant())"
+
+    def run(value):
+        env = {**os.environ, "DDD_JAX_INT8_VARIANT": value}
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+    for v in kernels.int8_variants():
+        r = run(v)
+        assert r.returncode == 0 and r.stdout.strip() == v, r.stderr
+    lacking = [v for v in kernels.INT8_VARIANTS if v not in kernels.int8_variants()]
+    for v in lacking[:1] + ["sse2"]:
+        r = run(v)
+        assert r.returncode != 0 and f"DDD_JAX_INT8_VARIANT={v}" in r.stderr.replace("'", ""), r.stderr
+    with pytest.raises(ValueError, match="unknown int8 variant"):
+        kernels.set_int8_variant("sse2")
+
+
+@pytest.mark.parametrize("argv,value", [([], False), (["--gguf-blocks"], True), (["--gguf-blocks", "int8"], "int8"),
+                                        (["--gguf-blocks", "exact"], True)])
+def test_every_gguf_blocks_flag_takes_int8(argv, value):
+    from ddd_jax.cli import build_parser
+    parser = build_parser()
+    for cmd in (["generate", "--prompt", "hi"], ["calibrate"], ["bench"], ["tune"], ["peers"]):
+        assert parser.parse_args(cmd + argv).gguf_blocks == value, cmd
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--prompt", "hi", "--gguf-blocks", "int4"])
+
+
+def test_load_target_checks_gguf_blocks(tmp_path):
+    from ddd_jax import load_target
+    with pytest.raises(ValueError, match="gguf_blocks must be"):
+        load_target("smollm2-135m-instruct", gguf_blocks="int4")
+    with pytest.raises(ValueError, match="panels=False"):
+        load_target("smollm2-135m-instruct", gguf_blocks="int8", panels=False)
+
+
+def test_a_gguf_loads_as_int8_blocks_close_to_its_exact_load(tmp_path):
+    """`load_target(gguf, gguf_blocks="int8")`: the layer matrices of every kind multiply by integers, the tied
+    output projection stays exact, and the logits stay close to the exact blocks' (which are the float32 load's)."""
+    import warnings
+    from gguf.quants import quantize as gguf_quantize
+    from ddd_jax import load_target
+    from gguf_helpers import finish, gguf_writer, permute
+    c, params = SMALL, llama.init_params(SMALL, jax.random.PRNGKey(2), std=0.25)
+    types = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q8_0", "ffn_gate": "Q4_1",
+             "ffn_up": "Q4_0", "ffn_down": "Q8_0"}
+    w = gguf_writer(tmp_path / "q.gguf", "llama", c, c.head_dim)
+
+    def add(name, rows, t):
+        if t == "F32":
+            return w.add_tensor(name, np.ascontiguousarray(rows, np.float32))
+        qt = gguf.GGMLQuantizationType[t]
+        w.add_tensor(name, gguf_quantize(np.ascontiguousarray(rows, np.float32), qt), raw_dtype=qt)
+
+    lp = params["layers"]
+    add("token_embd.weight", np.asarray(params["embed"]), "Q8_0")
+    add("output_norm.weight", np.asarray(params["final_norm"]), "F32")
+    for i in range(c.num_hidden_layers):
+        for ours, part in (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output"),
+                           ("w_gate", "ffn_gate"), ("w_up", "ffn_up"), ("w_down", "ffn_down")):
+            rows = np.asarray(lp[ours][i]).T
+            rows = permute(rows, c.num_attention_heads) if part == "attn_q" else rows
+            rows = permute(rows, c.num_key_value_heads) if part == "attn_k" else rows
+            add(f"blk.{i}.{part}.weight", rows, types[part])
+        add(f"blk.{i}.attn_norm.weight", np.asarray(lp["attn_norm"][i]), "F32")
+        add(f"blk.{i}.ffn_norm.weight", np.asarray(lp["mlp_norm"][i]), "F32")
+    f = finish(w, tmp_path / "q.gguf")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*tokenizer")  # a weights-only GGUF
+        exact, int8 = load_target(f, gguf_blocks=True), load_target(f, gguf_blocks="int8")
+    lq = int8.params["layers"]
+    assert all(isinstance(lq[k], quant.BlockPanels) and lq[k].int8 for k in ("wq", "wk", "wv", "wo", "w_gate",
+                                                                             "w_up", "w_down"))
+    assert {lq[k].kind for k in ("wq", "wk", "wv")} == {"q4_0", "q4_1", "q8_0"}
+    assert not exact.params["layers"]["wq"].int8 and not int8.params["embed"].int8
+    toks = np.random.RandomState(1).randint(0, 90, (1, 9)).astype(np.int32)
+    pos = np.arange(9)[None]
+    a, b = np.asarray(exact.forward(toks, pos).logits), np.asarray(int8.forward(toks, pos).logits)
+    assert 0 < np.linalg.norm(b - a) / np.linalg.norm(a) < 3e-2
