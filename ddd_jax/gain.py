@@ -1,7 +1,7 @@
 """The expected-gain DDD rule on the device (`DDDConfig(rule="gain")`, its inputs a `GainModel`): how much a cycle's
 tree is expected to yield at calibrated acceptance probabilities, what it costs on this host, whether one more draft
-step pays, and how many rows to verify. Pure functions over a `tree.Beam`; `measure.node_acceptance.Replay` runs the
-same arithmetic over recorded pools (for calibration's predictions).
+step pays, and how many rows to verify. Pure functions over a `tree.Beam`, or over plain [B, P] pool arrays (`signal`, `kept_nodes`):
+`measure.node_acceptance.Replay` calls the same functions on recorded pools (for calibration's predictions).
 
 A node's calibrated probability p is `GainModel.accept[depth - 1][score bin]`. Greedy verification accepts at most
 one node per depth, and the nodes it accepts form the accepted path, so a tree keeping the m best-scored nodes
@@ -42,8 +42,9 @@ def _probs(gm: GainModel, score, depth):
     return jnp.where(jnp.isfinite(score), acc[d, b], 0.0)
 
 
-def _ranked(gm: GainModel, pool_score, k: int, max_depth: int):
-    """(order [B, P] best first (stable), cumulative p along it [B, P + 1], drafted nodes [B])."""
+def ranked(gm: GainModel, pool_score, k: int, max_depth: int):
+    """(order [B, P] best first (stable), cumulative p along it [B, P + 1], drafted nodes [B]) of a pool laid out
+    as `pool_depths(k, max_depth)`."""
     depth = jnp.asarray(pool_depths(k, max_depth))
     p = _probs(gm, pool_score, depth[None])
     order = jnp.argsort(-pool_score, axis=1, stable=True)
@@ -64,13 +65,17 @@ def best_width(gm: GainModel, cum, drafted, steps, total_tokens: int):
     return wi, pick(E), pick(C), pick(m)
 
 
-def step_signal(gm: GainModel, beam: Beam, total_tokens: int, max_depth: int):
-    """[B] float32: log(expected tokens one more step adds) - log(its cost in ms * rate); -inf when it adds none."""
-    k = beam.tok.shape[1]
-    _, cum, drafted = _ranked(gm, beam.pool_score, k, max_depth)
-    wi, E, C, m = best_width(gm, cum, drafted, beam.depth, total_tokens)
-    cont = jnp.asarray(gm.cont, jnp.float32)[jnp.minimum(beam.step, len(gm.cont) - 1)]
-    g = cont * jnp.sum(_probs(gm, beam.score, beam.step + 1), axis=1)
+def signal(gm: GainModel, pool_score, beam_score, step, steps, total_tokens: int, max_depth: int):
+    """[B] float32: log(expected tokens one more step adds) - log(its cost in ms * rate); -inf when it adds none.
+
+    pool_score [B, P] (`pool_depths(k, max_depth)` layout; -inf: not drafted), beam_score [B, k] the beam's
+    cumulative log-probs (its nodes at depth step + 1), step: draft steps done (scalar), steps [B] per sequence.
+    `step_signal` over a decode's `Beam`; `measure.node_acceptance.Replay` over recorded pools."""
+    k = beam_score.shape[1]
+    _, cum, drafted = ranked(gm, pool_score, k, max_depth)
+    wi, E, C, m = best_width(gm, cum, drafted, steps, total_tokens)
+    cont = jnp.asarray(gm.cont, jnp.float32)[jnp.minimum(step, len(gm.cont) - 1)]
+    g = cont * jnp.sum(_probs(gm, beam_score, step + 1), axis=1)
     ws, t = jnp.asarray(gm.widths, jnp.int32), jnp.asarray(gm.verify_ms, jnp.float32)
     rows = jnp.minimum(total_tokens, ws[wi] + k)
     nxt = jnp.minimum(jnp.sum(ws[None] < rows[:, None], axis=1), len(gm.widths) - 1)
@@ -84,11 +89,22 @@ def step_signal(gm: GainModel, beam: Beam, total_tokens: int, max_depth: int):
     return jnp.where(g > 0, sig, -jnp.inf).astype(jnp.float32)
 
 
+def step_signal(gm: GainModel, beam: Beam, total_tokens: int, max_depth: int):
+    """[B] float32: `signal` of a decode's beam."""
+    return signal(gm, beam.pool_score, beam.score, beam.step, beam.depth, total_tokens, max_depth)
+
+
+def kept_nodes(gm: GainModel, pool_score, steps, k: int, total_tokens: int, max_depth: int):
+    """(order [B, P] best first, nodes kept m [B]): the m best nodes of each pool that its best width verifies
+    after `steps` [B] draft steps."""
+    order, cum, drafted = ranked(gm, pool_score, k, max_depth)
+    _, _, _, m = best_width(gm, cum, drafted, steps, total_tokens)
+    return order, m
+
+
 def keep_best_width(gm: GainModel, beam: Beam, total_tokens: int, max_depth: int) -> Beam:
     """The beam with every pool entry past each sequence's best width's m best nodes set to -inf (the tree then
     holds those m; the rest of its slots are invalid and never verified)."""
-    k = beam.tok.shape[1]
-    order, cum, drafted = _ranked(gm, beam.pool_score, k, max_depth)
-    _, _, _, m = best_width(gm, cum, drafted, beam.depth, total_tokens)
+    order, m = kept_nodes(gm, beam.pool_score, beam.depth, beam.tok.shape[1], total_tokens, max_depth)
     rank = jnp.argsort(order, axis=1)
     return dataclasses.replace(beam, pool_score=jnp.where(rank < m[:, None], beam.pool_score, -jnp.inf))

@@ -31,8 +31,7 @@ def p_oracle(replay: na.Replay, n: int, lam: float, rounds: int = 6) -> dict:
         C = replay.rec["score"].shape[0]
         best, dep, kept = np.full(C, -np.inf), np.zeros(C, int), np.zeros(C, int)
         for j in range(int(replay.rec["max_depth"]) + 1):
-            _, cum_p, n_fin, _ = replay.steps[j]
-            _, E, Cst, m = replay.best_width(j, cum_p, n_fin, n, lam)
+            _, E, Cst, m = replay.best_width(j, n, lam)
             v = E - lam * Cst
             up = v > best
             best[up], dep[up], kept[up] = v[up], j, m[up]

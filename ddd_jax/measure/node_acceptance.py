@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddd_jax.config import DDDConfig, TreeConfig
+from ddd_jax import gain
+from ddd_jax.config import DDDConfig, GainModel, TreeConfig
 from ddd_jax.gain import pool_depths  # noqa: F401 (the pools' layout, read here too)
 from ddd_jax.decode import drafting, generate, make_plan
 from ddd_jax.measure.acceptance import histogram
@@ -199,26 +200,31 @@ class Replay:
     what it would cost at `costs` = {"target_ms": {rows: ms}, "draft_ms": ms of one step over the beam,
     "fixed_ms": ms per cycle}. Greedy acceptance of a tree is the number of accepted nodes it keeps (they form
     its accepted path), so a replay is exact for the recorded pools; what it cannot see is that a real decode's
-    cycles start only where the previous one ended."""
+    cycles start only where the previous one ended. The gain rule's arithmetic is `ddd_jax.gain`'s own, called on
+    the pools as [cycles, pool] arrays: the replay decides exactly as the decode does."""
 
     def __init__(self, records: dict, table: dict, costs: dict, widths):
         self.rec, self.k = records, int(records["top_k"])
+        self.table = table
         self.widths = tuple(int(w) for w in widths)
         t = _interp(costs["target_ms"])
         self.t = np.array([t(w) for w in self.widths])
         self.t1, self.d, self.fixed = t(1), float(costs["draft_ms"]), float(costs.get("fixed_ms", 0.0))
         score, depth = records["score"], records["depth"]
-        self.p = np.where(np.isfinite(score), lookup_accept(table, np.broadcast_to(depth, score.shape), score), 0.0)
-        self.cont = np.asarray(table["cont"])
-        self.steps = []  # per step j: (order, cum accepted, cum p, finite count) of the pool after step j
+        self.steps = []  # per step j: (cum accepted [C, P + 1] best first, drafted nodes [C], pool [C, P]) after j
         for j in range(int(records["max_depth"]) + 1):
             vis = np.where(depth[None] <= j + 1, score, -np.inf)
             order = np.argsort(-vis, axis=1, kind="stable")
             acc = np.take_along_axis(records["accepted"] & np.isfinite(vis), order, axis=1)
-            p = np.take_along_axis(np.where(np.isfinite(vis), self.p, 0.0), order, axis=1)
             zero = np.zeros((len(score), 1))
-            self.steps.append((np.concatenate([zero, np.cumsum(acc, 1)], 1), np.concatenate([zero, np.cumsum(p, 1)], 1),
-                               np.isfinite(vis).sum(1), vis))
+            self.steps.append((np.concatenate([zero, np.cumsum(acc, 1)], 1), np.isfinite(vis).sum(1),
+                               vis.astype(np.float32)))
+
+    def model(self, lam=None) -> GainModel:
+        """The `GainModel` of this replay's table and costs (rate `lam`: tokens per ms; None: each cycle's own)."""
+        tab = self.table
+        return GainModel(tab["edges"], tab["accept"], tab["cont"], self.widths, tuple(self.t), self.d, self.fixed,
+                         lam or 0.0)
 
     def width_of(self, rows):
         """The narrowest compiled width holding `rows` [C]."""
@@ -257,7 +263,7 @@ class Replay:
     def static(self, total_tokens: int, depth: int):
         C = self.rec["score"].shape[0]
         dep = np.full(C, depth)
-        kept = np.minimum(total_tokens - 1, self.steps[depth][2])
+        kept = np.minimum(total_tokens - 1, self.steps[depth][1])
         return self._result(dep, kept)
 
     def threshold(self, total_tokens: int, check_steps, threshold: float, max_depth: int, stop0_nodes: int = -1):
@@ -275,53 +281,43 @@ class Replay:
             dep[stop] = j
             kept0 |= stop & (j == 0)
             live &= ~stop
-        kept = np.array([min(total_tokens - 1, self.steps[dep[c]][2][c]) for c in range(C)])
+        kept = np.array([min(total_tokens - 1, self.steps[dep[c]][1][c]) for c in range(C)])
         if stop0_nodes >= 0:
             kept = np.where(kept0, np.minimum(kept, stop0_nodes), kept)
         return self._result(dep, kept)
 
-    def best_width(self, j, cum_p, n_fin, N, lam=None):
-        """Per cycle: (index into widths, E, C, nodes kept) of the width maximising (1 + expected accepted) - lam *
-        cost after j steps (lam: tokens per ms the decode reaches; None: this cycle's own E / C)."""
-        ws = np.asarray(self.widths)
-        m = np.minimum(np.minimum(ws[None] - 1, N - 1), n_fin[:, None])  # [C, nw] nodes kept
-        E = 1 + np.take_along_axis(cum_p, m, axis=1)
-        Cst = np.broadcast_to(self.t[None] + self.d * (1 + j) + self.fixed, E.shape)
-        r = E / Cst if lam is None else E - lam * Cst
-        wi = np.argmax(r, axis=1)
-        return wi, E[np.arange(len(wi)), wi], Cst[np.arange(len(wi)), wi], m[np.arange(len(wi)), wi]
+    def best_width(self, j: int, N: int, lam=None, rows=None):
+        """Per cycle (or the cycles `rows`): (index into widths, E, C, nodes kept) of the width maximising
+        (1 + expected accepted) - lam * cost after j steps (lam: tokens per ms the decode reaches; None: this cycle's
+        own E / C) -- `gain.best_width` on the pools."""
+        gm, vis = self.model(lam), self.steps[j][2]
+        vis = vis if rows is None else vis[rows]
+        _, cum, drafted = gain.ranked(gm, jnp.asarray(vis), self.k, int(self.rec["max_depth"]))
+        out = gain.best_width(gm, cum, drafted, jnp.full((len(vis),), j, jnp.int32), N)
+        return tuple(np.asarray(x) for x in out)
 
     def gain(self, total_tokens: int, max_depth: int, margin: float = 0.0, lam=None):
-        C = self.rec["score"].shape[0]
-        N = total_tokens
+        """The gain rule (`DDDConfig(rule="gain", threshold=margin)`, checks at every step below max_depth): each
+        cycle's depth where `gain.signal` first falls below the margin, then the nodes `gain.kept_nodes` keeps."""
+        C, N, R = self.rec["score"].shape[0], total_tokens, int(self.rec["max_depth"])
+        gm = self.model(lam)
         dep = np.full(C, max_depth)
         live = np.ones(C, bool)
-        ws = np.asarray(self.widths)
         for j in range(max_depth):
-            _, cum_p, n_fin, vis = self.steps[j]
-            wi, E, Cst, m = self.best_width(j, cum_p, n_fin, N, lam)
-            beam_p = np.sort(np.where(self.rec["depth"][None] == j + 1, self.p, 0.0), axis=1)[:, ::-1][:, :self.k]
-            g = self.cont[min(j, len(self.cont) - 1)] * beam_p.sum(1)
-            rows = np.minimum(N, ws[wi] + self.k)
-            nxt = self.width_of(rows)
-            over = np.maximum(0, ws[wi] + self.k - N)
-            lost = np.take_along_axis(cum_p, m[:, None], 1)[:, 0] - np.take_along_axis(
-                cum_p, np.maximum(m - over, 0)[:, None], 1)[:, 0]
-            g_eff = g - lost
-            c_next = self.d + self.t[nxt] - self.t[wi]
-            rate = E / Cst if lam is None else lam  # tokens per ms a step must beat
-            with np.errstate(divide="ignore", invalid="ignore"):
-                sig = np.where(g_eff > 0, np.log(np.maximum(g_eff, 1e-30)) - np.log(c_next * rate), -np.inf)
-            stop = live & (sig < margin)
+            vis = self.steps[j][2]
+            beam = -np.sort(-np.where(self.rec["depth"][None] == j + 1, vis, -np.inf), axis=1)[:, :self.k]
+            sig = np.asarray(gain.signal(gm, jnp.asarray(vis), jnp.asarray(beam, jnp.float32), j,
+                                         jnp.full((C,), j, jnp.int32), N, R))
+            stop = live & ~(sig >= np.float32(margin))  # the decode drafts on while signal >= threshold
             dep[stop] = j
             live &= ~stop
         kept = np.zeros(C, int)
         for j in range(max_depth + 1):
             sel = dep == j
             if sel.any():
-                _, cum_p, n_fin, _ = self.steps[j]
-                _, _, _, m = self.best_width(j, cum_p[sel], n_fin[sel], N, lam)
-                kept[sel] = m
+                _, m = gain.kept_nodes(gm, jnp.asarray(self.steps[j][2][sel]), jnp.full((int(sel.sum()),), j,
+                                                                                       jnp.int32), self.k, N, R)
+                kept[sel] = np.asarray(m)
         return self._result(dep, kept)
 
     def oracle(self):
