@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 
-def _load_target(name):
+def _load_target(name, panels=None):
     from ddd_jax import load_target
-    return load_target(name)
+    return load_target(name, panels=panels)
 
 
 def _ints(s: str) -> tuple[int, ...]:
@@ -28,7 +28,7 @@ def _sharegpt_items(args, split: str):
 def cmd_extract(args) -> int:
     from .data import render_example, text_examples
     from .extract import extract
-    target = _load_target(args.target)
+    target = _load_target(args.target, panels=False)  # whole sequences: XLA's GEMM over row-major weights
     if args.text:
         items = text_examples(target, args.text, args.max_len)
         render = lambda ex: ex  # noqa: E731
