@@ -78,6 +78,30 @@ def test_torch_speculative_modes_equal_vanilla_and_take_jax_depths(tiny, vocab):
     assert {1, 3} <= depths and max(depths) <= DDD.max_depth  # DDD stopped at both checks and went past them
 
 
+def test_official_export_read_as_eagle_reads_it_decodes_as_ddd_jax(tiny, tmp_path):
+    """A head with a reduced vocabulary, exported in the official layout: the torch counterpart reads it as
+    SafeAILab/EAGLE does (model.safetensors only, strict=True; the side file never opened) and drafts over the whole
+    vocabulary, as EAGLE's code does. ddd-jax's own load of the same directory over the whole vocabulary takes the
+    same acceptances and depths, and both emit vanilla's tokens; ddd-jax's load keeps the side file's vocabulary."""
+    target, draft, _ = tiny
+    d = with_draft_vocab(draft, np.arange(95, 31, -1))
+    out = ddd_jax.save_official(d, tmp_path / "official", dtype="float32")
+    m = td.load_torch(target, official=out)
+    assert m.d2t is None and m.draft_out is m.model.lm_head.weight
+    ours = ddd_jax.load_draft(out, target)
+    assert np.array_equal(np.asarray(ours.params["d2t"]), np.arange(95, 31, -1))  # ddd-jax reads the side file
+    full = td.full_vocabulary(ours)
+    for p in PROMPTS:
+        van = td.generate(m, p, MAX_NEW).tokens
+        for method in ("eagle2", "ddd"):
+            got = td.generate(m, p, MAX_NEW, method=method, sync="device", tree=TREE, ddd=DDD)
+            jx = ddd_jax.generate(target, full, p, max_new_tokens=MAX_NEW, method=method, sync="device", tree=TREE,
+                                  ddd=DDD)
+            assert got.tokens == van == jx.tokens, method
+            assert got.stats["accepted_per_call"] == jx.stats["accepted_per_call"], method
+            assert got.stats["depth_per_call"] == jx.stats["depth_per_call"], method
+
+
 def test_torch_step0_check_takes_jax_decisions(tiny):
     """A DDD check at step 0 (before any expansion step): torch's host and device modes stop where JAX stops."""
     target, draft, m = tiny
@@ -331,6 +355,25 @@ def test_library_run_resumes_after_the_prompts_a_killed_run_finished(tiny, tmp_p
     assert all(x["identical_to_vanilla"] for x in r["rows"])
     with pytest.raises(ValueError, match=r"different run \(differs in: max_new_tokens\)"):
         run_lazy_eval(target, draft, PROMPTS, **{**kw, "max_new_tokens": MAX_NEW - 1})
+
+
+@pytest.mark.slow  # the real SmolLM2 pair in both frameworks; make test runs it
+def test_smollm2_export_read_as_eagle_reads_it_decodes_as_ddd_jax_over_mtbench(smollm2, smollm2_head, tmp_path):
+    """The shipped head exported in the official layout, read by the strict mirror of EAGLE's loader and drafting
+    over the whole vocabulary (as EAGLE's code does), against ddd-jax's load of the same export over the whole
+    vocabulary: on MT-bench first turns at EAGLE-2's default tree, the same tokens (vanilla's) and the same
+    acceptance per cycle."""
+    from ddd_jax.measure.prompts import load_questions
+    out = ddd_jax.save_official(smollm2_head, tmp_path / "official")
+    m = td.load_torch(smollm2, official=out)
+    full = td.full_vocabulary(ddd_jax.load_draft(out, smollm2))
+    tree = TreeConfig(top_k=10, total_tokens=60, depth=5)
+    for q in load_questions(None)[:3]:
+        p = smollm2.encode_chat([{"role": "user", "content": q["turns"][0]}])
+        got = td.generate(m, p, 32, method="eagle2", tree=tree)
+        jx = ddd_jax.generate(smollm2, full, p, max_new_tokens=32, method="eagle2", tree=tree)
+        assert got.tokens == jx.tokens == td.generate(m, p, 32).tokens
+        assert got.stats["accepted_per_call"] == jx.stats["accepted_per_call"]
 
 
 @pytest.mark.slow  # the real SmolLM2 pair in both frameworks (~1 min); make test runs it

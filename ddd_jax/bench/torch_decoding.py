@@ -41,6 +41,7 @@ GPU in this project yet.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import time
@@ -59,9 +60,10 @@ except ModuleNotFoundError as e:  # the extra is missing
 from ddd_jax.checkpoints.eagle_official import EAGLE1_RULES
 from ddd_jax.checkpoints.hf import HF_LLAMA_RULES
 from ddd_jax.keytable import export
-from ddd_jax.checkpoints.torch_ref import TorchEagleHead
+from ddd_jax.checkpoints.torch_ref import TorchEagleHead, load_official_head
 from ddd_jax.config import DDDConfig, TreeConfig
 from ddd_jax.decode import GenerateResult, make_plan
+from ddd_jax.eagle import Draft
 from ddd_jax.backends.cpu.quant import dequantize_tree
 
 METHODS = ("vanilla", "eagle2", "ddd")
@@ -166,15 +168,42 @@ class TorchModels:
         return str(self.model.config._attn_implementation)
 
 
-def load_torch(target, draft=None, device="cpu", compile: bool = False) -> TorchModels:
+def official_head(path, model) -> TorchEagleHead:
+    """The EAGLE-1/2 head of official directory `path` (what `save_official` writes, or a released head), read as
+    SafeAILab/EAGLE reads it (`torch_ref.load_official_head`: model.safetensors / pytorch_model.bin into the
+    official parameter names with `strict=True`; ddd-jax's side file is never opened), in the torch target's dtype
+    and device and sharing its embedding (EAGLE's `Model` takes the base model's embedding)."""
+    emb = model.model.embed_tokens.weight
+    head = load_official_head(path).to(device=emb.device, dtype=emb.dtype).eval()
+    head.embed_tokens.weight = emb
+    return head
+
+
+def full_vocabulary(draft):
+    """`draft` drafting over the whole target vocabulary (its `d2t` dropped), as EAGLE's own code drafts."""
+    if "d2t" not in draft.params:
+        return draft
+    return Draft(dataclasses.replace(draft.config, draft_vocab_size=None),
+                 {k: v for k, v in draft.params.items() if k != "d2t"}, draft.target, draft.name)
+
+
+def load_torch(target, draft=None, device="cpu", compile: bool = False, official=None) -> TorchModels:
     """Build the torch target (and head) from ddd_jax's `target` (and `draft`) on `device` ('cpu' | 'gpu').
 
+    official: an official EAGLE-1/2 head directory instead of `draft`'s weights: the head is read strictly, as
+    SafeAILab/EAGLE reads it (`official_head`), and drafts over the whole vocabulary, as EAGLE's code does; the
+    plan's head config is `draft`'s, by default ddd-jax's own load of the same directory over the whole vocabulary.
     compile=True wraps both forwards in `torch.compile(dynamic=True)` (meant for GPUs; untested here)."""
     dev = torch_device(device) if not isinstance(device, torch.device) else device
     model = torch_target(target, dev)
     cache_kw = cache_kwarg(model.forward)  # before torch.compile wraps the forwards
     head = draft_out = d2t = None
-    if draft is not None:
+    if official is not None:
+        from ddd_jax.checkpoints.loading import load_draft
+        draft = full_vocabulary(draft if draft is not None else load_draft(official, target))
+        draft.config.check_target(target.config)
+        head, draft_out = official_head(official, model), model.lm_head.weight
+    elif draft is not None:
         draft.config.check_target(target.config)
         head = torch_head(draft, model)
         if "d2t" in draft.params:
