@@ -67,8 +67,9 @@ def head_forward(dparams, dcfg: DraftConfig, embed, tokens, features, positions,
     cache with K/V written and length unchanged). attend: (q, k, v, layer) -> [B, T, N*H] replaces the masked
     attention over the cache (training-time test's `layers.ttt_attention`, `train_draft.ttt`).
     """
+    more = {} if attend is None else {"attend": attend}  # a kind without training-time test need not take it
     return kind(dcfg).head_forward(dparams, dcfg, embed, tokens, features, positions, cache, attn_mask, mask_start,
-                                   attend=attend)
+                                   **more)
 
 
 def project_features(dparams, dcfg: DraftConfig, feats):

@@ -1,7 +1,8 @@
 """The expected-gain DDD rule on the device (`DDDConfig(rule="gain")`, its inputs a `GainModel`): how much a cycle's
 tree is expected to yield at calibrated acceptance probabilities, what it costs on this host, whether one more draft
-step pays, and how many rows to verify. Pure functions over a `tree.Beam`, or over plain [B, P] pool arrays (`signal`, `kept_nodes`):
-`measure.node_acceptance.Replay` calls the same functions on recorded pools (for calibration's predictions).
+step pays, and how many rows to verify. Pure functions over a `tree.Beam`, or over plain [B, P] pool arrays
+(`signal`, `kept_nodes`): `measure.node_acceptance.Replay` calls the same functions on recorded pools (for
+calibration's predictions).
 
 A node's calibrated probability p is `GainModel.accept[depth - 1][score bin]`. Greedy verification accepts at most
 one node per depth, and the nodes it accepts form the accepted path, so a tree keeping the m best-scored nodes

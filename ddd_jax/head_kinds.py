@@ -18,7 +18,8 @@ vocabulary, V' the draft vocabulary):
   head's own outputs, which drafting feeds back as they are);
 * one draft step: `head_forward(dparams, dcfg, embed, tokens [B, T], h [B, T, D], positions [B, T], cache=None,
   attn_mask=None, mask_start=None, attend=None) -> (next h [B, T, D], cache)` (masks, cache and `attend`, the
-  training-time test's attention, as `eagle.head_forward`);
+  training-time test's attention, as `eagle.head_forward`; a kind that is never trained with `train_draft.ttt` may
+  leave `attend` out);
   `draft_logits(dparams, tparams, tcfg, h, dcfg)`: log-probs [..., V'] over its draft vocabulary;
   `target_logits(...)`: logits [..., V] over the target's vocabulary (`Draft.forward`); `d2t(dparams)`: the
   vocabulary map, [V'] int32 target ids of the draft ids, or None for the whole target vocabulary;
