@@ -207,14 +207,20 @@ def test_cli_registers_train_draft(tmp_path):
     assert plot_metrics(m, tmp_path / "c.png").stat().st_size > 1000
 
 
-def test_ce_subsampling_is_unbiased(target, feats):
-    from train_draft.train import frozen_target_arrays, init_head_params, loss_sums
+def objective_inputs(target, feats):
+    """(dcfg, head params, embed, lm_w, the first micro-batch [B, L]) of a fresh head's objective."""
+    from train_draft.train import frozen_target_arrays, init_head_params
     from ddd_jax.config import DraftConfig
     cfg = FitConfig(batch_size=2, seq_len=80)
     dcfg = DraftConfig.from_target(target.config)
-    params = init_head_params(dcfg, target, cfg)
     embed, lm_w = frozen_target_arrays(target)
     mb = jax.tree.map(lambda x: jnp.asarray(x[0]), BatchPlan(feats, cfg).batch(0))
+    return dcfg, init_head_params(dcfg, target, cfg), embed, lm_w, mb
+
+
+def test_ce_subsampling_is_unbiased(target, feats):
+    from train_draft.train import loss_sums
+    dcfg, params, embed, lm_w, mb = objective_inputs(target, feats)
     f = jax.jit(lambda k, K: loss_sums(params, dcfg, embed, lm_w, mb, k, 0.0, 0.1, jnp.float32, K)[1],
                 static_argnums=1)
     exact = f(jax.random.PRNGKey(0), 0)
@@ -264,13 +270,8 @@ def test_ttt_unroll_is_drafting_on_own_features(target):
 
 def test_ttt_one_step_is_the_eagle_objective(target, feats):
     """ttt_steps=1 is EAGLE's teacher-forced loss: the head over the packed batch with its block-causal mask."""
-    from train_draft.train import frozen_target_arrays, init_head_params, loss_sums, packed_mask, smooth_l1
-    from ddd_jax.config import DraftConfig
-    cfg = FitConfig(batch_size=2, seq_len=80)
-    dcfg = DraftConfig.from_target(target.config)
-    params = init_head_params(dcfg, target, cfg)
-    embed, lm_w = frozen_target_arrays(target)
-    mb = jax.tree.map(lambda x: jnp.asarray(x[0]), BatchPlan(feats, cfg).batch(0))
+    from train_draft.train import loss_sums, packed_mask, smooth_l1
+    dcfg, params, embed, lm_w, mb = objective_inputs(target, feats)
     _, sums = loss_sums(params, dcfg, embed, lm_w, mb, None, 0.0, 0.1, jnp.float32)
     g, _ = eagle.head_forward(params, dcfg, embed, mb.tokens, mb.feat_in.astype(jnp.float32), mb.positions,
                               attn_mask=packed_mask(mb.segments))
