@@ -144,7 +144,7 @@ def test_cli_extract_regenerated_checks_the_split_and_masks_replies(target, tmp_
     from train_draft import cli as tcli
     from train_draft.data import is_holdout
     from train_draft.extract import load_features
-    monkeypatch.setattr(tcli, "_load_target", lambda name: target)
+    monkeypatch.setattr(tcli, "_load_target", lambda name, **kw: target)
     held = next(f"h{i}" for i in range(10000) if is_holdout(f"h{i}", 2.0))
     train = [f"t{i}" for i in range(50) if not is_holdout(f"t{i}", 2.0)][:2]
     out = tmp_path / "r.jsonl"
@@ -191,7 +191,7 @@ def test_cli_regenerate_skip_prompts_starts_later_in_the_order(target, tmp_path,
     from train_draft import cli as tcli
     from train_draft import regen
     items = [(f"c{i}", [{"role": "user", "content": str(i)}]) for i in range(5)]
-    monkeypatch.setattr(tcli, "_load_target", lambda name: target)
+    monkeypatch.setattr(tcli, "_load_target", lambda name, **kw: target)
     monkeypatch.setattr(tcli, "_sharegpt_items", lambda args, split: (items, {split: len(items)}))
     monkeypatch.setattr(regen, "first_turn_prompts", lambda t, its, n: ([(i, [3 + k, 4]) for k, (i, _) in
                                                                           enumerate(its)], 0))
