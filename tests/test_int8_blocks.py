@@ -172,6 +172,35 @@ def test_speculative_over_int8_blocks_equals_int8_vanilla(int8_target, method):
     assert got.tokens == ref.tokens
 
 
+@needs_kernel
+def test_a_block_head_over_an_int8_target_takes_integer_products(int8_target):
+    """A head stored as GGUF blocks (`--draft-dtype q8_0`) bound to an int8 target multiplies every matrix -- fc, the
+    layer's, the draft-vocabulary rows -- by the same integer products (each equal to the numpy model's), and DDD
+    still decodes int8 vanilla's tokens. A float head keeps its float panels."""
+    from ddd_jax import DDDConfig, init_draft
+    from ddd_jax.config import TreeConfig
+    from ddd_jax.eagle import with_draft_vocab
+    from spec_helpers import prompts
+    V = int8_target.config.vocab_size
+    fl = with_draft_vocab(init_draft(int8_target, seed=1), np.arange(0, V, 2))
+    q = fl.astype("q8_0")
+    dq = q.decode_params()
+    mats = {"fc_w": dq["fc_w"], "lm_sub": dq["lm_sub"],
+            **{k: v for k, v in dq["layers"].items() if isinstance(v, quant.BlockPanels)}}
+    assert set(mats) == {"fc_w", "lm_sub", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+    assert all(w.int8 and w.kind == "q8_0" for w in mats.values())
+    assert not any(isinstance(x, quant.BlockPanels) for x in jax.tree.leaves(fl.decode_params(), is_leaf=quant.is_block))
+    rng = np.random.default_rng(3)
+    w, rows = dq["fc_w"], np.asarray(q.params["fc_w"].blocks)  # [out, K] GGUF rows
+    x = rng.standard_normal((5, w.shape[-2])).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(w.product(jax.numpy.asarray(x))), model_product(x, rows, "q8_0"))
+    ps = prompts(2, seed=5, vocab=90)
+    ddd = DDDConfig(check_steps=(1,), threshold=-0.3, max_depth=3)
+    got = generate(int8_target, q, ps, max_new_tokens=12, method="ddd", sync="device",
+                   tree=TreeConfig(top_k=2, total_tokens=5, depth=2), ddd=ddd)
+    assert got.tokens == generate(int8_target, None, ps, max_new_tokens=12).tokens
+
+
 # ----------------------------------------------------------------------------------------------- variants, flags
 @needs_kernel
 def test_the_variant_env_var_picks_or_refuses_clearly():
