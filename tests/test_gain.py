@@ -181,7 +181,7 @@ def test_calibration_measures_its_shortlist_and_chooses_by_the_measurement(monke
     assert set(got) == {"vanilla", "x"} and 0 < got["vanilla"] < got["x"]
 
 
-@pytest.mark.slow  # each draw is a new plan (a compile); make test runs it
+@pytest.mark.deep  # each draw is a new plan (a compile): make test-deep
 def test_gain_rule_is_lossless_for_drawn_models_batches_and_sync_modes(tiny):
     """Hypothesis: drawn costs, rates, margins, trees and batches; every sync mode decodes vanilla's tokens and
     takes the same depths."""

@@ -357,7 +357,7 @@ def test_library_run_resumes_after_the_prompts_a_killed_run_finished(tiny, tmp_p
         run_lazy_eval(target, draft, PROMPTS, **{**kw, "max_new_tokens": MAX_NEW - 1})
 
 
-@pytest.mark.slow  # the real SmolLM2 pair in both frameworks; make test runs it
+@pytest.mark.deep  # the real SmolLM2 pair in both frameworks over MT-bench turns: make test-deep
 def test_smollm2_export_read_as_eagle_reads_it_decodes_as_ddd_jax_over_mtbench(smollm2, smollm2_head, tmp_path):
     """The shipped head exported in the official layout, read by the strict mirror of EAGLE's loader and drafting
     over the whole vocabulary (as EAGLE's code does), against ddd-jax's load of the same export over the whole

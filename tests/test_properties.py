@@ -177,7 +177,7 @@ def test_jax_decodes_vanilla_tokens_for_drawn_configs(tiny, vanilla):
     seen.assert_covered(syncs=SYNCS, depths=3, batch=3)
 
 
-@pytest.mark.slow
+@pytest.mark.deep  # more draws of the same property: make test-deep
 def test_jax_decodes_vanilla_tokens_for_drawn_configs_more(tiny, vanilla):
     target, draft = tiny
     seen = Seen()
@@ -227,7 +227,7 @@ def test_torch_decodes_vanilla_tokens_for_drawn_configs(tiny, torch_models, vani
     seen.assert_covered(syncs=td.SYNCS, depths=4)
 
 
-@pytest.mark.slow
+@pytest.mark.deep  # more draws of the same property: make test-deep
 def test_torch_decodes_vanilla_tokens_for_drawn_configs_more(tiny, torch_models, vanilla):
     td, models = torch_models
     seen = Seen()

@@ -227,7 +227,7 @@ def test_eagle3_fit_sizes_itself_to_a_budget(tmp_path):
     assert meta["sized_to_budget"]["probe_s_per_step"] > 0
 
 
-@pytest.mark.slow  # the real SmolLM2 (a minute or two); `make test` runs it
+@pytest.mark.deep  # the real SmolLM2 through the whole recipe (minutes): make test-deep
 def test_cli_smoke_on_smollm2(smollm2_by_name, tmp_path, capsys):
     from ddd_jax.cli import main
     from train_draft.recipe import process_start
