@@ -40,7 +40,7 @@ def test_attention_ab_rejects_bad_input(tmp_path):
         attention_ab.build("no-such-revision-xyz", str(tmp_path))
 
 
-@pytest.mark.slow
+@pytest.mark.deep  # builds and runs the C++ harness: make test-deep
 def test_attention_harness_runs_the_kernel_and_its_bits_follow_the_rows(tmp_path):
     """The harness built from this checkout's kernels: both modes run, and the output's checksum is the same
     whatever the thread count (the chunking splits rows between threads; every row's bits are its own); "l2"

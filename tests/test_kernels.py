@@ -325,15 +325,16 @@ np.savez(sys.argv[1], **out)
 
 
 @needs_kernel
+@pytest.mark.skipif(not kernels.avx512(), reason="this CPU has no AVX-512: both runs would take the AVX2 path")
 @pytest.mark.slow  # three subprocesses (~12 s); make test runs it
 def test_avx512_and_avx2_products_are_bitwise_equal(tmp_path):
     """On AVX-512 CPUs x @ W of 3 to 85 rows (float32 and float16 weights), GGUF blocks (dequantized 16 wide;
     multiplied two weight rows a vector, any number of rows; panel-major, dequantized in registers), panel-major
     weights (float32 and float16, 48- and 16-column panels, every row count) and attention take 16-wide vectors: the
-    same fma chains per element, so the same bits as the AVX2 path
-    (DDD_JAX_NO_AVX512=1). Where the CPU has no AVX-512 both runs take AVX2. The AVX-512 path runs twice: with
-    every weight block prefetched into L2 (DDD_JAX_L2_PREFETCH_ROWS=1, the AMD default) and into L1 below 64 rows
-    (64): prefetching never changes a bit."""
+    same fma chains per element, so the same bits as the AVX2 path (DDD_JAX_NO_AVX512=1); skipped where the CPU has
+    no AVX-512, as both runs would take AVX2. The AVX-512 path runs twice: with every weight block prefetched into
+    L2 (DDD_JAX_L2_PREFETCH_ROWS=1, the AMD default) and into L1 below 64 rows (64): prefetching never changes a
+    bit."""
     runs = {}
     for name, no512, l2 in (("avx2", "1", ""), ("avx512-l2", "0", "1"), ("avx512-l1", "0", "64")):
         path = tmp_path / f"{name}.npz"

@@ -377,7 +377,7 @@ def test_smollm2_export_read_as_eagle_reads_it_decodes_as_ddd_jax_over_mtbench(s
 
 
 @pytest.mark.slow  # the real SmolLM2 pair in both frameworks (~1 min); make test runs it
-@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("gpu", marks=pytest.mark.deep)])  # gpu: make test-deep
 def test_torch_on_smollm2_with_the_shipped_rules_equals_vanilla_and_takes_jax_depths(smollm2, smollm2_head, backend):
     """The shipped cpu.json and gpu.json rules (the context lookup dropped, as lazy-eval drops it for torch): every
     torch sync mode emits torch vanilla's tokens on two chat prompts, and its depth per call equals JAX's."""

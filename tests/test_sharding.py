@@ -134,7 +134,7 @@ def test_data_parallel_fit_matches_one_device():
     assert "does not divide the mesh's 'data' axis (2)" in r["error"]
 
 
-@pytest.mark.slow
+@pytest.mark.deep  # two JAX processes on localhost (a minute and a half): make test-deep
 def test_two_processes_on_localhost():
     """jax.distributed over localhost with CPU (gloo) collectives: 2 processes x 2 devices, "data" across them."""
     import socket
