@@ -151,7 +151,8 @@ def op_profile(target, draft, prompt_ids: list, method: str, sync: str = "device
     hlo = orig.lower(*args).compile().as_text()
     ops = hlo_ops(hlo)
     module = "jit_" + loop
-    found = sorted(glob.glob(str(Path(tdir) / "**" / "*.xplane.pb"), recursive=True))
+    # (escaped: a method name such as eagle2[k=4,N=8,d=3] in the directory is not a pattern)
+    found = sorted(glob.glob(str(Path(glob.escape(str(tdir))) / "**" / "*.xplane.pb"), recursive=True))
     if not found:
         raise RuntimeError(f"op_profile: no trace written under {tdir}")
     per_op, count = leaf_times(_events(found[-1], module), ops)
