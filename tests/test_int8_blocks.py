@@ -153,7 +153,8 @@ def int8_target():
 def test_int8_target_is_described_and_multiplies_by_integers(int8_target):
     assert quant.describe(int8_target.params) == "gguf blocks q4_1+q8_0 (panels) int8"
     assert quant.has_int8_blocks(int8_target.params)
-    assert not int8_target.params["embed"].int8  # the output projection keeps the exact float32 product
+    assert int8_target.params["embed"].int8  # the tied output projection multiplies by integers too
+    assert int8_target.params["embed"].table is not None  # its lookups stay the exact rows
     assert int8_target.params["layers"]["wq"].T.int8
 
 
@@ -244,8 +245,8 @@ def test_load_target_checks_gguf_blocks(tmp_path):
 
 
 def test_a_gguf_loads_as_int8_blocks_close_to_its_exact_load(tmp_path):
-    """`load_target(gguf, gguf_blocks="int8")`: the layer matrices of every kind multiply by integers, the tied
-    output projection stays exact, and the logits stay close to the exact blocks' (which are the float32 load's)."""
+    """`load_target(gguf, gguf_blocks="int8")`: the layer matrices of every kind and the tied output projection
+    multiply by integers, and the logits stay close to the exact blocks' (which are the float32 load's)."""
     import warnings
     from gguf.quants import quantize as gguf_quantize
     from ddd_jax import load_target
@@ -281,7 +282,7 @@ def test_a_gguf_loads_as_int8_blocks_close_to_its_exact_load(tmp_path):
     assert all(isinstance(lq[k], quant.BlockPanels) and lq[k].int8 for k in ("wq", "wk", "wv", "wo", "w_gate",
                                                                              "w_up", "w_down"))
     assert {lq[k].kind for k in ("wq", "wk", "wv")} == {"q4_0", "q4_1", "q8_0"}
-    assert not exact.params["layers"]["wq"].int8 and not int8.params["embed"].int8
+    assert not exact.params["layers"]["wq"].int8 and not exact.params["embed"].int8 and int8.params["embed"].int8
     toks = np.random.RandomState(1).randint(0, 90, (1, 9)).astype(np.int32)
     pos = np.arange(9)[None]
     a, b = np.asarray(exact.forward(toks, pos).logits), np.asarray(int8.forward(toks, pos).logits)

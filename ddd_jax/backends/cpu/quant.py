@@ -234,14 +234,14 @@ def pack_blocks(w: BlockWeight, table: bool = False, int8: bool | None = None) -
 def pack_block_params(params: dict, tied: bool, int8: bool = False) -> dict:
     """A target's params with every BlockWeight panel-major (`BlockPanels`): the stacked layer matrices, an untied
     lm_head, and a tied embedding (which keeps its BlockWeight as the lookup table). Anything else as it is.
-    int8=True: the layer matrices take integer products (`BlockPanels.int8`); the output projection keeps the
-    exact float32 product."""
+    int8=True: the layer matrices and the output projection take integer products (`BlockPanels.int8`); the
+    embedding's lookups stay exact (its rows dequantized)."""
     out = dict(params)
     out["layers"] = {k: pack_blocks(v, int8=int8) if is_block(v) else v for k, v in params["layers"].items()}
     if "lm_head" in params and is_block(params["lm_head"]):
-        out["lm_head"] = pack_blocks(params["lm_head"])
+        out["lm_head"] = pack_blocks(params["lm_head"], int8=int8)
     if tied and is_block(params["embed"]):
-        out["embed"] = pack_blocks(params["embed"], table=True)
+        out["embed"] = pack_blocks(params["embed"], table=True, int8=int8)
     return out
 
 
