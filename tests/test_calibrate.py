@@ -37,6 +37,20 @@ def test_the_public_function():
     assert ddd_jax.calibrate is cal.calibrate and "calibrate" in ddd_jax.__all__
 
 
+def test_a_head_in_another_dtype_has_its_own_calibration(monkeypatch, tmp_path):
+    """A float16 or bfloat16 copy of a head (or a q8_0 one) drafts at another cost: its calibration is kept apart from the float32
+    head's, whose key is unchanged (no dtype in it)."""
+    from ddd_jax.settings.calibration import calibration_path
+    monkeypatch.setenv("DDD_JAX_CACHE", str(tmp_path))
+    target = tiny_target()
+    head = dataclasses.replace(fitted_draft(), name="tiny-head")
+    paths = {d: calibration_path(target, head if d == "float32" else head.astype(d)) for d in
+             ("float32", "float16", "bfloat16")}
+    assert len(set(paths.values())) == 3
+    assert "float" not in paths["float32"].name.split("tiny-head")[1] and "bfloat16" in paths["bfloat16"].name
+    assert calibration_path(target, dataclasses.replace(fitted_draft(), name="tiny-head")) == paths["float32"]
+
+
 def test_predict_is_tau_times_t1_over_the_cycle():
     prof = {"entries": [{"label": "a", "method": "eagle2", "tree": {"top_k": 4, "total_tokens": 8, "depth": 1},
                          "ddd": None, "tau": 2.0, "mean_depth": 1.0, "need_hist": {8: 3}}]}

@@ -54,10 +54,15 @@ def _slug(text: str) -> str:
 
 
 def calibration_path(target, draft) -> Path:
-    """Where this device's calibration for target + head lives (it may not exist)."""
+    """Where this device's calibration for target + head lives (it may not exist). A head stored in another dtype
+    than float32 (`Draft.astype`: float16, q8_0, ...) drafts at another cost, so it has a calibration of its own."""
     from ..checkpoints.registry import cache_root
     key = {**device_key(target), "draft": head_id(draft)}
-    slug = _slug(f"{key['backend']}-{key['storage']}-{key['target']}-{key['draft']}")
+    dtype = getattr(draft, "weight_dtype", "float32")
+    if dtype != "float32":  # (float32 heads keep the keys they always had)
+        key["draft_dtype"] = dtype
+    slug = _slug(f"{key['backend']}-{key['storage']}-{key['target']}-{key['draft']}"
+                 + (f"-{dtype}" if dtype != "float32" else ""))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     return cache_root() / "calibration" / f"{slug}-{digest}.json"
 
