@@ -218,6 +218,41 @@ def objective_inputs(target, feats):
     return dcfg, init_head_params(dcfg, target, cfg), embed, lm_w, mb
 
 
+def test_on_path_top1_counts_only_chains_whose_earlier_steps_were_right(target, feats):
+    """`loss_sums(on_path=True)`: pcount{k} / pcorrect{k} are the loss positions whose chain hit at steps 0..k-1
+    (and also at k), recomputed here from each step's own top-1 over the same unroll; free-running correct{k}
+    counts every chain."""
+    from train_draft import ttt
+    from train_draft.train import loss_sums, metric_means, packed_mask
+    dcfg, params, embed, _, mb = objective_inputs(target, feats)
+    # a two-token "vocabulary": a fresh head's top-1 is right about half the time, so chains both hit and miss
+    lm_w = jnp.asarray(np.random.default_rng(0).normal(size=(dcfg.hidden_size, 2)), jnp.float32)
+    K = 3
+    _, sums = loss_sums(params, dcfg, embed, lm_w, mb, None, 0.0, 0.1, jnp.float32, steps=K, on_path=True)
+    seg, tgt_all = mb.segments, mb.feat_tgt.astype(jnp.float32)
+
+    def record(k, g):
+        tgt = ttt.shift(tgt_all, k)
+        m = ttt.shift(mb.mask, k) * ((ttt.shift(seg, k) == seg) & (seg > 0))
+        hit = jnp.argmax(g.astype(jnp.float32) @ lm_w, -1) == jnp.argmax(tgt @ lm_w, -1)
+        return 0.0, {"hit": np.asarray(hit), "m": np.asarray(m)}
+
+    _, per = ttt.unroll(params, dcfg, embed, mb.tokens, mb.feat_in.astype(jnp.float32), mb.positions,
+                        packed_mask(seg), K, record, 0.8)
+    for k in range(1, K):
+        path = per[f"m{k}"] * np.prod([per[f"hit{j}"] for j in range(k)], axis=0)
+        assert float(sums[f"pcount{k}"]) == pytest.approx(path.sum())
+        assert float(sums[f"pcorrect{k}"]) == pytest.approx((path * per[f"hit{k}"]).sum())
+        assert float(sums[f"correct{k}"]) == pytest.approx((per[f"m{k}"] * per[f"hit{k}"]).sum())
+        assert 0 < path.sum() < per[f"m{k}"].sum()  # some chains missed earlier, some did not
+    means = metric_means(sums)
+    assert {"acc_path1", "acc_path2"} <= set(means) and "acc_path1" not in metric_means(
+        loss_sums(params, dcfg, embed, lm_w, mb, None, 0.0, 0.1, jnp.float32, steps=K)[1])
+    with pytest.raises(ValueError, match="on_path"):
+        loss_sums(params, dcfg, embed, lm_w, mb, jax.random.PRNGKey(0), 0.0, 0.1, jnp.float32, 8, steps=K,
+                  on_path=True)
+
+
 def test_ce_subsampling_is_unbiased(target, feats):
     from train_draft.train import loss_sums
     dcfg, params, embed, lm_w, mb = objective_inputs(target, feats)
@@ -290,6 +325,7 @@ def test_ttt_fit_learns_later_steps_and_reports_them(target, feats, tmp_path):
         runs[K] = fit(target, feats, tmp_path / f"k{K}", cfg, eval_set=feats, ckpt_every=1000, log_every=20,
                       eval_every=120, eval_batches=2, progress=False)["last_eval"]
     assert {f"eval_acc{k}" for k in range(1, EVAL_STEPS)} <= set(runs[3]) and "eval_acc" in runs[3]
+    assert {f"eval_acc_path{k}" for k in range(1, EVAL_STEPS)} <= set(runs[3])
     assert runs[3]["eval_acc2"] > runs[1]["eval_acc2"] + 0.03, (runs[1], runs[3])
     cfg = FitConfig(steps=4, batch_size=2, seq_len=80, lr=1e-3, warmup=2, seed=1, ttt_steps=2)
     straight = fit(target, feats, tmp_path / "a", cfg, ckpt_every=100, progress=False)

@@ -234,14 +234,21 @@ def packed_mask(segments):
 
 
 def loss_sums(params, dcfg: DraftConfig, embed, lm_w, mb: Batch, key, noise: float, w_cls: float, dtype,
-              ce_positions: int = 0, steps: int = 1, step_decay: float = 0.8):
+              ce_positions: int = 0, steps: int = 1, step_decay: float = 0.8, on_path: bool = False):
     """Unnormalised sums over one micro-batch [B, L]: (weighted loss sum, metrics sums).
 
     steps = 1: the EAGLE objective (module docstring). steps = K > 1: training-time test (`ttt.unroll`): step k
     reads the token x_{t+1+k} and the head's own output of step k-1, and is scored against the target's feature
     f_{t+1+k} and its soft labels, weighted step_decay**k; its metrics sums are `correct{k}` and `count{k}`
     (`vloss`, `ploss`, `correct`, `count` stay step 0's, and `count` normalises every step's loss).
+    on_path (every position scored, no `ce_positions`): also `pcorrect{k}` and `pcount{k}` for k >= 1, top-1 at
+    step k counted only where steps 0..k-1 of the same chain were all right -- the level-to-level acceptance a
+    draft tree sees, as a drafted path ends at its first miss. (Free-running top-1 `correct{k}` also counts chains
+    that already missed, which no tree keeps.)
     """
+    if on_path and ce_positions:
+        raise ValueError("loss_sums: on_path scores every position (ce_positions must be 0)")
+    hits = []  # per step: top-1 right [B, L] (on_path)
     f_in = mb.feat_in.astype(jnp.float32)
     if noise:
         f_in = f_in + (jax.random.uniform(key, f_in.shape, jnp.float32) - 0.5) * noise
@@ -269,13 +276,22 @@ def loss_sums(params, dcfg: DraftConfig, embed, lm_w, mb: Batch, key, noise: flo
         t_logits = jax.lax.stop_gradient(jnp.einsum("bld,dv->blv", tgt, lm_w, preferred_element_type=jnp.float32))
         ce = -jnp.sum(jax.nn.softmax(t_logits, axis=-1) * jax.nn.log_softmax(logits, axis=-1), axis=-1)
         pl = jnp.sum(w * ce)
-        correct = jnp.sum(w * (jnp.argmax(logits, -1) == jnp.argmax(t_logits, -1)))
-        return v + w_cls * pl, {"vloss": v, "ploss": pl, "correct": correct, "count": jnp.sum(m)}
+        hit = (jnp.argmax(logits, -1) == jnp.argmax(t_logits, -1)).astype(jnp.float32)
+        correct = jnp.sum(w * hit)
+        out = {"vloss": v, "ploss": pl, "correct": correct, "count": jnp.sum(m)}
+        if on_path and k > 0:
+            path = m * jnp.prod(jnp.stack(hits), axis=0)  # chains whose steps 0..k-1 were all right
+            out.update(pcorrect=jnp.sum(path * hit), pcount=jnp.sum(path))
+        if on_path:
+            hits.append(hit)
+        return v + w_cls * pl, out
 
     total, per = ttt.unroll(p, dcfg, embed.astype(dtype), mb.tokens, f_in.astype(dtype), mb.positions,
                             packed_mask(seg), steps, step_loss, step_decay)
     sums = {k: per[k + "0"] for k in SUM_KEYS}
     sums.update({f"{k}{j}": per[f"{k}{j}"] for j in range(1, steps) for k in ("correct", "count")})
+    if on_path:
+        sums.update({f"{k}{j}": per[f"{k}{j}"] for j in range(1, steps) for k in ("pcorrect", "pcount")})
     return total, sums
 
 
@@ -299,13 +315,16 @@ def make_optimizer(cfg):
 
 def metric_means(sums):
     """Means per loss token of `loss_sums`' sums: {"vloss", "ploss", "acc", "count"} (count: the loss tokens), and
-    "acc{k}" of each later unrolled step k (top-1 on the head's own features of step k-1)."""
+    "acc{k}" of each later unrolled step k (top-1 on the head's own features of step k-1), and with on-path sums
+    "acc_path{k}" (top-1 at step k where steps 0..k-1 were right: the level-to-level acceptance a tree sees)."""
     c = jnp.maximum(sums["count"], 1e-5)
     vl, pl = sums["vloss"] / c, sums["ploss"] / c
     out = {"vloss": vl, "ploss": pl, "acc": sums["correct"] / c, "count": sums["count"]}
     k = 1
     while f"count{k}" in sums:
         out[f"acc{k}"] = sums[f"correct{k}"] / jnp.maximum(sums[f"count{k}"], 1e-5)
+        if f"pcount{k}" in sums:
+            out[f"acc_path{k}"] = sums[f"pcorrect{k}"] / jnp.maximum(sums[f"pcount{k}"], 1e-5)
         k += 1
     return out
 
@@ -358,7 +377,8 @@ EVAL_STEPS = 6  # held-out top-1 is reported for at least this many free-running
 
 def make_eval_step(dcfg: DraftConfig, cfg: FitConfig, steps: int | None = None):
     """Jitted (params, embed, lm_w, batch [1, B, L]) -> held-out metrics sums over `steps` unrolled draft steps
-    (default max(cfg.ttt_steps, EVAL_STEPS)): step k > 0 free-running on the head's own features."""
+    (default max(cfg.ttt_steps, EVAL_STEPS)): step k > 0 free-running on the head's own features, with the
+    on-path sums (`loss_sums(on_path=True)`: top-1 where the chain's earlier steps were right)."""
     dtype = jnp.dtype(cfg.dtype)
     steps = max(cfg.ttt_steps, EVAL_STEPS) if steps is None else steps
 
@@ -366,7 +386,7 @@ def make_eval_step(dcfg: DraftConfig, cfg: FitConfig, steps: int | None = None):
     def ev(params, embed, lm_w, batch: Batch):
         mb = jax.tree.map(lambda x: x[0], batch)
         _, sums = loss_sums(params, dcfg, embed, lm_w, mb, None, 0.0, cfg.w_cls, dtype, steps=steps,
-                            step_decay=cfg.step_decay)
+                            step_decay=cfg.step_decay, on_path=True)
         return sums
 
     return ev
