@@ -26,7 +26,8 @@ demo: install
 # across runs, and within one run after tests/conftest.py drops the in-memory programs at the end of each test file.
 # test-fast skips the tests marked slow (the real SmolLM2, the long speculative cross-products); make test (what CI
 # runs) skips those marked deep (more draws of a property, the real SmolLM2 through a whole recipe), which
-# test-deep runs: a cold make test took 51 min on a 2-core EPYC family 25 VM before they moved (2026-11-29).
+# test-deep runs. On a 2-core EPYC family 25 VM (2026-11-29) a cold make test took 51 min before they moved, and
+# with a warm compile cache 17 min: CI's 20 minutes assume the cache $(JAX_TEST_CACHE) a previous run left.
 JAX_TEST_CACHE ?= $(HOME)/.cache/ddd_jax/xla-test-cache
 # two pytest workers (one per core here), a test file's tests in one worker so its module fixtures are built once;
 # TEST_WORKERS=0 runs them in this process

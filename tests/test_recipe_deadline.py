@@ -124,7 +124,7 @@ def _slow_run(out, export, deadline):
     recipe.run_recipe(t, fake_inputs(t), out, cfg, progress=False, export_dir=export, deadline=deadline)
 
 
-@pytest.mark.slow  # about 55 s, most of it sleeping; `make test` runs it
+@pytest.mark.deep  # about 55 s, most of it sleeping: make test-deep
 def test_slow_head_writes_end_before_the_deadline_with_the_last_best_head(tmp_path):
     from ddd_jax import load_draft
     from tests.test_recipe import tiny_target
