@@ -32,7 +32,6 @@ def main(argv) -> int:
     import ddd_jax
     from ddd_jax import generate
     from ddd_jax.backends.cpu import kernels
-
     from ddd_jax.measure.prompts import build_prompt, load_questions
 
     n = int(argv[0]) if argv else 8

@@ -38,8 +38,8 @@ def test_the_public_function():
 
 
 def test_a_head_in_another_dtype_has_its_own_calibration(monkeypatch, tmp_path):
-    """A float16 or bfloat16 copy of a head (or a q8_0 one) drafts at another cost: its calibration is kept apart from the float32
-    head's, whose key is unchanged (no dtype in it)."""
+    """A float16 or bfloat16 copy of a head (or a q8_0 one) drafts at another cost: its calibration is kept apart
+    from the float32 head's, whose key is unchanged (no dtype in it)."""
     from ddd_jax.settings.calibration import calibration_path
     monkeypatch.setenv("DDD_JAX_CACHE", str(tmp_path))
     target = tiny_target()

@@ -190,7 +190,8 @@ def test_a_block_head_over_an_int8_target_takes_integer_products(int8_target):
             **{k: v for k, v in dq["layers"].items() if isinstance(v, quant.BlockPanels)}}
     assert set(mats) == {"fc_w", "lm_sub", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
     assert all(w.int8 and w.kind == "q8_0" for w in mats.values())
-    assert not any(isinstance(x, quant.BlockPanels) for x in jax.tree.leaves(fl.decode_params(), is_leaf=quant.is_block))
+    float_leaves = jax.tree.leaves(fl.decode_params(), is_leaf=quant.is_block)
+    assert not any(isinstance(x, quant.BlockPanels) for x in float_leaves)
     rng = np.random.default_rng(3)
     w, rows = dq["fc_w"], np.asarray(q.params["fc_w"].blocks)  # [out, K] GGUF rows
     x = rng.standard_normal((5, w.shape[-2])).astype(np.float32)

@@ -61,8 +61,7 @@ def calibration_path(target, draft) -> Path:
     dtype = getattr(draft, "weight_dtype", "float32")
     if dtype != "float32":  # (float32 heads keep the keys they always had)
         key["draft_dtype"] = dtype
-    slug = _slug(f"{key['backend']}-{key['storage']}-{key['target']}-{key['draft']}"
-                 + (f"-{dtype}" if dtype != "float32" else ""))
+    slug = _slug("-".join(str(key[k]) for k in ("backend", "storage", "target", "draft", "draft_dtype") if k in key))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     return cache_root() / "calibration" / f"{slug}-{digest}.json"
 
