@@ -43,12 +43,19 @@ def _probs(gm: GainModel, score, depth):
     return jnp.where(jnp.isfinite(score), acc[d, b], 0.0)
 
 
-def ranked(gm: GainModel, pool_score, k: int, max_depth: int):
+def ranked(gm: GainModel, pool_score, k: int, max_depth: int, pool_p=None):
     """(order [B, P] best first (stable), cumulative p along it [B, P + 1], drafted nodes [B]) of a pool laid out
-    as `pool_depths(k, max_depth)`."""
-    depth = jnp.asarray(pool_depths(k, max_depth))
-    p = _probs(gm, pool_score, depth[None])
-    order = jnp.argsort(-pool_score, axis=1, stable=True)
+    as `pool_depths(k, max_depth)`.
+
+    pool_p [B, P]: each node's P(accepted) given by a learned acceptance output (0 where not drafted), ranked by it
+    (a child's is never above its parent's, so the best m stay ancestor-closed); None: the table's, by score."""
+    if pool_p is None:
+        depth = jnp.asarray(pool_depths(k, max_depth))
+        p = _probs(gm, pool_score, depth[None])
+        order = jnp.argsort(-pool_score, axis=1, stable=True)
+    else:
+        p = jnp.where(jnp.isfinite(pool_score), pool_p, 0.0)
+        order = jnp.argsort(-jnp.where(jnp.isfinite(pool_score), pool_p, -1.0), axis=1, stable=True)
     cum = jnp.cumsum(jnp.take_along_axis(p, order, axis=1), axis=1)
     cum = jnp.concatenate([jnp.zeros_like(cum[:, :1]), cum], axis=1)
     return order, cum, jnp.sum(jnp.isfinite(pool_score), axis=1)
@@ -66,17 +73,20 @@ def best_width(gm: GainModel, cum, drafted, steps, total_tokens: int):
     return wi, pick(E), pick(C), pick(m)
 
 
-def signal(gm: GainModel, pool_score, beam_score, step, steps, total_tokens: int, max_depth: int):
+def signal(gm: GainModel, pool_score, beam_score, step, steps, total_tokens: int, max_depth: int, pool_p=None,
+           beam_p=None):
     """[B] float32: log(expected tokens one more step adds) - log(its cost in ms * rate); -inf when it adds none.
 
     pool_score [B, P] (`pool_depths(k, max_depth)` layout; -inf: not drafted), beam_score [B, k] the beam's
     cumulative log-probs (its nodes at depth step + 1), step: draft steps done (scalar), steps [B] per sequence.
+    pool_p [B, P], beam_p [B, k]: learned probabilities in place of the table's (`ranked`).
     `step_signal` over a decode's `Beam`; `measure.node_acceptance.Replay` over recorded pools."""
     k = beam_score.shape[1]
-    _, cum, drafted = ranked(gm, pool_score, k, max_depth)
+    _, cum, drafted = ranked(gm, pool_score, k, max_depth, pool_p)
     wi, E, C, m = best_width(gm, cum, drafted, steps, total_tokens)
     cont = jnp.asarray(gm.cont, jnp.float32)[jnp.minimum(step, len(gm.cont) - 1)]
-    g = cont * jnp.sum(_probs(gm, beam_score, step + 1), axis=1)
+    bp = _probs(gm, beam_score, step + 1) if beam_p is None else jnp.where(jnp.isfinite(beam_score), beam_p, 0.0)
+    g = cont * jnp.sum(bp, axis=1)
     ws, t = jnp.asarray(gm.widths, jnp.int32), jnp.asarray(gm.verify_ms, jnp.float32)
     rows = jnp.minimum(total_tokens, ws[wi] + k)
     nxt = jnp.minimum(jnp.sum(ws[None] < rows[:, None], axis=1), len(gm.widths) - 1)
@@ -95,10 +105,10 @@ def step_signal(gm: GainModel, beam: Beam, total_tokens: int, max_depth: int):
     return signal(gm, beam.pool_score, beam.score, beam.step, beam.depth, total_tokens, max_depth)
 
 
-def kept_nodes(gm: GainModel, pool_score, steps, k: int, total_tokens: int, max_depth: int):
+def kept_nodes(gm: GainModel, pool_score, steps, k: int, total_tokens: int, max_depth: int, pool_p=None):
     """(order [B, P] best first, nodes kept m [B]): the m best nodes of each pool that its best width verifies
-    after `steps` [B] draft steps."""
-    order, cum, drafted = ranked(gm, pool_score, k, max_depth)
+    after `steps` [B] draft steps (pool_p: `ranked`)."""
+    order, cum, drafted = ranked(gm, pool_score, k, max_depth, pool_p)
     _, _, _, m = best_width(gm, cum, drafted, steps, total_tokens)
     return order, m
 

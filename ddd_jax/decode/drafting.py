@@ -133,17 +133,23 @@ def _prefix_forward(dparams, plan, tparams, dcache: KVCache, pend_tok, pend_feat
     return with_length(dc, dcache.length + pend_n), last, draft_logits(dparams, tparams, plan.tcfg, last, plan.dcfg)
 
 
-def draft_step(dparams, plan, tparams, dcache: KVCache, base, beam: Beam) -> tuple[KVCache, Beam]:
-    """One expansion step: the head on the beam (each node sees the prefix [0, base) and its ancestors in the
-    scratch area [base, base + max_depth*k)), then `tree.expand`."""
+def step_outputs(dparams, plan, tparams, dcache: KVCache, base, beam: Beam):
+    """The head on the beam (each node sees the prefix [0, base) and its ancestors in the scratch area
+    [base, base + max_depth*k)): (dcache, h [B, k, D] the beam nodes' predicted features, logp [B, k, V'] their
+    children's log-probs)."""
     k = plan.top_k
     B = beam.tok.shape[0]
     pos = jnp.broadcast_to((base + beam.step)[:, None], (B, k)).astype(jnp.int32)
     view = with_length(dcache, base + beam.step * k)  # the beam's K/V go to the next k scratch slots
     h, dc = head_forward(dparams, plan.dcfg, tparams["embed"], beam.tok, beam.feat, pos, view,
                          attn_mask=beam.anc, mask_start=base)
-    logp = draft_logits(dparams, tparams, plan.tcfg, h, plan.dcfg)
-    return with_length(dc, dcache.length), expand(beam, h, logp, k, plan.max_depth, vocab_map(dparams, plan.dcfg))
+    return with_length(dc, dcache.length), h, draft_logits(dparams, tparams, plan.tcfg, h, plan.dcfg)
+
+
+def draft_step(dparams, plan, tparams, dcache: KVCache, base, beam: Beam) -> tuple[KVCache, Beam]:
+    """One expansion step: `step_outputs`, then `tree.expand`."""
+    dc, h, logp = step_outputs(dparams, plan, tparams, dcache, base, beam)
+    return dc, expand(beam, h, logp, plan.top_k, plan.max_depth, vocab_map(dparams, plan.dcfg))
 
 
 # ----------------------------------------------------------------------------------------------- stop decisions

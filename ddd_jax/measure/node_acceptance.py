@@ -24,6 +24,8 @@ from ddd_jax import gain
 from ddd_jax.config import DDDConfig, GainModel, TreeConfig
 from ddd_jax.gain import pool_depths  # noqa: F401 (the pools' layout, read here too)
 from ddd_jax.decode import drafting, generate, make_plan
+from ddd_jax.eagle import vocab_map
+from ddd_jax.tree import draft_entropy, expand, first_beam
 from ddd_jax.measure.acceptance import histogram
 
 # bin edges of a node's cumulative draft log-prob (ascending); bin i holds scores in [edges[i-1], edges[i])
@@ -50,6 +52,40 @@ def _pools(tparams, dparams, plan, tokens, feats, length, *, capacity: int):
     return d.beam.pool_tok, d.beam.pool_score, d.beam.pool_parent
 
 
+@partial(jax.jit, static_argnames=("plan", "capacity"))
+def _pools_hidden(tparams, dparams, plan, tokens, feats, length, *, capacity: int):
+    """`_pools`, the same steps, and what produced each node's distribution: (pool_tok, pool_score, pool_parent,
+    h [R, 1 + max_depth * k, D] float16 the predicted feature of each expanded node (the root's, then each step's
+    beam), ent [R, 1 + max_depth * k] the entropy of its children's distribution)."""
+    R, T = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (R, T))
+    dcache = drafting.fill_prefix(dparams, plan, tparams, tokens, feats, pos, length, capacity)
+    pend_tok = jnp.take_along_axis(tokens, length[:, None], axis=1)
+    pend_feat = jnp.take_along_axis(feats, (length - 1)[:, None, None], axis=1)
+    dcache, h0, logp0 = drafting.draft_prefix(dparams, plan, tparams, dcache, pend_tok, pend_feat,
+                                              jnp.ones((R,), jnp.int32))
+    base = dcache.length
+    vmap = vocab_map(dparams, plan.dcfg)
+    beam = first_beam(logp0, h0, plan.top_k, plan.max_depth, vmap)
+    hs, ents = [h0[:, None]], [draft_entropy(logp0)[:, None]]
+    for _ in range(plan.max_depth):
+        dcache, h, logp = drafting.step_outputs(dparams, plan, tparams, dcache, base, beam)
+        beam = expand(beam, h, logp, plan.top_k, plan.max_depth, vmap)
+        hs.append(h)
+        ents.append(draft_entropy(logp))
+    return (beam.pool_tok, beam.pool_score, beam.pool_parent, jnp.concatenate(hs, 1).astype(jnp.float16),
+            jnp.concatenate(ents, 1))
+
+
+def expanded_of(k: int, max_depth: int) -> np.ndarray:
+    """[P] which expanded node (`_pools_hidden`'s h row: 0 the root, 1 + s * k + i step s's beam node i) produced
+    each pool slot's distribution."""
+    rows = [np.zeros(k, np.int32)]
+    for s in range(max_depth):
+        rows.append(1 + s * k + np.repeat(np.arange(k, dtype=np.int32), k))
+    return np.concatenate(rows)
+
+
 @partial(jax.jit, static_argnames=("cfg", "aux"))
 def _features(tparams, cfg, tokens, *, aux: tuple):
     """The head's target features [1, T, Df] of one sequence: the final hidden state, or EAGLE-3's layer inputs."""
@@ -72,11 +108,16 @@ def label_pool(pool_tok, pool_parent, depth, cont) -> np.ndarray:
 
 
 def pool_records(target, draft, prompt_ids: list, *, top_k: int = 4, max_depth: int = 6, max_new_tokens: int = 64,
-                 rows: int = 32, progress: bool = False) -> dict:
+                 rows: int = 32, progress: bool = False, hidden: bool = False) -> dict:
     """The full pool (top_k beams, max_depth steps) drafted at each position of the target's greedy reply to each
     prompt (a "cycle" each), every node labelled accepted or not. Returns "score" [C, P] (cumulative draft log-prob,
     -inf: not drafted), "accepted" [C, P] bool, "prompt" [C] (which prompt; a prompt's cycles are consecutive, one
-    per position of its reply), "depth" [P] (`pool_depths`), "prompts", "top_k", "max_depth"."""
+    per position of its reply), "depth" [P] (`pool_depths`), "prompts", "top_k", "max_depth".
+
+    hidden=True also keeps what produced each node's distribution (the inputs of a learned acceptance output):
+    "h" [C, X, D] float16 the predicted features of the X = 1 + max_depth * top_k expanded nodes, "ent" [C, X] the
+    entropy of their children's distributions, "parent" [C, P] each slot's parent slot (-1: the root), "tok" [C, P]
+    each slot's token, "expanded" [P] (`expanded_of`): the row that drafted each slot."""
     from ddd_jax import eagle
     plan = make_plan(target, draft, method="eagle2", sync="device",
                      tree=TreeConfig(top_k=top_k, total_tokens=2, depth=max_depth), ddd=DDDConfig(),
@@ -85,7 +126,7 @@ def pool_records(target, draft, prompt_ids: list, *, top_k: int = 4, max_depth: 
     replies = generate(target, None, [list(map(int, p)) for p in prompt_ids], max_new_tokens=max_new_tokens).tokens
     depth = pool_depths(top_k, max_depth)
     dparams = draft.decode_params()
-    scores, accepted, prompt_of = [], [], []
+    scores, accepted, prompt_of, parents, pool_toks, hs, ents = [], [], [], [], [], [], []
     bar = None
     if progress:
         from tqdm import tqdm
@@ -105,10 +146,16 @@ def pool_records(target, draft, prompt_ids: list, *, top_k: int = 4, max_depth: 
         for i in range(0, len(roots), rows):
             part = roots[i:i + rows]
             L = np.array(part + [part[-1]] * (rows - len(part)), np.int32)
-            ptok, pscore, ppar = jax.device_get(_pools(target.params, dparams, plan, toks, feats, jnp.asarray(L),
-                                                       capacity=capacity))
+            fn = _pools_hidden if hidden else _pools
+            out = jax.device_get(fn(target.params, dparams, plan, toks, feats, jnp.asarray(L), capacity=capacity))
+            ptok, pscore, ppar = out[:3]
             for r, root in enumerate(part):
                 prompt_of.append(pi)
+                if hidden:
+                    parents.append(ppar[r])
+                    pool_toks.append(ptok[r])
+                    hs.append(out[3][r])
+                    ents.append(out[4][r])
                 scores.append(pscore[r])
                 accepted.append(label_pool(ptok[r], ppar[r], depth, seq[root + 1: root + 2 + max_depth]))
         if bar is not None:
@@ -116,9 +163,15 @@ def pool_records(target, draft, prompt_ids: list, *, top_k: int = 4, max_depth: 
     if bar is not None:
         bar.close()
     P = len(depth)
-    return {"score": np.array(scores, np.float32).reshape(-1, P), "accepted": np.array(accepted, bool).reshape(-1, P),
-            "prompt": np.array(prompt_of, np.int32), "depth": depth, "prompts": len(prompt_ids), "top_k": top_k,
-            "max_depth": max_depth}
+    out = {"score": np.array(scores, np.float32).reshape(-1, P), "accepted": np.array(accepted, bool).reshape(-1, P),
+           "prompt": np.array(prompt_of, np.int32), "depth": depth, "prompts": len(prompt_ids), "top_k": top_k,
+           "max_depth": max_depth}
+    if hidden:
+        X, D = 1 + max_depth * top_k, draft.config.hidden_size
+        out.update(h=np.array(hs, np.float16).reshape(-1, X, D), ent=np.array(ents, np.float32).reshape(-1, X),
+                   parent=np.array(parents, np.int32).reshape(-1, P), tok=np.array(pool_toks, np.int32).reshape(-1, P),
+                   expanded=expanded_of(top_k, max_depth))
+    return out
 
 
 def _flat(records: dict):
@@ -201,11 +254,15 @@ class Replay:
     "fixed_ms": ms per cycle}. Greedy acceptance of a tree is the number of accepted nodes it keeps (they form
     its accepted path), so a replay is exact for the recorded pools; what it cannot see is that a real decode's
     cycles start only where the previous one ended. The gain rule's arithmetic is `ddd_jax.gain`'s own, called on
-    the pools as [cycles, pool] arrays: the replay decides exactly as the decode does."""
+    the pools as [cycles, pool] arrays: the replay decides exactly as the decode does.
 
-    def __init__(self, records: dict, table: dict, costs: dict, widths):
+    probs [C, P]: each node's P(accepted) from a learned acceptance output (`measure.learned_acceptance`); trees
+    then keep the nodes it ranks best and the gain rule reads it in place of the table."""
+
+    def __init__(self, records: dict, table: dict, costs: dict, widths, probs=None):
         self.rec, self.k = records, int(records["top_k"])
         self.table = table
+        self.probs = None if probs is None else np.asarray(probs, np.float32)
         self.widths = tuple(int(w) for w in widths)
         t = _interp(costs["target_ms"])
         self.t = np.array([t(w) for w in self.widths])
@@ -214,7 +271,8 @@ class Replay:
         self.steps = []  # per step j: (cum accepted [C, P + 1] best first, drafted nodes [C], pool [C, P]) after j
         for j in range(int(records["max_depth"]) + 1):
             vis = np.where(depth[None] <= j + 1, score, -np.inf)
-            order = np.argsort(-vis, axis=1, kind="stable")
+            rank_key = vis if self.probs is None else np.where(np.isfinite(vis), self.probs, -1.0)
+            order = np.argsort(-rank_key, axis=1, kind="stable")
             acc = np.take_along_axis(records["accepted"] & np.isfinite(vis), order, axis=1)
             zero = np.zeros((len(score), 1))
             self.steps.append((np.concatenate([zero, np.cumsum(acc, 1)], 1), np.isfinite(vis).sum(1),
@@ -292,9 +350,23 @@ class Replay:
         own E / C) -- `gain.best_width` on the pools."""
         gm, vis = self.model(lam), self.steps[j][2]
         vis = vis if rows is None else vis[rows]
-        _, cum, drafted = gain.ranked(gm, jnp.asarray(vis), self.k, int(self.rec["max_depth"]))
+        _, cum, drafted = gain.ranked(gm, jnp.asarray(vis), self.k, int(self.rec["max_depth"]), self._p(rows))
         out = gain.best_width(gm, cum, drafted, jnp.full((len(vis),), j, jnp.int32), N)
         return tuple(np.asarray(x) for x in out)
+
+    def _p(self, rows=None):
+        """The learned probabilities as `gain` reads them (None: the table's)."""
+        if self.probs is None:
+            return None
+        return jnp.asarray(self.probs if rows is None else self.probs[rows])
+
+    def _beam(self, j: int):
+        """(scores [C, k], learned probabilities [C, k] or None) of the beam a decode expands after step j: the k
+        best-scored nodes at depth j + 1."""
+        at = np.where(self.rec["depth"][None] == j + 1, self.steps[j][2], -np.inf)
+        top = np.argsort(-at, axis=1, kind="stable")[:, :self.k]
+        score = np.take_along_axis(at, top, axis=1)
+        return score, None if self.probs is None else np.take_along_axis(self.probs, top, axis=1)
 
     def gain(self, total_tokens: int, max_depth: int, margin: float = 0.0, lam=None):
         """The gain rule (`DDDConfig(rule="gain", threshold=margin)`, checks at every step below max_depth): each
@@ -305,9 +377,10 @@ class Replay:
         live = np.ones(C, bool)
         for j in range(max_depth):
             vis = self.steps[j][2]
-            beam = -np.sort(-np.where(self.rec["depth"][None] == j + 1, vis, -np.inf), axis=1)[:, :self.k]
+            beam, beam_p = self._beam(j)
             sig = np.asarray(gain.signal(gm, jnp.asarray(vis), jnp.asarray(beam, jnp.float32), j,
-                                         jnp.full((C,), j, jnp.int32), N, R))
+                                         jnp.full((C,), j, jnp.int32), N, R, self._p(),
+                                         None if beam_p is None else jnp.asarray(beam_p)))
             stop = live & ~(sig >= np.float32(margin))  # the decode drafts on while signal >= threshold
             dep[stop] = j
             live &= ~stop
@@ -316,8 +389,26 @@ class Replay:
             sel = dep == j
             if sel.any():
                 _, m = gain.kept_nodes(gm, jnp.asarray(self.steps[j][2][sel]), jnp.full((int(sel.sum()),), j,
-                                                                                       jnp.int32), self.k, N, R)
+                                                                                       jnp.int32), self.k, N, R,
+                                       self._p(sel))
                 kept[sel] = np.asarray(m)
+        return self._result(dep, kept)
+
+    def specdec(self, total_tokens: int, max_depth: int, h: float):
+        """SpecDec++'s stop rule over the learned probabilities: stop after the first step j where the chance that
+        the best drafted path holds a rejection, 1 - max p over the beam, passes h; keep the total_tokens - 1 nodes
+        ranked best."""
+        if self.probs is None:
+            raise ValueError("Replay.specdec reads learned probabilities: pass probs=")
+        C = self.rec["score"].shape[0]
+        dep = np.full(C, max_depth)
+        live = np.ones(C, bool)
+        for j in range(max_depth):
+            _, beam_p = self._beam(j)
+            stop = live & (1.0 - beam_p.max(axis=1) > h)
+            dep[stop] = j
+            live &= ~stop
+        kept = np.array([min(total_tokens - 1, self.steps[dep[c]][1][c]) for c in range(C)])
         return self._result(dep, kept)
 
     def oracle(self):
