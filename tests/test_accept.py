@@ -36,6 +36,7 @@ def test_acceptance_result_reads_the_share_past_the_first_check():
     assert "past_first_check" not in acceptance_result(dict(run, method="eagle2"), res)
 
 
+@pytest.mark.slow  # ~10 s
 def test_accept_heads_measures_every_head_and_resumes(tmp_path, monkeypatch):
     t = tiny_target()
     heads = tmp_path / "heads"

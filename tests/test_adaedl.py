@@ -74,6 +74,7 @@ def tiny():
     return tiny_target(), fitted_draft()
 
 
+@pytest.mark.slow  # three sync modes (~17 s)
 def test_adaedl_is_lossless_in_every_sync_mode_with_the_same_depths(tiny):
     target, draft = tiny
     depths = []

@@ -451,6 +451,7 @@ def test_sweep_methods_parse():
 
 
 @pytest.mark.slow
+@pytest.mark.deep  # the real SmolLM2 through the CLI (~22 s; the end-to-end bench test stays): make test-deep
 def test_cli_bench_smollm2_two_turns(tmp_path, smollm2_by_name):
     """`ddd-jax bench` on the real SmolLM2 with the chat template and a second turn (random draft)."""
     from importlib.util import find_spec

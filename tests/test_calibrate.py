@@ -115,6 +115,7 @@ def test_prediction_picks_ddd_at_batch_1_and_vanilla_at_batch_16():
     assert p16["best_overall"] == ("eagle2-k4-n8-d2", 0.217)
 
 
+@pytest.mark.slow  # a calibration (~15 s)
 def test_generate_decodes_as_vanilla_where_the_calibration_says_so(calibrating, monkeypatch, no_fixed_cost):
     """A calibration that says vanilla at batch >= 8: generate's defaults decode a batch of 8 as vanilla does (and
     say why), a single prompt speculatively; at batch 4 only EAGLE-2 is predicted to beat vanilla, so DDD's defaults

@@ -28,7 +28,8 @@ def n_checks(depth: int, checks) -> int:
 
 
 @pytest.mark.parametrize("sync", [pytest.param("host", marks=pytest.mark.slow),
-                                  pytest.param("callback", marks=pytest.mark.slow)])  # ~11 s each: make test runs them
+                                  pytest.param("callback", marks=pytest.mark.deep)])  # ~10-20 s each: make test
+# runs host, make test-deep callback
 def test_concurrent_decodes_keep_their_own_policy_and_counts(sync):
     target, draft = tiny_target(), fitted_draft()
     p = prompts(1, seed=3, lo=6, hi=7)[0]

@@ -131,7 +131,8 @@ def tree_ddd():
     return TreeConfig(top_k=4, total_tokens=12, depth=3), DDDConfig(check_steps=(2, 3), max_depth=5, threshold=-0.5)
 
 
-@pytest.mark.parametrize("method, sync", [("eagle2", "device"), ("ddd", "host"), ("ddd", "callback"),
+@pytest.mark.parametrize("method, sync", [("eagle2", "device"), ("ddd", "host"),
+                                          pytest.param("ddd", "callback", marks=pytest.mark.deep),  # ~12 s
                                           ("ddd", "device")])
 def test_generate_identical_to_vanilla(method, sync):
     t = tiny3()
@@ -261,7 +262,8 @@ def test_ttt_training_loss_falls_and_resume_is_exact(tmp_path):
         generate(t, None, ps, max_new_tokens=12).tokens
 
 
-@pytest.mark.parametrize("temperature,top_p", [pytest.param(1.0, 1.0, marks=pytest.mark.slow), (1.5, 0.9)])
+@pytest.mark.parametrize("temperature,top_p", [pytest.param(1.0, 1.0, marks=pytest.mark.deep), (1.5, 0.9)])
+@pytest.mark.slow  # chi-square (~11 s)
 def test_sampling_distribution_matches_target_eagle3(temperature, top_p):
     """tests/test_spec.py's chi-square check with an EAGLE-3 head whose draft vocabulary misses some tokens."""
     from scipy.stats import chi2
@@ -295,6 +297,7 @@ def test_sampling_distribution_matches_target_eagle3(temperature, top_p):
 
 
 @pytest.mark.slow  # the real SmolLM2 (the marker's rule)
+@pytest.mark.deep  # the real SmolLM2 (~33 s): make test-deep
 def test_smollm2_eagle3_token_identical(smollm2_gguf):
     """The real target: an (untrained) EAGLE-3 head reads SmolLM2's layers 2, 15, 27 and stays lossless."""
     from ddd_jax import load_target
@@ -309,6 +312,7 @@ def test_smollm2_eagle3_token_identical(smollm2_gguf):
                     ddd=DDDConfig(check_steps=(2,), max_depth=4)).tokens == ref
 
 
+@pytest.mark.slow  # a fit through the CLI (~11 s)
 def test_train_draft_cli_eagle3(tmp_path):
     """`ddd-jax train-draft fit --head-type eagle3` on extracted shards (only their ids and masks are read)."""
     from ddd_jax.checkpoints.ours import save_target

@@ -57,6 +57,7 @@ def test_attention_harness_runs_the_kernel_and_its_bits_follow_the_rows(tmp_path
     assert attention_ab.run(exe, 7, "l2", 1, 1)["checksum"] != two["checksum"]  # other layers' keys and values
 
 
+@pytest.mark.slow  # ~9 s
 def test_recipe_memory_sizes_both_fit_steps_and_grows_with_the_batch():
     """The fit steps compile from abstract inputs alone, and what XLA holds for them grows with the batch."""
     import dataclasses

@@ -129,9 +129,10 @@ def test_vanilla_greedy_equals_transformers_generate(tmp_path, case):
         assert generate(target, None, prompt, max_new_tokens=16).tokens == ref
 
 
-# make test-fast keeps one host-synced and one on-device mode per family; make test runs all four
+# make test-fast keeps one host-synced and one on-device mode per family; make test adds EAGLE-2, make test-deep the
+# callback mode (~10 s a family)
 MODES = [pytest.param("eagle2", "device", marks=pytest.mark.slow), ("ddd", "host"),
-         pytest.param("ddd", "callback", marks=pytest.mark.slow), ("ddd", "device")]
+         pytest.param("ddd", "callback", marks=pytest.mark.deep), ("ddd", "device")]
 SMALL_DDD = DDDConfig(check_steps=(2, 3), threshold=-5.0, max_depth=5)
 
 

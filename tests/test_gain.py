@@ -65,7 +65,8 @@ def _model(tab, rate):
     return tab, gm
 
 
-@pytest.mark.parametrize("rate", [0.0, 0.115])
+@pytest.mark.parametrize("rate", [0.0, pytest.param(0.115, marks=pytest.mark.deep)])
+@pytest.mark.slow  # three sync modes (~25 s)
 def test_gain_rule_is_lossless_in_every_sync_mode_and_decodes_as_replayed(tiny, rate):
     target, draft, rec = tiny
     tab, gm = _model(na.acceptance_table(rec), rate)
@@ -108,6 +109,7 @@ def test_gain_rule_refuses_bad_input(tiny):
     assert DDDConfig.from_dict(ddd.to_dict()) == ddd  # round trip through JSON-able dicts
 
 
+@pytest.mark.slow  # a calibration (~25 s)
 def test_calibration_offers_the_gain_rule_and_generate_uses_it(monkeypatch, tmp_path):
     """`calibrate` builds the gain rule from the batch size's costs and the head's recorded pools (measured on the
     prompts given, stored for the next calibration), predicts it by replay, and generate's defaults decode with it,

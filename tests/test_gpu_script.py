@@ -152,6 +152,7 @@ while true; do sleep 0.2; done
 
 
 @pytest.mark.slow  # ~18 s of a stub recipe waiting for its signals; make test runs it
+@pytest.mark.deep  # waits out a deadline (~19 s): make test-deep
 def test_call2_interrupts_then_kills_a_recipe_that_ignores_its_deadline_before_the_limit(tmp_path, files):
     gguf, inputs, _ = files
     assert prepare(tmp_path, gguf, inputs, INIT_HEAD="").returncode == 0

@@ -174,6 +174,7 @@ def test_speculative_over_int8_blocks_equals_int8_vanilla(int8_target, method):
 
 
 @needs_kernel
+@pytest.mark.slow  # ~7 s
 def test_a_block_head_over_an_int8_target_takes_integer_products(int8_target):
     """A head stored as GGUF blocks (`--draft-dtype q8_0`) bound to an int8 target multiplies every matrix -- fc, the
     layer's, the draft-vocabulary rows -- by the same integer products (each equal to the numpy model's), and DDD

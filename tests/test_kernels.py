@@ -219,6 +219,7 @@ def test_xla_path_tree_node_close_to_sequential_decode():
 
 @pytest.mark.slow
 @needs_kernel
+@pytest.mark.deep  # the real SmolLM2 (~24 s; tiny shapes stay): make test-deep
 def test_smollm2_rows_bitwise_m_independent_and_close_to_xla():
     import ddd_jax
     target = ddd_jax.load_target("smollm2-135m-instruct")

@@ -48,6 +48,7 @@ def test_torch_vanilla_equals_transformers_generate(tiny):
 
 
 @pytest.mark.parametrize("vocab", ["full", "reduced"])
+@pytest.mark.slow  # both vocabularies (~15 s)
 def test_torch_speculative_modes_equal_vanilla_and_take_jax_depths(tiny, vocab):
     """Every torch mode emits torch vanilla's tokens and takes JAX's depths and acceptances. JAX's own modes agree
     with each other (tests/test_spec.py), so JAX runs one mode per method here, and only DDD with the reduced
@@ -78,6 +79,7 @@ def test_torch_speculative_modes_equal_vanilla_and_take_jax_depths(tiny, vocab):
     assert {1, 3} <= depths and max(depths) <= DDD.max_depth  # DDD stopped at both checks and went past them
 
 
+@pytest.mark.slow  # ~5 s
 def test_official_export_read_as_eagle_reads_it_decodes_as_ddd_jax(tiny, tmp_path):
     """A head with a reduced vocabulary, exported in the official layout: the torch counterpart reads it as
     SafeAILab/EAGLE does (model.safetensors only, strict=True; the side file never opened) and drafts over the whole
@@ -102,6 +104,7 @@ def test_official_export_read_as_eagle_reads_it_decodes_as_ddd_jax(tiny, tmp_pat
             assert got.stats["depth_per_call"] == jx.stats["depth_per_call"], method
 
 
+@pytest.mark.slow  # ~6 s
 def test_torch_step0_check_takes_jax_decisions(tiny):
     """A DDD check at step 0 (before any expansion step): torch's host and device modes stop where JAX stops."""
     target, draft, m = tiny
@@ -134,6 +137,7 @@ RULES = {
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.slow  # four rule variants (~20 s)
 def test_torch_host_and_device_ddd_equal_vanilla_over_rule_variants(tiny, rule):
     """Every torch sync mode emits torch vanilla's tokens and takes JAX's depths, for rules whose stops leave fewer
     candidates than the tree holds (the host mode's tree once read past the pool there)."""
@@ -376,8 +380,8 @@ def test_smollm2_export_read_as_eagle_reads_it_decodes_as_ddd_jax_over_mtbench(s
         assert got.stats["accepted_per_call"] == jx.stats["accepted_per_call"]
 
 
-@pytest.mark.slow  # the real SmolLM2 pair in both frameworks (~1 min); make test runs it
-@pytest.mark.parametrize("backend", ["cpu", pytest.param("gpu", marks=pytest.mark.deep)])  # gpu: make test-deep
+@pytest.mark.deep  # the real SmolLM2 pair in both frameworks (~1 min a backend): make test-deep
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
 def test_torch_on_smollm2_with_the_shipped_rules_equals_vanilla_and_takes_jax_depths(smollm2, smollm2_head, backend):
     """The shipped cpu.json and gpu.json rules (the context lookup dropped, as lazy-eval drops it for torch): every
     torch sync mode emits torch vanilla's tokens on two chat prompts, and its depth per call equals JAX's."""

@@ -270,6 +270,7 @@ def test_load_target_packs_on_cpu_and_is_bitwise_the_row_major_target(tiny_hf_ll
     np.testing.assert_array_equal(np.asarray(p16.forward(tok, pos).logits), np.asarray(a))
 
 
+@pytest.mark.slow  # ~11 s
 def test_a_head_drafts_from_panels_where_its_target_has_them(tiny_hf_llama):
     """A head bound to a panel-major target carries its matrices and draft-vocabulary rows as panels for the decode
     loops (`Draft.packed`; its `params` stay row-major): the layer's products are bitwise the row-major kernel's,

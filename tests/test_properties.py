@@ -170,6 +170,7 @@ def _jax_property(target, draft, vanilla, seen: Seen, n: int):
     prop()
 
 
+@pytest.mark.slow  # 12 drawn decodes (~45 s)
 def test_jax_decodes_vanilla_tokens_for_drawn_configs(tiny, vanilla):
     target, draft = tiny
     seen = Seen()
@@ -220,6 +221,7 @@ def _torch_property(target, td, models, vanilla, seen: Seen, n: int):
     prop()
 
 
+@pytest.mark.slow  # 100 drawn torch decodes
 def test_torch_decodes_vanilla_tokens_for_drawn_configs(tiny, torch_models, vanilla):
     td, models = torch_models
     seen = Seen()

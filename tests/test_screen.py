@@ -202,6 +202,7 @@ def test_pack_params_screens_the_output_projection_where_it_runs(tie):
 
 
 @pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.slow  # ~15 s each
 def test_greedy_forward_returns_tokens_only_and_generate_is_unchanged(tie):
     """forward(greedy=True, return_logits=False): Output.logits is None and Output.greedy is `greedy_token` of the
     full forward's logits; greedy decoding (vanilla and DDD) over a screened target gives the tokens of the same

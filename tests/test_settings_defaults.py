@@ -28,6 +28,7 @@ def _save(target_name, draft_name):
     save_settings({**TUNED, "meta": {"target": target_name, "draft": draft_name}}, backend=jax.default_backend())
 
 
+@pytest.mark.slow  # a tuning run (~10 s)
 def test_tuned_settings_for_this_pair_are_used(named):
     target, draft = named
     _save(target.name, draft.name)

@@ -3,9 +3,10 @@ starts): token identity with the single-device run for vanilla, EAGLE-2 and DDD 
 (1, 4), (2, 2), (4, 1) with 3 prompts of different lengths (padded to the "data" axis); weights, head and caches
 really sharded; loading onto a mesh; clear errors for bad meshes and sizes.
 
-The fast lane runs vanilla and DDD on device on mesh (2, 2) plus the placement, loading and error checks; the slow
-lane (`test_same_tokens_on_every_mesh`) runs every method and sync mode on (2, 2) and vanilla and DDD on device on
-(1, 4) / (4, 1) (the compiles dominate on a CPU); DDD_JAX_SHARD_FULL=1 runs every method and sync mode on every mesh.
+`make test` runs vanilla and DDD on device on mesh (2, 2) plus the placement, loading and error checks, and
+`test_same_tokens_on_every_mesh` every method and sync mode on (2, 2) and vanilla and DDD on device on (1, 4) /
+(4, 1) (the compiles dominate on a CPU); DDD_JAX_SHARD_FULL=1 runs every method and sync mode on every mesh.
+`make test-fast` skips the module: its subprocess alone takes over a minute.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+pytestmark = pytest.mark.slow  # the module's 4-device subprocess (~75 s): make test
 
 MODES = [["vanilla", "device"], ["eagle2", "device"], ["ddd", "host"], ["ddd", "callback"], ["ddd", "device"]]
 FAST_MODES = [["vanilla", "device"], ["ddd", "device"]]

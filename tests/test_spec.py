@@ -23,14 +23,16 @@ SMALL_DDD = DDDConfig(check_steps=(2, 3), threshold=-5.0, max_depth=5)
 TREES = {"k10-n60": TreeConfig(top_k=10, total_tokens=60, depth=5),
          "k4-n12": TreeConfig(top_k=4, total_tokens=12, depth=3),
          "k1-n3": TreeConfig(top_k=1, total_tokens=3, depth=2)}
-# Every (method, sync, tree) is its own XLA compile (seconds each on CPU). `make test-fast` runs each mode and each
-# tree shape once (FAST_BATCHED) and B=1 in device mode; the other combinations are marked slow (`make test` runs all).
-FAST_BATCHED = {("eagle2", "device", "k4-n12"), ("ddd", "host", "k1-n3"), ("ddd", "callback", "k4-n12"),
-                ("ddd", "device", "k10-n60")}
+# Every (method, sync, tree) is its own XLA compile (seconds each on CPU). `make test-fast` runs three of them
+# (FAST_BATCHED) and B=1 in device mode; `make test` the rest, but for the widest tree in callback mode and under
+# EAGLE-2, and callback mode's smallest tree and B=1, which `make test-deep` adds (DEEP_CASES).
+FAST_BATCHED = {("eagle2", "device", "k4-n12"), ("ddd", "host", "k1-n3"), ("ddd", "device", "k10-n60")}
+DEEP_CASES = {("eagle2", "device", "k10-n60"), ("ddd", "callback", "k10-n60"), ("ddd", "callback", "k1-n3"),
+              ("ddd", "callback", "B=1")}
 
 
-def fast_if(fast: bool):
-    return () if fast else pytest.mark.slow
+def fast_if(fast: bool, deep: bool = False):
+    return pytest.mark.deep if deep else () if fast else pytest.mark.slow
 
 
 def train_prompts(n, offset=0):
@@ -62,7 +64,8 @@ def setup():
 
 
 @pytest.mark.parametrize("method,sync,tree", [
-    pytest.param(m, s, tree, id=f"{m}-{s}-{tid}", marks=fast_if((m, s, tid) in FAST_BATCHED))
+    pytest.param(m, s, tree, id=f"{m}-{s}-{tid}", marks=fast_if((m, s, tid) in FAST_BATCHED,
+                                                                (m, s, tid) in DEEP_CASES))
     for m, s in MODES for tid, tree in TREES.items()])
 def test_token_identical_batched(setup, tree, method, sync):
     target, draft, ps, ref = setup
@@ -77,7 +80,8 @@ def test_token_identical_batched(setup, tree, method, sync):
         assert max(st["accepted_per_call"], default=1) <= (ddd.max_depth if method == "ddd" else tree.depth) + 2
 
 
-@pytest.mark.parametrize("method,sync", [pytest.param(m, s, marks=fast_if((m, s) == ("ddd", "device")))
+@pytest.mark.parametrize("method,sync", [pytest.param(m, s, marks=fast_if((m, s) == ("ddd", "device"),
+                                                                         (m, s, "B=1") in DEEP_CASES))
                                          for m, s in MODES])
 def test_token_identical_batch1(setup, method, sync):
     target, draft, ps, ref = setup
@@ -130,6 +134,7 @@ def n_checks(depth, checks):
     return sum(1 for s in checks if s <= depth)
 
 
+@pytest.mark.slow  # four thresholds x three sync modes (~15 s each)
 @pytest.mark.parametrize("threshold", [math.inf, -4.5, -6.0, -math.inf])
 def test_ddd_modes_agree_and_count_syncs(setup, threshold):
     target, draft, ps, _ = setup
@@ -158,6 +163,7 @@ def test_ddd_modes_agree_and_count_syncs(setup, threshold):
         assert len(seen) >= 2, f"expected DDD to stop at different checks, saw depths {seen}"
 
 
+@pytest.mark.slow  # ~20 s: several trees and checks
 def test_step0_check_and_depth0_tree(setup):
     """A DDD check at step 0 looks at the root's top_k before any expansion step: the three sync modes take the
     same decisions, a cycle it stops verifies only step 0's candidates (depth 0; with stop0_nodes=0 the root alone,
@@ -328,7 +334,8 @@ def test_tree_builder_matches_reference(k, depth, n):
 
 
 # ----------------------------------------------------------------------------------- lossless sampling
-@pytest.mark.parametrize("temperature,top_p", [pytest.param(1.0, 1.0, marks=pytest.mark.slow),
+@pytest.mark.slow  # chi-square over thousands of draws (~10 s)
+@pytest.mark.parametrize("temperature,top_p", [pytest.param(1.0, 1.0, marks=pytest.mark.deep),
                                                (1.5, 0.9)])  # (1.5, 0.9): nucleus cuts tokens
 def test_sampling_distribution_matches_target(temperature, top_p):
     from scipy.stats import chi2

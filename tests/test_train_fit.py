@@ -265,6 +265,7 @@ def test_ce_subsampling_is_unbiased(target, feats):
     assert float(est["correct"].mean()) == pytest.approx(float(exact["correct"]), rel=0.1, abs=1.0)
 
 
+@pytest.mark.slow  # ~10 s
 def test_ttt_unroll_is_drafting_on_own_features(target):
     """Unrolled step k at position c (`ttt.unroll`) is the head run as drafting runs it: the pairs (x_{t+1}, f_t) of
     positions 0..c, then (x_{c+1+j}, h_{j-1}) at positions c+j, one causal sequence -- every step k and position c
@@ -315,6 +316,7 @@ def test_ttt_one_step_is_the_eagle_objective(target, feats):
     assert set(sums) == {"vloss", "ploss", "correct", "count"}
 
 
+@pytest.mark.slow  # a fit (~16 s)
 def test_ttt_fit_learns_later_steps_and_reports_them(target, feats, tmp_path):
     """--ttt-steps 3 trains steps 1-2 on the head's own features: their held-out top-1 (reported per step up to
     EVAL_STEPS, free-running) ends far above a teacher-forced fit's of the same length, and resume stays exact."""

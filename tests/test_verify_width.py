@@ -41,7 +41,7 @@ def full_width(monkeypatch):
 
 
 @pytest.mark.parametrize("sync", [pytest.param("host", marks=pytest.mark.slow),  # test-fast: one sync mode
-                                  pytest.param("callback", marks=pytest.mark.slow), "device"])
+                                  pytest.param("callback", marks=pytest.mark.deep), "device"])  # deep: test-deep
 def test_every_width_is_lossless_in_every_sync_mode(setup, sync):
     target, draft, ps, ref = setup
     seen = set()
@@ -78,6 +78,7 @@ def test_a_batch_verifies_what_its_widest_live_sequence_needs(setup):
 
 
 @pytest.mark.parametrize("sync", ["device", "host"])
+@pytest.mark.slow  # chi-square per sync mode (~10 s)
 def test_sampling_draws_what_the_full_width_draws(setup, monkeypatch, sync):
     target, draft, ps, _ = setup
     kw = dict(max_new_tokens=24, method="ddd", sync=sync, tree=TREE, ddd=dataclasses.replace(DDD, threshold=-2.0),
