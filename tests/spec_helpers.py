@@ -37,9 +37,45 @@ def fitted_draft(seed: int = 0, steps: int = 300) -> Draft:
     return fit_draft(tiny_target(seed), seed, steps)
 
 
+# Fitted heads are kept on disk between test runs (each fit is ~10 s on a CPU, paid once per pytest worker), keyed
+# by everything the fit reads: the target's config and bits, the fit's arguments, and the source of this file and
+# of the modules the head's forward and its initialisation live in. DDD_JAX_TEST_HEADS names the folder ("0": off).
+_FIT_SOURCES = ("eagle.py", "layers.py", "config.py", "llama.py", "head_kinds.py")
+
+
+def _fit_key(target: Target, *args) -> str:
+    import hashlib
+    from pathlib import Path
+
+    import ddd_jax
+    h = hashlib.sha256(repr((target.config, args, jax.__version__)).encode())
+    for leaf in jax.tree.leaves(target.params):
+        h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    root = Path(ddd_jax.__file__).parent
+    for f in (Path(__file__),) + tuple(root / n for n in _FIT_SOURCES):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:20]
+
+
 def fit_draft(target: Target, seed: int = 0, steps: int = 300, n_prompts: int = 64, T: int = 48) -> Draft:
     """`init_draft(target)` fitted to `target`'s greedy continuations of `prompts(n_prompts, seed=100 + seed, lo=2,
-    hi=8)` (any family: the head's layer follows `DraftConfig.from_target`)."""
+    hi=8)` (any family: the head's layer follows `DraftConfig.from_target`); read back from the folder of fitted
+    heads when the same fit ran before (see `_fit_key`)."""
+    import os
+    from pathlib import Path
+
+    from ddd_jax import load_draft, save_draft
+    where = os.environ.get("DDD_JAX_TEST_HEADS", str(Path.home() / ".cache" / "ddd_jax" / "test-heads"))
+    path = None if where == "0" else Path(where) / _fit_key(target, seed, steps, n_prompts, T)
+    if path is not None and path.is_dir():
+        return load_draft(path, target)
+    draft = _fit(target, seed, steps, n_prompts, T)
+    if path is not None:
+        save_draft(draft, path)  # atomic (one rename), so a worker reading it meanwhile sees all of it or none
+    return draft
+
+
+def _fit(target: Target, seed: int, steps: int, n_prompts: int, T: int) -> Draft:
     ps = prompts(n_prompts, seed=100 + seed, lo=2, hi=8, vocab=min(90, target.config.vocab_size))
     no_eos = Target(target.name, dataclasses.replace(target.config, eos_token_id=()), target.params)
     res = generate(no_eos, None, ps, max_new_tokens=T)

@@ -568,6 +568,7 @@ def test_cli_op_profile_gives_every_prompt_and_method_one_capacity(tiny, tmp_pat
     assert caps == {need} and need > max(cache_capacity(3, p) for p in plans)
 
 
+@pytest.mark.slow  # ~4 s
 def test_bench_resumes_after_the_prompts_a_killed_run_finished(tiny, tmp_path, monkeypatch):
     import ddd_jax.bench.run as brun
     target, draft = tiny
@@ -609,6 +610,7 @@ def test_bench_resumes_after_the_prompts_a_killed_run_finished(tiny, tmp_path, m
         [rec["runs"]["vanilla"]["tokens"] for rec in r["records"]]
 
 
+@pytest.mark.slow  # ~5 s
 def test_tuner_replays_the_stages_a_killed_tune_journaled(tiny, tmp_path, monkeypatch):
     import ddd_jax.bench.tune as btune
     target, draft = tiny

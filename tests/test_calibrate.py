@@ -37,6 +37,7 @@ def test_the_public_function():
     assert ddd_jax.calibrate is cal.calibrate and "calibrate" in ddd_jax.__all__
 
 
+@pytest.mark.slow  # two calibrations (~13 s)
 def test_a_head_in_another_dtype_has_its_own_calibration(monkeypatch, tmp_path):
     """A float16 or bfloat16 copy of a head (or a q8_0 one) drafts at another cost: its calibration is kept apart
     from the float32 head's, whose key is unchanged (no dtype in it)."""

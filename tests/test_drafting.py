@@ -73,6 +73,7 @@ def test_concurrent_decodes_keep_their_own_policy_and_counts(sync):
         assert set(steps) <= set(DDD.check_steps) and (expect_depth[name] == 2) == (set(steps) == {2})
 
 
+@pytest.mark.slow  # ~17 s with the fitted head
 def test_device_mode_counts_checks_without_syncs():
     target, draft = tiny_target(), fitted_draft()
     p = prompts(1, seed=3, lo=6, hi=7)[0]
@@ -147,7 +148,8 @@ def test_host_phases_take_the_caches_donated_and_read_computed_confidence(monkey
 
 
 @pytest.mark.parametrize("method,sync,profile", [("vanilla", "device", False), ("ddd", "device", False),
-                                                  ("ddd", "host", False), ("ddd", "host", True)])
+                                                  pytest.param("ddd", "host", False, marks=pytest.mark.slow),
+                                                  pytest.param("ddd", "host", True, marks=pytest.mark.slow)])
 def test_stream_delivers_every_token_once_in_order(method, sync, profile):
     """`stream` (which runs the Python loops) hands over each new token once, in order, by the end all of them --
     also where the host mode reads the done flags and the output with a cycle's first check."""

@@ -131,7 +131,7 @@ def tree_ddd():
     return TreeConfig(top_k=4, total_tokens=12, depth=3), DDDConfig(check_steps=(2, 3), max_depth=5, threshold=-0.5)
 
 
-@pytest.mark.parametrize("method, sync", [("eagle2", "device"), ("ddd", "host"),
+@pytest.mark.parametrize("method, sync", [("eagle2", "device"), pytest.param("ddd", "host", marks=pytest.mark.slow),
                                           pytest.param("ddd", "callback", marks=pytest.mark.deep),  # ~12 s
                                           ("ddd", "device")])
 def test_generate_identical_to_vanilla(method, sync):

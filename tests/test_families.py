@@ -129,14 +129,15 @@ def test_vanilla_greedy_equals_transformers_generate(tmp_path, case):
         assert generate(target, None, prompt, max_new_tokens=16).tokens == ref
 
 
-# make test-fast keeps one host-synced and one on-device mode per family; make test adds EAGLE-2, make test-deep the
-# callback mode (~10 s a family)
-MODES = [pytest.param("eagle2", "device", marks=pytest.mark.slow), ("ddd", "host"),
+# make test-fast keeps the on-device mode of one family (qwen2; each family fits a head, ~5 s); make test adds
+# EAGLE-2 and the host mode for all three, make test-deep the callback mode (~10 s a family)
+MODES = [pytest.param("eagle2", "device", marks=pytest.mark.slow), pytest.param("ddd", "host", marks=pytest.mark.slow),
          pytest.param("ddd", "callback", marks=pytest.mark.deep), ("ddd", "device")]
 SMALL_DDD = DDDConfig(check_steps=(2, 3), threshold=-5.0, max_depth=5)
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral-swa5"])
+@pytest.fixture(scope="module", params=["qwen2", pytest.param("qwen3", marks=pytest.mark.slow),
+                                        pytest.param("mistral-swa5", marks=pytest.mark.slow)])
 def family_setup(request, tmp_path_factory):
     """A tiny HF target of the family (larger weights than HF's init so greedy continuations are learnable), a head
     from `init_draft` quickly fitted to it, prompts, and vanilla greedy outputs."""
@@ -187,6 +188,7 @@ def head_config(target, **kw):
                 rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, **kw)
 
 
+@pytest.mark.slow  # ~4 s
 def test_official_qwen2_head_with_qkv_bias(tmp_path):
     from ddd_jax.checkpoints.torch_ref import random_eagle_head, write_official_eagle_head
     _, path = make(tmp_path, "qwen2", seed=5)

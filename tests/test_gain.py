@@ -37,6 +37,7 @@ def tiny():
     return target, draft, rec
 
 
+@pytest.mark.slow  # pools drafted (~7 s)
 def test_records_and_table(tiny):
     _, _, rec = tiny
     C, P = rec["score"].shape

@@ -123,7 +123,7 @@ TREE, DDD = TreeConfig(top_k=4, total_tokens=12, depth=3), DDDConfig(check_steps
                                                                      threshold=-2.0)
 
 
-@pytest.mark.parametrize("method, sync", [pytest.param(m, s, marks=pytest.mark.slow if s == "callback" else ())
+@pytest.mark.parametrize("method, sync", [pytest.param(m, s, marks=pytest.mark.slow if s != "device" else ())
                                           for m in ("eagle2", "ddd") for s in ("host", "callback", "device")])
 @pytest.mark.parametrize("batch", [False, True])
 def test_generate_identical_to_vanilla(method, sync, batch):

@@ -206,6 +206,7 @@ def test_a_block_head_over_an_int8_target_takes_integer_products(int8_target):
 
 # ----------------------------------------------------------------------------------------------- variants, flags
 @needs_kernel
+@pytest.mark.slow  # subprocesses (~5 s)
 def test_the_variant_env_var_picks_or_refuses_clearly():
     import os
     import subprocess

@@ -264,12 +264,14 @@ print("AVAILABLE", kernels.available(), "FINITE", bool(np.isfinite(np.asarray(ou
 """
 
 
+@pytest.mark.slow  # a subprocess (~3 s)
 def test_disabled_by_env_uses_xla():
     r = _run_python(FALLBACK, DDD_JAX_NO_KERNELS="1")
     assert r.returncode == 0, r.stderr
     assert "AVAILABLE False FINITE True" in r.stdout
 
 
+@pytest.mark.slow  # a subprocess (~3 s)
 def test_missing_library_warns_once_and_uses_xla(tmp_path):
     r = _run_python(FALLBACK, DDD_JAX_KERNELS_LIB=str(tmp_path / "nope.so"))
     assert r.returncode == 0, r.stderr

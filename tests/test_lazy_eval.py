@@ -320,6 +320,7 @@ def test_library_refuses_a_lookup_tree_for_torch_before_running(tiny):
     assert without_lookup(dataclasses.replace(cpu, total_tokens=3), ddd)[0].total_tokens == 3  # small trees stay
 
 
+@pytest.mark.slow  # ~6 s
 def test_library_run_resumes_after_the_prompts_a_killed_run_finished(tiny, tmp_path, monkeypatch):
     """A checkpoint takes each prompt's runs as it finishes; a killed run's successor keeps them as measured and
     runs only the rest; another configuration is refused by name."""

@@ -32,6 +32,7 @@ def recs():
                                                                                     **kw)
 
 
+@pytest.mark.slow  # pools drafted twice (~8 s)
 def test_hidden_records_say_what_drafted_each_node(recs):
     target, draft, plain, rec = recs
     np.testing.assert_array_equal(rec["score"], plain["score"])  # the same steps
@@ -124,6 +125,7 @@ def test_ranked_reads_given_probabilities():
     np.testing.assert_allclose(np.asarray(cum[0]), np.r_[0, np.cumsum([0.9, 0.8, 0.5, 0.4, 0.1]), 2.7], atol=1e-6)
 
 
+@pytest.mark.slow  # ~3 s beside the pools
 def test_replay_with_perfect_probabilities_keeps_the_accepted_path(recs):
     _, _, _, rec = recs
     tab = na.acceptance_table(rec)

@@ -110,7 +110,8 @@ def looping():
 
 @pytest.mark.parametrize("method,sync", [pytest.param("eagle2", "device", marks=pytest.mark.slow),
                                          pytest.param("ddd", "host", marks=pytest.mark.slow),
-                                         pytest.param("ddd", "callback", marks=pytest.mark.deep), ("ddd", "device")])
+                                         pytest.param("ddd", "callback", marks=pytest.mark.deep),
+                                         pytest.param("ddd", "device", marks=pytest.mark.slow)])  # ~20 s with its head
 def test_lookup_is_lossless_and_accepted(looping, method, sync):
     target, draft, ps, ref = looping
     # depth 0: the head alone accepts at most one drafted token a cycle; longer paths are lookup chains

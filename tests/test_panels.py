@@ -224,6 +224,7 @@ def test_pack_params_and_float_views():
     assert quant.describe(panels.pack_params(params, screen=True)) == "float32 (panels) + int8 screen"
 
 
+@pytest.mark.slow  # ~8 s
 def test_load_target_packs_on_cpu_and_is_bitwise_the_row_major_target(tiny_hf_llama, tmp_path):
     from conftest import PARITY_TOKENS, assert_same_target
 

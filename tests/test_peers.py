@@ -17,6 +17,7 @@ from ddd_jax.cli import main  # noqa: E402
 from spec_helpers import prompts, tiny_target  # noqa: E402
 
 
+@pytest.mark.slow  # ~6 s
 def test_peers_on_the_same_weights_give_the_same_tokens():
     target = tiny_target()
     draft = ddd_jax.init_draft(target, 0)  # untrained: speculative decoding is lossless whatever the head

@@ -156,6 +156,7 @@ def test_blocks_target_matches_its_float_twin(small):
 
 
 @pytest.mark.skipif(not kernels.available(), reason="CPU kernel library not available")
+@pytest.mark.slow  # ~13 s
 def test_block_panels_target_is_bitwise_its_float_panels_twin(small):
     """Panel-major blocks (what load_target makes of gguf_blocks=True on CPU) reduce in the float32 panels' order:
     the same logits, bit for bit, as the float twin stored panel-major, and the same greedy tokens."""
@@ -187,7 +188,8 @@ def test_speculative_over_block_panels_equals_vanilla(small):
     assert got.tokens == ref.tokens
 
 
-@pytest.mark.parametrize("method,sync", [pytest.param("eagle2", "device", marks=pytest.mark.slow), ("ddd", "device"),
+@pytest.mark.parametrize("method,sync", [pytest.param("eagle2", "device", marks=pytest.mark.slow),
+                                         pytest.param("ddd", "device", marks=pytest.mark.slow),  # ~20 s with its setup
                                          pytest.param("ddd", "host", marks=pytest.mark.slow)])
 def test_speculative_over_blocks_equals_vanilla(small, method, sync):
     from spec_helpers import prompts
@@ -203,6 +205,7 @@ def test_speculative_over_blocks_equals_vanilla(small, method, sync):
 
 
 @pytest.mark.parametrize("kind", ["q8_0", pytest.param("q4_0", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~6 s each
 def test_head_as_blocks_is_lossless_and_drafts_like_the_float_head(small, kind, tmp_path):
     from spec_helpers import prompts
     tf, _, draft = small
@@ -228,6 +231,7 @@ def test_head_as_blocks_is_lossless_and_drafts_like_the_float_head(small, kind, 
     np.testing.assert_array_equal(np.asarray(back.params["fc_w"]), np.asarray(q.params["fc_w"].dequantize()))
 
 
+@pytest.mark.slow  # the blocks target's setup (~12 s)
 def test_what_blocks_do_not_support(small, tmp_path):
     from ddd_jax.modules import LlamaModule
     _, tb, _ = small

@@ -213,6 +213,7 @@ def test_a_fit_out_of_device_memory_or_data_halves_its_batch():
         halving_batch(lambda cfg: (_ for _ in ()).throw(ValueError("other")), Fit3Config(batch_size=8))
 
 
+@pytest.mark.slow  # ~5 s
 def test_eagle3_fit_sizes_itself_to_a_budget(tmp_path):
     from train_draft.eagle3_fit import Fit3Config, fit_eagle3
     from train_draft.recipe import token_set

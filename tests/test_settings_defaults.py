@@ -47,6 +47,7 @@ def test_tuned_settings_for_this_pair_are_used(named):
                     method="ddd").stats["settings"]["draft_dtype"] == "float16"
 
 
+@pytest.mark.slow  # ~4 s each
 @pytest.mark.parametrize("other", ["target", "draft"])
 def test_settings_for_another_pair_fall_back_to_paper_defaults(named, other):
     target, draft = named
@@ -57,6 +58,7 @@ def test_settings_for_another_pair_fall_back_to_paper_defaults(named, other):
     assert st["source"].startswith("paper defaults") and f"{other} 'someone-else'" in st["source"]
 
 
+@pytest.mark.slow  # ~4 s
 def test_no_settings_file_means_paper_defaults(named):
     target, draft = named
     r = generate(target, draft, prompts(1, seed=5)[0], max_new_tokens=8, method="ddd")
@@ -66,6 +68,7 @@ def test_no_settings_file_means_paper_defaults(named):
 
 
 @pytest.mark.parametrize("speeds", [(0.81, 0.92), (0.95, 1.05)])
+@pytest.mark.slow  # ~4 s each
 def test_source_warns_when_the_tuner_found_speculation_slower_than_vanilla(named, speeds):
     """Settings whose tuning runs measured every speculative method below vanilla (GGUF blocks on this CPU) say so in
     stats["settings"]["source"]; one method at or above vanilla, and the source carries no warning."""
@@ -125,6 +128,7 @@ def test_settings_tuned_on_another_device_say_so(named):
         assert (r.stats["settings"]["tree"]["total_tokens"], r.stats["settings"]["ddd"]["threshold"]) == (5, -2.0)
 
 
+@pytest.mark.slow  # ~7 s
 def test_settings_compose_with_an_explicit_tree_or_rule(named):
     """An explicit tree never meets the tuned DDD rule under EAGLE-2; under DDD it takes the tuned rule when that
     fits, else the paper's; an explicit rule takes a tree that fits it; what fits nothing is an error naming both."""

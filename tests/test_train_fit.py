@@ -120,6 +120,7 @@ def test_fit_learns_synthetic_sequence(target, feats, tmp_path):
     assert last["tokens_per_s"] > 0 and {"vloss", "ploss", "lr", "grad_norm"} <= set(last)
 
 
+@pytest.mark.slow  # ~4 s
 def test_resume_is_bit_exact(target, feats, tmp_path):
     cfg = FitConfig(steps=6, batch_size=2, seq_len=80, accum=2, lr=1e-3, warmup=2, seed=1)
     straight = fit(target, feats, tmp_path / "a", cfg, ckpt_every=100, progress=False)
@@ -136,6 +137,7 @@ def test_resume_is_bit_exact(target, feats, tmp_path):
     assert steps == sorted(set(steps))
 
 
+@pytest.mark.slow  # ~4 s
 def test_fit_takes_a_panel_major_target(target, feats, tmp_path):
     """`load_target` packs a float32 target's matrices as panels on CPU: fitting (and a target-last-layer init)
     over it is the same as over its row-major arrays."""

@@ -43,6 +43,7 @@ def test_records_are_the_targets_greedy_replies_and_resume(target, tmp_path):
         assert rec["finished"] == (len(alone) < 4)
 
 
+@pytest.mark.slow  # ~6 s
 def test_one_plan_compiles_once_for_every_mix_and_keeps_the_greedy_replies(target, tmp_path):
     """Two parts (a held-out one, then a training one) of prompts from 3 to 300 tokens share one plan: few buckets,
     one cache capacity, fixed rows. The first part compiles a bounded set of programs, the second none, and every

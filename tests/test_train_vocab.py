@@ -29,6 +29,7 @@ def test_frequent_tokens_and_coverage(tmp_path):
         frequent_tokens(counts, 0)
 
 
+@pytest.mark.slow  # ~5 s
 def test_apply_draft_vocab_round_trip_and_lossless(tmp_path):
     target = tiny_target()
     rng = np.random.RandomState(0)

@@ -41,7 +41,8 @@ def full_width(monkeypatch):
 
 
 @pytest.mark.parametrize("sync", [pytest.param("host", marks=pytest.mark.slow),  # test-fast: one sync mode
-                                  pytest.param("callback", marks=pytest.mark.deep), "device"])  # deep: test-deep
+                                  pytest.param("callback", marks=pytest.mark.deep),  # ~20 s: test-deep
+                                  pytest.param("device", marks=pytest.mark.slow)])  # ~9 s
 def test_every_width_is_lossless_in_every_sync_mode(setup, sync):
     target, draft, ps, ref = setup
     seen = set()
