@@ -24,10 +24,11 @@ demo: install
 
 # On CPU the tests spend most of their time compiling, so XLA executables are cached on disk in $(JAX_TEST_CACHE):
 # across runs, and within one run after tests/conftest.py drops the in-memory programs at the end of each test file.
-# test-fast skips the tests marked slow (the real SmolLM2, the long speculative cross-products); make test (what CI
-# runs) skips those marked deep (more draws of a property, the real SmolLM2 through a whole recipe), which
-# test-deep runs. On a 2-core EPYC family 25 VM (2026-11-29) a cold make test took 51 min before they moved, and
-# with a warm compile cache 17 min: CI's 20 minutes assume the cache $(JAX_TEST_CACHE) a previous run left.
+# test-fast skips the tests marked slow (the real SmolLM2, fits, chi-squares, subprocesses, sync-mode repeats);
+# make test (what CI runs) skips those marked deep (more draws of a property, the real SmolLM2 end to end, the
+# callback mode's repeats), which test-deep runs. On a 2-core EPYC family 25 VM (2026-11-29) a cold make test took
+# 51 min before they moved, and with a warm compile cache 13 min (test-fast 2:46): CI's 20 minutes assume the
+# cache $(JAX_TEST_CACHE) a previous run left, and the fitted tiny heads beside it (tests/spec_helpers.py).
 JAX_TEST_CACHE ?= $(HOME)/.cache/ddd_jax/xla-test-cache
 # two pytest workers (one per core here), a test file's tests in one worker so its module fixtures are built once;
 # TEST_WORKERS=0 runs them in this process

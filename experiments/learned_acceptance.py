@@ -21,15 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
-import ddd_jax
 from ddd_jax.config import verify_widths
 from ddd_jax.measure import learned_acceptance as la
 from ddd_jax.measure import node_acceptance as na
 from ddd_jax.measure.prompts import load_questions
-from ddd_jax.settings.calibration import calibrated_choice, load_pools
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rule_ceiling import p_oracle  # noqa: E402
+from rule_ceiling import calibrated_pair, p_oracle  # noqa: E402
 
 
 def sharegpt_prompts(target, n: int, max_tokens: int = 200) -> list:
@@ -77,15 +75,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = ddd_jax.load_target("smollm2-135m-instruct")
-    draft = ddd_jax.load_draft("smollm2-135m-instruct-eagle", target).astype("float16")
-    got = calibrated_choice(target, draft, 1)
-    if got is None or got[0] is None:
-        raise SystemExit("no calibration for this device: run `ddd-jax calibrate` first")
-    costs = got[0]["costs"]
-    own = load_pools(draft)
-    if own is None:
-        raise SystemExit("the head has no recorded pools: `ddd-jax calibrate` records them")
+    target, draft, costs, own = calibrated_pair()
     k, R = int(own["top_k"]), int(own["max_depth"])
     kw = dict(top_k=k, max_depth=R, max_new_tokens=args.max_new_tokens, progress=True, hidden=True)
     firsts = [target.encode_chat([{"role": "user", "content": q["turns"][0]}]) for q in load_questions(None)]

@@ -40,21 +40,27 @@ def p_oracle(replay: na.Replay, n: int, lam: float, rounds: int = 6) -> dict:
     return r
 
 
+def calibrated_pair(gguf_blocks: bool = False):
+    """(SmolLM2, its shipped head in float16, this device's calibrated costs at batch 1, the head's recorded pools);
+    exits saying what to run where the calibration or the pools are missing."""
+    target = ddd_jax.load_target("smollm2-135m-instruct", gguf_blocks=gguf_blocks)
+    draft = ddd_jax.load_draft("smollm2-135m-instruct-eagle", target).astype("float16")
+    got = calibrated_choice(target, draft, 1)
+    if got is None or got[0] is None:
+        raise SystemExit("no calibration for this device: run `ddd-jax calibrate` first")
+    own = load_pools(draft)
+    if own is None:
+        raise SystemExit("the head has no recorded pools: `ddd-jax calibrate` records them")
+    return target, draft, got[0]["costs"], own
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--limit", type=int, default=16)
     ap.add_argument("--gguf-blocks", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    target = ddd_jax.load_target("smollm2-135m-instruct", gguf_blocks=args.gguf_blocks)
-    draft = ddd_jax.load_draft("smollm2-135m-instruct-eagle", target).astype("float16")
-    got = calibrated_choice(target, draft, 1)
-    if got is None or got[0] is None:
-        raise SystemExit("no calibration for this device: run `ddd-jax calibrate` first")
-    costs = got[0]["costs"]
-    own = load_pools(draft)
-    if own is None:
-        raise SystemExit("the head has no recorded pools: `ddd-jax calibrate` records them")
+    target, draft, costs, own = calibrated_pair(args.gguf_blocks)
     table = na.acceptance_table(own)
     ids = [target.encode_chat([{"role": "user", "content": q["turns"][0]}]) for q in load_questions(None)[:args.limit]]
     rec = na.pool_records(target, draft, ids, top_k=own["top_k"], max_depth=own["max_depth"], progress=True)
