@@ -37,12 +37,10 @@ def scalar_inputs(records: dict) -> np.ndarray:
     pscore = np.where(parent >= 0, np.take_along_axis(score, np.maximum(parent, 0), axis=1), 0.0)
     local = np.where(np.isfinite(score), score - pscore, -30.0)
     pscore = np.where(np.isfinite(pscore), pscore, -30.0)
-    P = score.shape[1]
-    rank = np.where(depth == 1, np.arange(P), (np.arange(P) - k) % k)
+    C, P = score.shape
     ent = records["ent"][:, records["expanded"]]
-    C = score.shape[0]
     cols = [local[..., None], pscore[..., None], ent[..., None],
-            np.broadcast_to(_onehot(rank, k)[None], (C, P, k)),
+            np.broadcast_to(_onehot(_rank_of(records), k)[None], (C, P, k)),
             np.broadcast_to(_onehot(depth - 1, R + 1)[None], (C, P, R + 1))]
     return np.concatenate(cols, axis=-1).astype(np.float32)
 
@@ -88,14 +86,16 @@ def _init(kind, F, D, k, hidden, seed):
 
 
 def _rank_of(records):
+    """[P] each slot's rank among its siblings (the root's children: their own index)."""
     k, P = int(records["top_k"]), len(records["depth"])
     return np.where(np.asarray(records["depth"]) == 1, np.arange(P), (np.arange(P) - k) % k).astype(np.int32)
 
 
 def fit(records: dict, kind: str = "hidden", *, val_fraction: float = 0.2, steps: int = 1500, lr: float = 3e-3,
         l2: float = 1e-4, hidden: int = 32, seed: int = 0, progress: bool = False) -> tuple[AcceptanceModel, dict]:
-    """Fit on `records` (`pool_records(hidden=True)`); the last `val_fraction` of its prompts validate. Returns
-    (model, {"train_loss", "val_loss", "best_step"})."""
+    """Fit on `records` (`pool_records(hidden=True)`); the last `val_fraction` of its prompts validate, and the
+    parameters of the step with the lowest validation loss are kept. Returns (model, {"train_loss", "val_loss",
+    "best_step", "train_nodes", "val_nodes"})."""
     if kind not in KINDS:
         raise ValueError(f"acceptance output kind {kind!r}: expected one of {KINDS}")
     for key in ("ent", "parent", "expanded") + (("h",) if kind == "hidden" else ()):

@@ -42,14 +42,19 @@ def _pools(tparams, dparams, plan, tokens, feats, length, *, capacity: int):
     """Every row's full candidate pool with the root at position length[r] (tokens, feats [R, T(, Df)]: one
     sequence and its target features, repeated; the draft prefix holds pairs i < length - 1 and step 0 runs on the
     pair (x_L, f_{L-1}))."""
+    dcache, pend_tok, pend_feat = _prefix(tparams, dparams, plan, tokens, feats, length, capacity)
+    d = drafting.begin(tparams, dparams, plan, dcache, pend_tok, pend_feat, jnp.ones((tokens.shape[0],), jnp.int32),
+                       jnp.float32(0), end_step=plan.max_depth, decide=False)
+    return d.beam.pool_tok, d.beam.pool_score, d.beam.pool_parent
+
+
+def _prefix(tparams, dparams, plan, tokens, feats, length, capacity: int):
+    """(the draft cache over each row's pairs i < length - 1, the pending pair (x_L, f_{L-1}) as [R, 1(, Df)])."""
     R, T = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (R, T))
     dcache = drafting.fill_prefix(dparams, plan, tparams, tokens, feats, pos, length, capacity)
-    pend_tok = jnp.take_along_axis(tokens, length[:, None], axis=1)
-    pend_feat = jnp.take_along_axis(feats, (length - 1)[:, None, None], axis=1)
-    d = drafting.begin(tparams, dparams, plan, dcache, pend_tok, pend_feat, jnp.ones((R,), jnp.int32),
-                       jnp.float32(0), end_step=plan.max_depth, decide=False)
-    return d.beam.pool_tok, d.beam.pool_score, d.beam.pool_parent
+    return (dcache, jnp.take_along_axis(tokens, length[:, None], axis=1),
+            jnp.take_along_axis(feats, (length - 1)[:, None, None], axis=1))
 
 
 @partial(jax.jit, static_argnames=("plan", "capacity"))
@@ -57,13 +62,9 @@ def _pools_hidden(tparams, dparams, plan, tokens, feats, length, *, capacity: in
     """`_pools`, the same steps, and what produced each node's distribution: (pool_tok, pool_score, pool_parent,
     h [R, 1 + max_depth * k, D] float16 the predicted feature of each expanded node (the root's, then each step's
     beam), ent [R, 1 + max_depth * k] the entropy of its children's distribution)."""
-    R, T = tokens.shape
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (R, T))
-    dcache = drafting.fill_prefix(dparams, plan, tparams, tokens, feats, pos, length, capacity)
-    pend_tok = jnp.take_along_axis(tokens, length[:, None], axis=1)
-    pend_feat = jnp.take_along_axis(feats, (length - 1)[:, None, None], axis=1)
+    dcache, pend_tok, pend_feat = _prefix(tparams, dparams, plan, tokens, feats, length, capacity)
     dcache, h0, logp0 = drafting.draft_prefix(dparams, plan, tparams, dcache, pend_tok, pend_feat,
-                                              jnp.ones((R,), jnp.int32))
+                                              jnp.ones((tokens.shape[0],), jnp.int32))
     base = dcache.length
     vmap = vocab_map(dparams, plan.dcfg)
     beam = first_beam(logp0, h0, plan.top_k, plan.max_depth, vmap)
