@@ -80,7 +80,8 @@ def test_token_identical_batched(setup, tree, method, sync):
         assert max(st["accepted_per_call"], default=1) <= (ddd.max_depth if method == "ddd" else tree.depth) + 2
 
 
-@pytest.mark.parametrize("method,sync", [pytest.param(m, s, marks=fast_if(False, (m, s, "B=1") in DEEP_CASES))
+@pytest.mark.parametrize("method,sync", [pytest.param(m, s, marks=pytest.mark.deep if (m, s, "B=1") in DEEP_CASES
+                                                         else pytest.mark.slow)
                                          for m, s in MODES])
 def test_token_identical_batch1(setup, method, sync):
     target, draft, ps, ref = setup
