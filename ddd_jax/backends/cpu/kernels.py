@@ -445,9 +445,11 @@ def _qpanels_call(x2, w4, layer, static):
     return call(x2, w4, layer, kind=np.int64(KINDS[kind][0]))
 
 
-def _qpanels_layer(w4, layer, kind, n):
-    """Layer `layer` of stacked quantized panels w4 [L, P, nb, .] dequantized, as output rows: [n, K] float32."""
-    return dequantize_blocks(from_panels(jax.lax.dynamic_index_in_dim(w4, layer, 0, keepdims=False), kind, n), kind)
+def _qpanels_layer(w4, layer, kind, n, int8=False):
+    """Layer `layer` of stacked quantized panels w4 [L, P, nb, .] (`int8`: quad-major quants) dequantized, as output
+    rows: [n, K] float32."""
+    return dequantize_blocks(from_panels(jax.lax.dynamic_index_in_dim(w4, layer, 0, keepdims=False), kind, n, int8),
+                             kind)
 
 
 def _qpanels_xla(x2, w4, layer, static):
@@ -520,7 +522,8 @@ def _qpanels_int8_xla(x2, w4, layer, static):
     """The kernel's arithmetic in XLA: exact integer block sums, then per block acc + float(isum) * (wd * d) (and
     for q4_1 + wm * (d * float(s))), the blocks in order (a scan, so the float steps are the kernel's)."""
     kind, n = static
-    q, wd, wm = _block_ints(from_panels(jax.lax.dynamic_index_in_dim(w4, layer, 0, keepdims=False), kind, n), kind)
+    q, wd, wm = _block_ints(from_panels(jax.lax.dynamic_index_in_dim(w4, layer, 0, keepdims=False), kind, n, True),
+                            kind)
     xq, xd, xs = quantize_rows_int8(x2)
     isum = jnp.einsum("mbk,nbk->bmn", xq, q, preferred_element_type=jnp.int32)
     if kind == "q4_0":
@@ -539,14 +542,16 @@ def _qpanels_int8_xla(x2, w4, layer, static):
 
 
 def _qpanels_int8_bwd(static, res, g):  # d/dx of the float product of the dequantized weight (straight through)
-    return _qpanels_bwd(static, res, g)
+    _, w4, layer = res
+    return jnp.dot(g, _qpanels_layer(w4, layer, *static, int8=True), preferred_element_type=jnp.float32), None, None
 
 
 _qpanels_int8 = _kernel_product(_qpanels_int8_call, _qpanels_int8_xla, _qpanels_int8_bwd)
 
 
 def product_qpanels_int8(x, data, kind: str, n: int, layer=None):
-    """x [..., K] @ W for W GGUF blocks of `kind` stored panel-major (as `product_qpanels`), by integer products:
+    """x [..., K] @ W for W GGUF blocks of `kind` stored panel-major (as `product_qpanels`, the quants quad-major:
+    `quant.BlockPanels.int8`), by integer products:
     each row of x quantized per 32 values to int8 with a float32 scale (`quantize_rows_int8`), exact integer sums
     against each weight block, each block's sum scaled in float32 and the blocks summed in order (the .cc file's
     "int8 blocks"). Returns [..., N] float32, close to (not bitwise) the float32 product; a row's result does not

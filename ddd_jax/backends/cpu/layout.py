@@ -66,31 +66,57 @@ def panel_header(kind: str) -> tuple[int, int]:
     return (4 * PANEL if kind == "q4_1" else 2 * PANEL), KINDS[kind][1] - (4 if kind == "q4_1" else 2)
 
 
-@partial(jax.jit, static_argnames=("kind",))
-def to_panels(blocks, kind: str):
-    """[..., R, nb * bytes] GGUF rows -> [..., P, nb, 48 * bytes] panels (see BlockPanels)."""
+QUAD = 4  # K rows (of one column) in one 32-bit lane of an integer dot product
+
+
+def _quad_major(q, nq: int):
+    """Quants [..., nq, 48] (byte row by byte row) -> [..., nq * 48] in the integer products' order: quad i of
+    byte rows, column c, row 4i + t at (i, c, t)."""
+    q = q.reshape(*q.shape[:-2], nq // QUAD, QUAD, PANEL)
+    return jnp.swapaxes(q, -1, -2).reshape(*q.shape[:-3], -1)
+
+
+def _row_major(q, nq: int):
+    """The inverse of _quad_major: [..., nq * 48] -> [..., nq, 48]."""
+    q = q.reshape(*q.shape[:-1], nq // QUAD, PANEL, QUAD)
+    return jnp.swapaxes(q, -1, -2).reshape(*q.shape[:-3], nq, PANEL)
+
+
+def quant_offset(kind: str, j, c, int8: bool):
+    """Where byte j (0 .. nq-1) of column c's quants lies in a panel block (see BlockPanels)."""
+    hdr = panel_header(kind)[0]
+    return hdr + ((j // QUAD) * PANEL * QUAD + c * QUAD + j % QUAD if int8 else j * PANEL + c)
+
+
+@partial(jax.jit, static_argnames=("kind", "int8"))
+def to_panels(blocks, kind: str, int8: bool = False):
+    """[..., R, nb * bytes] GGUF rows -> [..., P, nb, 48 * bytes] panels (see BlockPanels; `int8`: the quants in
+    the integer products' quad-major order)."""
     nbytes = KINDS[kind][1]
     lead, R, nb = blocks.shape[:-2], blocks.shape[-2], blocks.shape[-1] // nbytes
     P = -(-R // PANEL)
     b = jnp.pad(blocks, [(0, 0)] * len(lead) + [(0, P * PANEL - R), (0, 0)])
     b = jnp.swapaxes(b.reshape(*lead, P, PANEL, nb, nbytes), -3, -2)  # [..., P, nb, 48, bytes]
-    quants = nbytes - panel_header(kind)[1]  # where a GGUF block's quants start (after d, m)
+    nq = panel_header(kind)[1]
+    quants = nbytes - nq  # where a GGUF block's quants start (after d, m)
     parts = [b[..., 0:2].reshape(*b.shape[:-2], 2 * PANEL)]
     if kind == "q4_1":
         parts.append(b[..., 2:4].reshape(*b.shape[:-2], 2 * PANEL))
-    parts.append(jnp.swapaxes(b[..., quants:], -1, -2).reshape(*b.shape[:-2], -1))  # [..., nq, 48]
+    q = jnp.swapaxes(b[..., quants:], -1, -2)  # [..., nq, 48]
+    parts.append(_quad_major(q, nq) if int8 else q.reshape(*b.shape[:-2], -1))
     return jnp.concatenate(parts, -1)
 
 
-@partial(jax.jit, static_argnames=("kind", "n"))
-def from_panels(data, kind: str, n: int):
+@partial(jax.jit, static_argnames=("kind", "n", "int8"))
+def from_panels(data, kind: str, n: int, int8: bool = False):
     """The inverse of to_panels: [..., P, nb, 48 * bytes] -> [..., n, nb * bytes]."""
     hdr, nq = panel_header(kind)
     lead, P = data.shape[:-3], data.shape[-3]
     parts = [data[..., 0:2 * PANEL].reshape(*data.shape[:-1], PANEL, 2)]
     if kind == "q4_1":
         parts.append(data[..., 2 * PANEL:4 * PANEL].reshape(*data.shape[:-1], PANEL, 2))
-    parts.append(jnp.swapaxes(data[..., hdr:].reshape(*data.shape[:-1], nq, PANEL), -1, -2))
+    q = _row_major(data[..., hdr:], nq) if int8 else data[..., hdr:].reshape(*data.shape[:-1], nq, PANEL)
+    parts.append(jnp.swapaxes(q, -1, -2))
     b = jnp.concatenate(parts, -1)  # [..., P, nb, 48, bytes]
     b = jnp.swapaxes(b, -3, -2).reshape(*lead, P * PANEL, -1)
     return b[..., :n, :]

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import Packed, check_layout
-from .layout import (BLOCK, GGUF_KINDS, KINDS, from_panels, panel_header, to_panels,  # noqa: F401
+from .layout import (BLOCK, GGUF_KINDS, KINDS, from_panels, panel_header, quant_offset, to_panels,  # noqa: F401
                      check_kind, dequantize_blocks)
 from .panels import PANEL, is_panels, unpack
 
@@ -123,7 +123,9 @@ class BlockPanels(Packed):
     data: [..., P, K // 32, 48 * block bytes] uint8 -- panel p, K block b: the blocks of output columns
         [48p, 48p + 48) over K rows [32b, 32b + 32) (zero blocks past n), as 48 float16 d, (q4_1) 48 float16 m,
         then the quants K row by K row: [16][48] bytes (q4_*: byte (j, c) holds rows j and 16 + j of column c in its
-        low and high nibble, as in a GGUF block) or [32][48] int8 (q8_0).
+        low and high nibble, as in a GGUF block) or [32][48] int8 (q8_0). With `int8` the quants are quad-major
+        instead, the order the integer dot products read: [nq / 4][48][4], byte rows 4i .. 4i + 3 of column c
+        side by side (one 32-bit lane), so the kernel never reorders a byte (`layout.quant_offset`).
     kind: "q4_1" | "q8_0" | "q4_0"; n: the output width N; rows: the logical layout -- False [..., K, N] (x @ w:
         decoder matrices, an untied lm_head), True [..., N, K] (output rows: a tied embedding, used as x @ w.T);
         all static.
@@ -182,7 +184,7 @@ class BlockPanels(Packed):
 
     def blocks(self) -> BlockWeight:
         """The GGUF blocks back in their row layout (a BlockWeight: outputs as rows)."""
-        return BlockWeight(from_panels(self.data, self.kind, self.n), self.kind, transposed=not self.rows)
+        return BlockWeight(from_panels(self.data, self.kind, self.n, self.int8), self.kind, transposed=not self.rows)
 
     def dequantize(self) -> jax.Array:
         """The float32 weight in its logical layout (`shape`)."""
@@ -197,10 +199,10 @@ class BlockPanels(Packed):
             return take_rows(self.table, ids)
         ids = jnp.asarray(ids, jnp.int32)
         c = (ids % PANEL)[..., None, None]
-        hdr, nq = panel_header(self.kind)
+        nq = panel_header(self.kind)[1]
         d = 2 * c + jnp.arange(2)
         offs = [d, d + 2 * PANEL] if self.kind == "q4_1" else [d]
-        offs.append(hdr + jnp.arange(nq) * PANEL + c)
+        offs.append(quant_offset(self.kind, jnp.arange(nq), c, self.int8))
         offs = jnp.concatenate([jnp.broadcast_to(o, ids.shape + (1, o.shape[-1])) for o in offs], -1)
         got = jnp.take_along_axis(self.data[ids // PANEL], offs, axis=-1)  # [..., nb, block bytes]
         return dequantize_blocks(got.reshape(*ids.shape, -1), self.kind)
@@ -218,16 +220,19 @@ class BlockPanels(Packed):
 def pack_blocks(w: BlockWeight, table: bool = False, int8: bool | None = None) -> BlockPanels:
     """A BlockWeight as BlockPanels (the same bytes, panel-major). table=True (an unstacked row-layout weight: an
     embedding) keeps the BlockWeight for lookups (`BlockPanels.take`). int8=True: products by integer dot products
-    (`BlockPanels.int8`); None: a BlockPanels keeps its own, a BlockWeight gets the exact float32 product."""
+    (`BlockPanels.int8`, its quants quad-major); None: a BlockPanels keeps its own, a BlockWeight gets the exact
+    float32 product."""
     if isinstance(w, BlockPanels):
-        return w if int8 is None or w.int8 == int8 else BlockPanels(w.data, w.kind, w.n, w.rows, table=w.table,
-                                                                      int8=int8)
+        if int8 is None or w.int8 == int8:
+            return w
+        data = to_panels(from_panels(w.data, w.kind, w.data.shape[-3] * PANEL, w.int8), w.kind, bool(int8))
+        return BlockPanels(data, w.kind, w.n, w.rows, table=w.table, int8=bool(int8))
     if not isinstance(w, BlockWeight):
         raise ValueError(f"pack_blocks takes a BlockWeight, not {type(w).__name__}")
     if table and (w.transposed or w.ndim != 2):
         raise ValueError("pack_blocks: a lookup table goes with an unstacked row-layout BlockWeight (an embedding)")
     n = w.blocks.shape[-2]
-    return BlockPanels(to_panels(jnp.asarray(w.blocks), w.kind), w.kind, n, rows=not w.transposed,
+    return BlockPanels(to_panels(jnp.asarray(w.blocks), w.kind, bool(int8)), w.kind, n, rows=not w.transposed,
                        table=w if table else None, int8=bool(int8))
 
 

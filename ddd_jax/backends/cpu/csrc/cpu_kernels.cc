@@ -12,7 +12,8 @@
 //   exactly, four rows at a time (eight on AVX-512), into an L1 buffer that the float32 trans kernel reads:
 //   bitwise that kernel's product of the dequantized weight). A 4-bit target reads ~1/6 of its float32 bytes per
 //   forward.
-// ddd_linear_qpanels_int8: x @ W over the quantized panels of ddd_linear_qpanels by integer dot products (rows of x
+// ddd_linear_qpanels_int8: x @ W over the quantized panels of ddd_linear_qpanels, their quants quad-major, by
+//   integer dot products (rows of x
 //   quantized per 32 values to int8, llama.cpp's arithmetic; AVX-512 VNNI, AVX-VNNI or AVX2 variants with the same
 //   bits; see "int8 blocks" below for its own fixed order). Not the float32 product: the one kernel here whose
 //   numerics below do not apply, though a row's result is still independent of the other rows.
@@ -1370,9 +1371,12 @@ ffi::Error LinearQPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
 //   avx2:       _mm256_maddubs_epi16 + _mm256_madd_epi16: a pair of products sums to int16 without saturating
 //               (4-bit: 2 * 15 * 127 = 3810, and a block's eight quads of pairs still fit int16 before madd:
 //               30480; Q8_0 by the sign trick |w| x (q sign(w)): 2 * 128 * 127 = 32512, widened quad by quad).
-// Layout: each chunk's panel is repacked once into a thread-local buffer (i8_repack), per K block: wd [48] float32,
-// wm [48] float32, then the quants as [8 quads][48 columns][4 K rows] bytes, so that one 32-bit lane holds four K
-// rows of one column (what dpbusd / maddubs + madd reduce) and a vector 16 (or 8) columns.
+// Layout: the quantized panels above, but with each K block's quants quad-major (`BlockPanels.int8`, packed once
+// at load): [nq / 4][48 columns][4] bytes, byte rows 4i .. 4i + 3 of one column side by side, so that one 32-bit lane
+// holds what dpbusd / maddubs + madd reduce and a vector 16 (or 8) columns. A 4-bit byte row j holds K rows j (low
+// nibble) and 16 + j (high), so quad i of bytes gives K rows 4i.. and 16 + 4i.. after a mask and a shift; a Q8_0 quad
+// i is K rows 4i... The scales stay float16 (exactly widened in registers). The kernel reads the panels as they
+// lie: no copy, no reordering per call.
 #if defined(__clang__)
 #define DDD_HAVE_AVXVNNI (__clang_major__ >= 12)
 #elif defined(__GNUC__)
@@ -1398,11 +1402,8 @@ bool i8_supported(int v) {
   return false;
 }
 
-constexpr int64_t kI8Quads = kQK / 4;                       // 4-row groups of a K block
-constexpr int64_t kI8Quants = kI8Quads * kPanel512 * 4;     // 1536 bytes of quants a repacked block
-constexpr int64_t kI8Block = 2 * kPanel512 * 4 + kI8Quants;  // + wd [48], wm [48] float32: 1920 bytes
-constexpr int kI8Group = 16;                                // columns a tile covers (one AVX-512 vector)
-constexpr int kI8Rows = 4;                                  // rows a tile covers at most
+constexpr int64_t kI8Quad = kPanel512 * 4;  // bytes of one quad of byte rows (48 columns x 4)
+constexpr int kI8Rows = 8;                  // rows a tile covers at most
 
 // One row of x [K] -> q [K] int8, d [K/32] float32, s [K/32] int32, ds [K/32] float32 (see above).
 DDD_AVX2 void i8_quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* s, float* ds) {
@@ -1438,43 +1439,6 @@ DDD_AVX2 void i8_quantize_row(const float* x, int64_t K, int8_t* q, float* d, in
   }
 }
 
-// One panel's nb K blocks (quantized panels of KIND) -> dst [nb][kI8Block] (see above). A quad's four K rows of
-// 16 columns are a 4 x 16 byte transpose (unpack 8, then 16 bits).
-template <int64_t KIND>
-DDD_AVX2 void i8_repack(const uint8_t* wp, int64_t nb, uint8_t* dst) {
-  const __m128i nib = _mm_set1_epi8(0x0F);
-  for (int64_t b = 0; b < nb; ++b, wp += qp_bytes(KIND), dst += kI8Block) {
-    float* wd = reinterpret_cast<float*>(dst);
-    float* wm = wd + kPanel512;
-    DDD_UNROLL for (int v = 0; v < 6; ++v) {
-      _mm256_storeu_ps(wd + 8 * v, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16 * v))));
-      _mm256_storeu_ps(wm + 8 * v, KIND == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(
-                                                       reinterpret_cast<const __m128i*>(wp + 96 + 16 * v)))
-                                                 : _mm256_setzero_ps());
-    }
-    const uint8_t* qs = wp + qp_qs(KIND);
-    uint8_t* out = dst + 2 * kPanel512 * 4;
-    for (int i = 0; i < kI8Quads; ++i)
-      for (int g = 0; g < kPanel512 / 16; ++g) {
-        __m128i r[4];
-        for (int t = 0; t < 4; ++t) {
-          // K row 4i + t: Q8_0 its own byte row; 4-bit kinds byte row (4i + t) mod 16, low nibble for rows < 16
-          const int row = KIND == kQ8_0 ? 4 * i + t : (4 * i + t) % 16;
-          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + row * kPanel512 + 16 * g));
-          r[t] = KIND == kQ8_0 ? raw : 4 * i + t < 16 ? _mm_and_si128(raw, nib)
-                                                      : _mm_and_si128(_mm_srli_epi16(raw, 4), nib);
-        }
-        const __m128i a = _mm_unpacklo_epi8(r[0], r[1]), bq = _mm_unpackhi_epi8(r[0], r[1]);
-        const __m128i c = _mm_unpacklo_epi8(r[2], r[3]), e = _mm_unpackhi_epi8(r[2], r[3]);
-        uint8_t* o = out + (i * kPanel512 + 16 * g) * 4;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm_unpacklo_epi16(a, c));        // columns 0..3
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 16), _mm_unpackhi_epi16(a, c));   // 4..7
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 32), _mm_unpacklo_epi16(bq, e));  // 8..11
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 48), _mm_unpackhi_epi16(bq, e));  // 12..15
-      }
-  }
-}
-
 // The quantized rows of x for one call (filled by the calling thread, read by the helpers during the call).
 struct I8Rows {
   const int8_t* q = nullptr;   // [M, K]
@@ -1490,170 +1454,229 @@ inline int32_t quad_at(const int8_t* p) {
   return v;
 }
 
-// MT rows (from row m) x the 16 columns [16 g, 16 g + 16) of a repacked panel -> out [MT][16] (ldo floats apart).
-// The integer sums per variant, then the float steps in the order above (8-wide here, 16-wide on AVX-512: the same
-// operations per lane).
+// Keeps a running integer sum where it is: an empty asm that "changes" it, so that the compiler neither
+// reassociates the sum over the unrolled quads nor computes every product first (it did both, spilling them).
+template <class V>
+inline void i8_pin(V& v) {
+  asm volatile("" : "+v"(v));
+}
+
+// A block's float16 scales of columns [c, c + 8) (or 16) widened to float32 (exact).
+DDD_AVX2 inline __m256 i8_scale8(const uint8_t* p, int64_t c) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * c)));
+}
+
+// MT rows (from row m) x the 48 columns of a panel (quad-major quants, wp its first K block) -> out [MT][48] (ldo
+// floats apart). The integer sums per variant, then the float steps in the order above (8-wide here, 16-wide on
+// AVX-512: the same operations per lane).
 template <int MT, int64_t KIND>
-DDD_AVX2 void i8_tile_avx2(const I8Rows& x, int64_t m, const uint8_t* rp, int g, float* out, int64_t ldo) {
-  __m256 acc[MT][2];
-  DDD_UNROLL for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < x.nb; ++b, rp += kI8Block) {
-    // 4-bit kinds: the maddubs pairs (|.| <= 3810) of all eight quads summed in int16 (|.| <= 30480, exact), widened
-    // once a block; Q8_0 pairs (|.| <= 32512) widened quad by quad
-    __m256i isum[MT][2];
-    DDD_UNROLL for (int r = 0; r < MT; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
-    const uint8_t* qs = rp + 2 * kPanel512 * 4 + 16 * g * 4;
-    DDD_UNROLL for (int i = 0; i < kI8Quads; ++i) {
-      __m256i w[2];
-      DDD_UNROLL for (int v = 0; v < 2; ++v)
-        w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + i * kPanel512 * 4 + 32 * v));
+DDD_AVX2 void i8_tile_avx2(const I8Rows& x, int64_t m, const uint8_t* wp, float* out, int64_t ldo) {
+  // 16 vector registers: one 8-column vector at a time, its MT integer sums in registers and its float
+  // accumulators in `out` (L1; a float32 store and load are exact, so the order of the float steps is the same)
+  constexpr int NV = kPanel512 / 8;  // 8-column vectors
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + r * ldo + 8 * v, _mm256_setzero_ps());
+  const __m256i ones = _mm256_set1_epi16(1), nib = _mm256_set1_epi8(0x0F);
+  // the rows' fields in locals: the stores into `out` could otherwise alias them, and every access reload them
+  const int64_t K = x.K, nb = x.nb;
+  const int8_t* const xq0 = x.q + m * K;
+  const float *const xd0 = x.d + m * nb, *const xds0 = x.ds + m * nb;
+  const int32_t* const xs0 = x.s + m * nb;
+  for (int64_t b = 0; b < nb; ++b, wp += qp_bytes(KIND)) {
+    const uint8_t* qs = wp + qp_qs(KIND);
+    const int8_t* xq = xq0 + b * kQK;
+    DDD_UNROLL for (int v = 0; v < NV; ++v) {
+      // 4-bit kinds: the maddubs pairs (|.| <= 3810) of all eight quads summed in int16 (|.| <= 30480, exact),
+      // widened once a block; Q8_0 pairs (|.| <= 32512) widened quad by quad
+      __m256i isum[MT];
+      DDD_UNROLL for (int r = 0; r < MT; ++r) isum[r] = _mm256_setzero_si256();
+      if (KIND == kQ8_0) {
+        DDD_UNROLL for (int i = 0; i < kQK / 4; ++i) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + i * kI8Quad + 32 * v));
+          const __m256i aw = _mm256_sign_epi8(w, w);
+          DDD_UNROLL for (int r = 0; r < MT; ++r) {
+            const __m256i xb = _mm256_set1_epi32(quad_at(xq + r * K + 4 * i));
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb, w)),
+                                                                  ones));
+            i8_pin(isum[r]);
+          }
+        }
+      } else {
+        DDD_UNROLL for (int i = 0; i < kQK / 8; ++i) {  // byte quad i: K rows 4i.. (low nibbles), 16 + 4i.. (high)
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + i * kI8Quad + 32 * v));
+          const __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+          DDD_UNROLL for (int r = 0; r < MT; ++r) {
+            isum[r] = _mm256_add_epi16(
+                _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(quad_at(xq + r * K + 4 * i)))),
+                _mm256_maddubs_epi16(hi, _mm256_set1_epi32(quad_at(xq + r * K + 16 + 4 * i))));
+            i8_pin(isum[r]);
+          }
+        }
+        DDD_UNROLL for (int r = 0; r < MT; ++r) isum[r] = _mm256_madd_epi16(isum[r], ones);
+      }
+      const __m256 wd = i8_scale8(wp, 8 * v);
+      const __m256 wm = KIND == kQ4_1 ? i8_scale8(wp + 2 * kPanel512, 8 * v) : _mm256_setzero_ps();
       DDD_UNROLL for (int r = 0; r < MT; ++r) {
-        const __m256i xb = _mm256_set1_epi32(quad_at(x.q + (m + r) * x.K + b * kQK + 4 * i));
-        DDD_UNROLL for (int v = 0; v < 2; ++v) {
-          if (KIND == kQ8_0)
-            isum[r][v] = _mm256_add_epi32(isum[r][v], _mm256_madd_epi16(_mm256_maddubs_epi16(
-                _mm256_sign_epi8(w[v], w[v]), _mm256_sign_epi8(xb, w[v])), ones));
-          else
-            isum[r][v] = _mm256_add_epi16(isum[r][v], _mm256_maddubs_epi16(w[v], xb));
+        const int64_t at = r * nb + b;
+        __m256i is = isum[r];
+        if (KIND == kQ4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * xs0[at]));
+        const __m256 t = _mm256_mul_ps(wd, _mm256_set1_ps(xd0[at]));
+        float* o = out + r * ldo + 8 * v;
+        __m256 acc = _mm256_add_ps(_mm256_loadu_ps(o), _mm256_mul_ps(_mm256_cvtepi32_ps(is), t));
+        if (KIND == kQ4_1) acc = _mm256_add_ps(acc, _mm256_mul_ps(wm, _mm256_set1_ps(xds0[at])));
+        _mm256_storeu_ps(o, acc);
+      }
+    }
+  }
+}
+
+#if DDD_HAVE_AVXVNNI
+template <int MT, int64_t KIND>
+DDD_AVXVNNI void i8_tile_avxvnni(const I8Rows& x, int64_t m, const uint8_t* wp, float* out, int64_t ldo) {
+  // as i8_tile_avx2: one 8-column vector at a time, the float accumulators in `out`
+  constexpr int NV = kPanel512 / 8;
+  DDD_UNROLL for (int r = 0; r < MT; ++r)
+    DDD_UNROLL for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + r * ldo + 8 * v, _mm256_setzero_ps());
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), nib = _mm256_set1_epi8(0x0F);
+  // the rows' fields in locals: the stores into `out` could otherwise alias them, and every access reload them
+  const int64_t K = x.K, nb = x.nb;
+  const int8_t* const xq0 = x.q + m * K;
+  const float *const xd0 = x.d + m * nb, *const xds0 = x.ds + m * nb;
+  const int32_t* const xs0 = x.s + m * nb;
+  for (int64_t b = 0; b < nb; ++b, wp += qp_bytes(KIND)) {
+    const uint8_t* qs = wp + qp_qs(KIND);
+    const int8_t* xq = xq0 + b * kQK;
+    DDD_UNROLL for (int v = 0; v < NV; ++v) {
+      __m256i isum[MT];
+      DDD_UNROLL for (int r = 0; r < MT; ++r) isum[r] = _mm256_setzero_si256();
+      if (KIND == kQ8_0) {
+        DDD_UNROLL for (int i = 0; i < kQK / 4; ++i) {  // w + 128, unsigned
+          const __m256i w = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + i * kI8Quad + 32 * v)), flip);
+          DDD_UNROLL for (int r = 0; r < MT; ++r)
+            isum[r] = _mm256_dpbusd_avx_epi32(isum[r], w, _mm256_set1_epi32(quad_at(xq + r * K + 4 * i)));
+        }
+      } else {
+        DDD_UNROLL for (int i = 0; i < kQK / 8; ++i) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + i * kI8Quad + 32 * v));
+          const __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+          DDD_UNROLL for (int r = 0; r < MT; ++r)
+            isum[r] = _mm256_dpbusd_avx_epi32(
+                _mm256_dpbusd_avx_epi32(isum[r], lo, _mm256_set1_epi32(quad_at(xq + r * K + 4 * i))), hi,
+                _mm256_set1_epi32(quad_at(xq + r * K + 16 + 4 * i)));
         }
       }
-    }
-    if (KIND != kQ8_0)
-      DDD_UNROLL for (int r = 0; r < MT; ++r)
-        DDD_UNROLL for (int v = 0; v < 2; ++v) isum[r][v] = _mm256_madd_epi16(isum[r][v], ones);
-    const float* wd = reinterpret_cast<const float*>(rp) + 16 * g;
-    const float* wm = wd + kPanel512;
-    DDD_UNROLL for (int r = 0; r < MT; ++r) {
-      const int64_t at = (m + r) * x.nb + b;
-      const __m256 xd = _mm256_set1_ps(x.d[at]);
-      DDD_UNROLL for (int v = 0; v < 2; ++v) {
-        __m256i is = isum[r][v];
-        if (KIND == kQ4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * x.s[at]));
-        const __m256 t = _mm256_mul_ps(_mm256_loadu_ps(wd + 8 * v), xd);
-        acc[r][v] = _mm256_add_ps(acc[r][v], _mm256_mul_ps(_mm256_cvtepi32_ps(is), t));
-        if (KIND == kQ4_1)
-          acc[r][v] = _mm256_add_ps(acc[r][v], _mm256_mul_ps(_mm256_loadu_ps(wm + 8 * v), _mm256_set1_ps(x.ds[at])));
-      }
-    }
-  }
-  DDD_UNROLL for (int r = 0; r < MT; ++r)
-    DDD_UNROLL for (int v = 0; v < 2; ++v) _mm256_storeu_ps(out + r * ldo + 8 * v, acc[r][v]);
-}
-
-#if DDD_HAVE_AVXVNNI
-template <int MT, int64_t KIND>
-DDD_AVXVNNI void i8_tile_avxvnni(const I8Rows& x, int64_t m, const uint8_t* rp, int g, float* out, int64_t ldo) {
-  __m256 acc[MT][2];
-  DDD_UNROLL for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  for (int64_t b = 0; b < x.nb; ++b, rp += kI8Block) {
-    __m256i isum[MT][2];
-    DDD_UNROLL for (int r = 0; r < MT; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
-    const uint8_t* qs = rp + 2 * kPanel512 * 4 + 16 * g * 4;
-    DDD_UNROLL for (int i = 0; i < kI8Quads; ++i) {
-      __m256i w[2];
-      DDD_UNROLL for (int v = 0; v < 2; ++v) {
-        w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + i * kPanel512 * 4 + 32 * v));
-        if (KIND == kQ8_0) w[v] = _mm256_xor_si256(w[v], flip);  // w + 128, unsigned
-      }
+      const __m256 wd = i8_scale8(wp, 8 * v);
+      const __m256 wm = KIND == kQ4_1 ? i8_scale8(wp + 2 * kPanel512, 8 * v) : _mm256_setzero_ps();
       DDD_UNROLL for (int r = 0; r < MT; ++r) {
-        const __m256i xb = _mm256_set1_epi32(quad_at(x.q + (m + r) * x.K + b * kQK + 4 * i));
-        DDD_UNROLL for (int v = 0; v < 2; ++v) isum[r][v] = _mm256_dpbusd_avx_epi32(isum[r][v], w[v], xb);
-      }
-    }
-    const float* wd = reinterpret_cast<const float*>(rp) + 16 * g;
-    const float* wm = wd + kPanel512;
-    DDD_UNROLL for (int r = 0; r < MT; ++r) {
-      const int64_t at = (m + r) * x.nb + b;
-      const __m256 xd = _mm256_set1_ps(x.d[at]);
-      DDD_UNROLL for (int v = 0; v < 2; ++v) {
-        __m256i is = isum[r][v];
-        if (KIND == kQ4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * x.s[at]));
-        if (KIND == kQ8_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(128 * x.s[at]));
-        const __m256 t = _mm256_mul_ps(_mm256_loadu_ps(wd + 8 * v), xd);
-        acc[r][v] = _mm256_add_ps(acc[r][v], _mm256_mul_ps(_mm256_cvtepi32_ps(is), t));
-        if (KIND == kQ4_1)
-          acc[r][v] = _mm256_add_ps(acc[r][v], _mm256_mul_ps(_mm256_loadu_ps(wm + 8 * v), _mm256_set1_ps(x.ds[at])));
+        const int64_t at = r * nb + b;
+        __m256i is = isum[r];
+        if (KIND == kQ4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * xs0[at]));
+        if (KIND == kQ8_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(128 * xs0[at]));
+        const __m256 t = _mm256_mul_ps(wd, _mm256_set1_ps(xd0[at]));
+        float* o = out + r * ldo + 8 * v;
+        __m256 acc = _mm256_add_ps(_mm256_loadu_ps(o), _mm256_mul_ps(_mm256_cvtepi32_ps(is), t));
+        if (KIND == kQ4_1) acc = _mm256_add_ps(acc, _mm256_mul_ps(wm, _mm256_set1_ps(xds0[at])));
+        _mm256_storeu_ps(o, acc);
       }
     }
   }
+}
+#endif
+
+template <int MT, int64_t KIND>
+DDD_AVX512VNNI void i8_tile_avx512vnni(const I8Rows& x, int64_t m, const uint8_t* wp, float* out, int64_t ldo) {
+  // as i8_tile_avx2, 16-column vectors
+  constexpr int NV = kPanel512 / 16;
   DDD_UNROLL for (int r = 0; r < MT; ++r)
-    DDD_UNROLL for (int v = 0; v < 2; ++v) _mm256_storeu_ps(out + r * ldo + 8 * v, acc[r][v]);
-}
-#endif
-
-template <int MT, int64_t KIND>
-DDD_AVX512VNNI void i8_tile_avx512vnni(const I8Rows& x, int64_t m, const uint8_t* rp, int g, float* out,
-                                       int64_t ldo) {
-  __m512 acc[MT];
-  DDD_UNROLL for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t b = 0; b < x.nb; ++b, rp += kI8Block) {
-    __m512i isum[MT];
-    DDD_UNROLL for (int r = 0; r < MT; ++r) isum[r] = _mm512_setzero_si512();
-    const uint8_t* qs = rp + 2 * kPanel512 * 4 + 16 * g * 4;
-    DDD_UNROLL for (int i = 0; i < kI8Quads; ++i) {
-      __m512i w = _mm512_loadu_si512(qs + i * kPanel512 * 4);
-      if (KIND == kQ8_0) w = _mm512_xor_si512(w, flip);  // w + 128, unsigned
-      DDD_UNROLL for (int r = 0; r < MT; ++r)
-        isum[r] = _mm512_dpbusd_epi32(isum[r], w, _mm512_set1_epi32(quad_at(x.q + (m + r) * x.K + b * kQK + 4 * i)));
-    }
-    const float* wd = reinterpret_cast<const float*>(rp) + 16 * g;
-    const float* wm = wd + kPanel512;
-    DDD_UNROLL for (int r = 0; r < MT; ++r) {
-      const int64_t at = (m + r) * x.nb + b;
-      __m512i is = isum[r];
-      if (KIND == kQ4_0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(8 * x.s[at]));
-      if (KIND == kQ8_0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(128 * x.s[at]));
-      const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(wd), _mm512_set1_ps(x.d[at]));
-      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(is), t));
-      if (KIND == kQ4_1) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_loadu_ps(wm), _mm512_set1_ps(x.ds[at])));
+    DDD_UNROLL for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + r * ldo + 16 * v, _mm512_setzero_ps());
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), nib = _mm512_set1_epi8(0x0F);
+  // the rows' fields in locals: the stores into `out` could otherwise alias them, and every access reload them
+  const int64_t K = x.K, nb = x.nb;
+  const int8_t* const xq0 = x.q + m * K;
+  const float *const xd0 = x.d + m * nb, *const xds0 = x.ds + m * nb;
+  const int32_t* const xs0 = x.s + m * nb;
+  for (int64_t b = 0; b < nb; ++b, wp += qp_bytes(KIND)) {
+    const uint8_t* qs = wp + qp_qs(KIND);
+    const int8_t* xq = xq0 + b * kQK;
+    DDD_UNROLL for (int v = 0; v < NV; ++v) {
+      __m512i isum[MT];
+      DDD_UNROLL for (int r = 0; r < MT; ++r) isum[r] = _mm512_setzero_si512();
+      if (KIND == kQ8_0) {
+        DDD_UNROLL for (int i = 0; i < kQK / 4; ++i) {  // w + 128, unsigned
+          const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(qs + i * kI8Quad + 64 * v), flip);
+          DDD_UNROLL for (int r = 0; r < MT; ++r)
+            isum[r] = _mm512_dpbusd_epi32(isum[r], w, _mm512_set1_epi32(quad_at(xq + r * K + 4 * i)));
+        }
+      } else {
+        DDD_UNROLL for (int i = 0; i < kQK / 8; ++i) {
+          const __m512i raw = _mm512_loadu_si512(qs + i * kI8Quad + 64 * v);
+          const __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+          DDD_UNROLL for (int r = 0; r < MT; ++r)
+            isum[r] = _mm512_dpbusd_epi32(
+                _mm512_dpbusd_epi32(isum[r], lo, _mm512_set1_epi32(quad_at(xq + r * K + 4 * i))), hi,
+                _mm512_set1_epi32(quad_at(xq + r * K + 16 + 4 * i)));
+        }
+      }
+      const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * v)));
+      const __m512 wm = KIND == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                            reinterpret_cast<const __m256i*>(wp + 2 * kPanel512 + 32 * v)))
+                                      : _mm512_setzero_ps();
+      DDD_UNROLL for (int r = 0; r < MT; ++r) {
+        const int64_t at = r * nb + b;
+        __m512i is = isum[r];
+        if (KIND == kQ4_0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(8 * xs0[at]));
+        if (KIND == kQ8_0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(128 * xs0[at]));
+        const __m512 t = _mm512_mul_ps(wd, _mm512_set1_ps(xd0[at]));
+        float* o = out + r * ldo + 16 * v;
+        __m512 acc = _mm512_add_ps(_mm512_loadu_ps(o), _mm512_mul_ps(_mm512_cvtepi32_ps(is), t));
+        if (KIND == kQ4_1) acc = _mm512_add_ps(acc, _mm512_mul_ps(wm, _mm512_set1_ps(xds0[at])));
+        _mm512_storeu_ps(o, acc);
+      }
     }
   }
-  DDD_UNROLL for (int r = 0; r < MT; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 
 template <int MT, int64_t KIND>
-void i8_tile(const I8Rows& x, int64_t m, const uint8_t* rp, int g, float* out, int64_t ldo) {
+void i8_tile(const I8Rows& x, int64_t m, const uint8_t* wp, float* out, int64_t ldo) {
   switch (g_i8_variant) {
-    case kI8Avx512Vnni: return i8_tile_avx512vnni<MT, KIND>(x, m, rp, g, out, ldo);
+    case kI8Avx512Vnni: return i8_tile_avx512vnni<MT, KIND>(x, m, wp, out, ldo);
 #if DDD_HAVE_AVXVNNI
-    case kI8AvxVnni: return i8_tile_avxvnni<MT, KIND>(x, m, rp, g, out, ldo);
+    case kI8AvxVnni: return i8_tile_avxvnni<MT, KIND>(x, m, wp, out, ldo);
 #endif
-    default: return i8_tile_avx2<MT, KIND>(x, m, rp, g, out, ldo);
+    default: return i8_tile_avx2<MT, KIND>(x, m, wp, out, ldo);
   }
 }
 
-// Columns [n0, n1) of out (n0 a multiple of 48), all M rows, panel by panel: each panel repacked once, then row
-// tiles of up to kI8Rows rows over its 16-column groups.
+// Columns [n0, n1) of out (n0 a multiple of 48), all M rows, panel by panel, straight from the panels: row tiles of
+// up to kI8Rows rows over the whole panel, each K block's bytes read as one run. (A panel is zero-padded past its
+// last column, so a tile covers all 48.)
 template <int64_t KIND>
 void i8_chunk(const I8Rows& x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t n0, int64_t n1) {
   const int64_t nb = x.nb;
-  thread_local std::vector<uint8_t> rp;
-  if (static_cast<int64_t>(rp.size()) < nb * kI8Block) rp.resize(nb * kI8Block);
   alignas(64) float tile[kI8Rows * kPanel512];
   for (int64_t c0 = n0; c0 < n1; c0 += kPanel512) {
-    i8_repack<KIND>(w + (c0 / kPanel512) * nb * qp_bytes(KIND), nb, rp.data());
+    const uint8_t* wp = w + (c0 / kPanel512) * nb * qp_bytes(KIND);
     const int64_t cw = std::min<int64_t>(kPanel512, n1 - c0);
     for (int64_t m = 0; m < M; m += kI8Rows) {
       const int64_t mt = std::min<int64_t>(kI8Rows, M - m);
-      for (int g = 0; g * kI8Group < cw; ++g) {
-        float* o = tile + g * kI8Group;
-        switch (mt) {
-          case 4: i8_tile<4, KIND>(x, m, rp.data(), g, o, kPanel512); break;
-          case 3: i8_tile<3, KIND>(x, m, rp.data(), g, o, kPanel512); break;
-          case 2: i8_tile<2, KIND>(x, m, rp.data(), g, o, kPanel512); break;
-          default: i8_tile<1, KIND>(x, m, rp.data(), g, o, kPanel512); break;
-        }
+      switch (mt) {
+        case 8: i8_tile<8, KIND>(x, m, wp, tile, kPanel512); break;
+        case 7: i8_tile<7, KIND>(x, m, wp, tile, kPanel512); break;
+        case 6: i8_tile<6, KIND>(x, m, wp, tile, kPanel512); break;
+        case 5: i8_tile<5, KIND>(x, m, wp, tile, kPanel512); break;
+        case 4: i8_tile<4, KIND>(x, m, wp, tile, kPanel512); break;
+        case 3: i8_tile<3, KIND>(x, m, wp, tile, kPanel512); break;
+        case 2: i8_tile<2, KIND>(x, m, wp, tile, kPanel512); break;
+        default: i8_tile<1, KIND>(x, m, wp, tile, kPanel512); break;
       }
       for (int64_t r = 0; r < mt; ++r) std::memcpy(out + (m + r) * N + c0, tile + r * kPanel512, cw * sizeof(float));
     }
   }
 }
 
-// x [..., K] float32 @ w [L, P, K / 32, 48 * block bytes] (quantized panels of `kind`) at `layer` -> out [..., N],
-// 48 (P - 1) < N <= 48 P, by integer products (see above). Every M.
+// x [..., K] float32 @ w [L, P, K / 32, 48 * block bytes] (quantized panels of `kind`, quants quad-major) at `layer`
+// -> out [..., N], 48 (P - 1) < N <= 48 P, by integer products (see above). Every M.
 ffi::Error LinearQPanelsInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                              ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t kind) {
   const auto xd = x.dimensions();
