@@ -1,5 +1,6 @@
-"""The one-off harnesses of experiments/ (kernel_ab, attention_ab and its C++ harness, recipe_memory): bad input is
-refused, the harness built from this checkout runs the kernel, the fit steps' memory is sized."""
+"""The one-off harnesses of experiments/ (kernel_ab, attention_ab and its C++ harness, int8_emulation,
+recipe_memory): bad input is refused, the harness built from this checkout runs the kernel, the fit steps' memory is
+sized."""
 from __future__ import annotations
 
 import sys
@@ -72,3 +73,23 @@ def test_recipe_memory_sizes_both_fit_steps_and_grows_with_the_batch():
     assert 0 < one["temp_bytes"] < two["temp_bytes"]
     e1 = recipe_memory.step_memory_eagle1(t, FitConfig(batch_size=2, seq_len=64))
     assert e1["head"] == "eagle" and e1["temp_bytes"] > 0
+
+
+@pytest.mark.deep  # builds the kernels into the C++ harness (~70 s): make test-deep
+def test_int8_emulation_checks_the_vnni_variants_against_avx2_and_catches_a_wrong_shift(tmp_path):
+    """On any AVX2 CPU the harness runs the AVX-512 VNNI and AVX-VNNI tiles with emulated intrinsics: this checkout's
+    kernels match the AVX2 variant bitwise, and a kernel whose AVX-512 tile shifts the high nibbles by 3 does not."""
+    from ddd_jax.backends.cpu import kernels
+    import int8_emulation
+    if not kernels.available():
+        pytest.skip("CPU kernel library not built / not supported")
+    good = int8_emulation.run(int8_emulation.build(str(int8_emulation.KERNELS), str(tmp_path)))
+    assert good["checks"] == 171 and good["mismatches"] == 0, good["stderr"]
+    src = int8_emulation.KERNELS.read_text()
+    tile = src.index("DDD_AVX512VNNI void i8_tile_avx512vnni")
+    shift = src.index("_mm512_srli_epi16(raw, 4)", tile)
+    bad = tmp_path / "bad" / "cpu_kernels.cc"
+    bad.parent.mkdir()
+    bad.write_text(src[:shift] + "_mm512_srli_epi16(raw, 3)" + src[shift + len("_mm512_srli_epi16(raw, 4)"):])
+    wrong = int8_emulation.run(int8_emulation.build(str(bad), str(bad.parent)))
+    assert wrong["mismatches"] > 0 and "variant 2" in wrong["stderr"] and "variant 1" not in wrong["stderr"]

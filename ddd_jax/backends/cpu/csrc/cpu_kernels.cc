@@ -1384,8 +1384,13 @@ ffi::Error LinearQPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
 #else
 #define DDD_HAVE_AVXVNNI 0
 #endif
+// (experiments/int8_emulation.cc defines both first: it runs these variants on any AVX2 CPU with emulated intrinsics)
+#ifndef DDD_AVX512VNNI
 #define DDD_AVX512VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c")))
+#endif
+#ifndef DDD_AVXVNNI
 #define DDD_AVXVNNI __attribute__((target("avxvnni,avx2,fma,f16c")))
+#endif
 
 constexpr int kI8Avx2 = 0, kI8AvxVnni = 1, kI8Avx512Vnni = 2;  // kernels.INT8_VARIANTS, in this order
 int g_i8_variant = kI8Avx2;                                     // set at load (ddd_cpu_supported)
