@@ -114,6 +114,33 @@ def test_xla_path_is_the_numpy_model(kind):
     np.testing.assert_allclose(got, model_product(x, rows, kind), rtol=2e-6, atol=1e-6)  # (XLA may fuse mul + add)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_int8_panels_hold_the_quants_quad_major_and_give_the_blocks_back(kind):
+    """An int8 BlockPanels is the exact panels' bytes with each K block's quants quad-major: byte row j of column c
+    at (j // 4, c, j % 4). Its blocks, its lookups and a switch of `int8` either way give the same GGUF bytes."""
+    K, N = 64, 100  # two K blocks, a last panel of 4 columns
+    rows, wp = int8_weight(kind, K, N, seed=7)
+    exact = quant.pack_blocks(quant.BlockWeight(jax.numpy.asarray(rows), kind, transposed=True))
+    hdr, nq = quant.panel_header(kind)
+    a, b = np.asarray(exact.data), np.asarray(wp.data)
+    assert a.shape == b.shape and wp.int8 and not exact.int8
+    np.testing.assert_array_equal(b[..., :hdr], a[..., :hdr])  # the float16 scales (and mins) as they were
+    quads = a[..., hdr:].reshape(*a.shape[:-1], nq // 4, 4, 48).swapaxes(-1, -2).reshape(*a.shape[:-1], -1)
+    np.testing.assert_array_equal(b[..., hdr:], quads)
+    j, c = np.meshgrid(np.arange(nq), np.arange(48), indexing="ij")
+    np.testing.assert_array_equal(b[..., quant.quant_offset(kind, j, c, True)],
+                                  a[..., quant.quant_offset(kind, j, c, False)])
+    for w in (wp, quant.pack_blocks(exact, int8=True), wp.T.T):
+        np.testing.assert_array_equal(np.asarray(w.blocks().blocks), rows)
+    back = quant.pack_blocks(wp, int8=False)
+    assert not back.int8
+    np.testing.assert_array_equal(np.asarray(back.data), a)
+    emb = quant.BlockWeight(jax.numpy.asarray(rows), kind)  # rows layout: lookups out of the panels themselves
+    ids = jax.numpy.asarray([[0, 47, 48], [99, 5, 50]])
+    np.testing.assert_array_equal(np.asarray(quant.pack_blocks(emb, int8=True).take(ids)),
+                                  np.asarray(quant.take_rows(emb, ids)))
+
+
 # ----------------------------------------------------------------------------------------------- (b) row invariance
 @needs_kernel
 @settings(max_examples=12, derandomize=True, deadline=None)

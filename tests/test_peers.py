@@ -78,6 +78,33 @@ def test_blocks_peers_decode_the_blocks_target():
                               ddd_jax.generate(tb, None, ps, max_new_tokens=10).tokens]
 
 
+@pytest.mark.slow  # time (test-fast budget): test_int8_blocks covers decoding over int8 blocks in the fast lane
+def test_int8_peers_decode_the_int8_target_and_agree_with_each_other():
+    """ddd-jax-int8 / ddd-jax-int8-ddd run the target loaded with gguf_blocks="int8": DDD gives int8 vanilla's
+    tokens, which are `generate`'s over that load (not the exact blocks' ones, in general)."""
+    pytest.importorskip("gguf")
+    import dataclasses
+    from quant_helpers import SMALL, blocks_target
+    from ddd_jax import Target, llama
+    from ddd_jax.backends.cpu import quant
+    import jax
+    tb = blocks_target(Target("small", SMALL, llama.init_params(SMALL, jax.random.PRNGKey(0), std=0.25)))
+    t8 = dataclasses.replace(tb, params=quant.pack_block_params(tb.params, tied=True, int8=True))
+    tf = Target("small-float", SMALL, quant.dequantize_tree(tb.params))
+    draft = ddd_jax.init_draft(tf, 0)
+    tree, ddd = TreeConfig(top_k=2, total_tokens=4, depth=2), DDDConfig(check_steps=(1,), threshold=-2.5, max_depth=3)
+    names = ["ddd-jax-int8", "ddd-jax-int8-ddd"]
+    ps = prompts(2, seed=6)
+    runners, skipped = build_runners(tf, draft, names, capacity=256, tree=tree, ddd=ddd, int8_target=t8)
+    assert not skipped and list(runners) == names
+    res = run_peers(runners, ps, 10, progress=False)
+    int8_vanilla = res["tokens"]["ddd-jax-int8"]
+    assert res["tokens"]["ddd-jax-int8-ddd"] == int8_vanilla
+    assert int8_vanilla == [list(t) for t in ddd_jax.generate(t8, None, ps, max_new_tokens=10).tokens]
+    runners, skipped = build_runners(tf, None, ["ddd-jax-int8"], capacity=64)  # no int8 load: skipped, named
+    assert not runners and "gguf_blocks='int8'" in skipped["ddd-jax-int8"]
+
+
 def test_cli_refuses_unknown_peer_and_missing_gguf(tmp_path):
     with pytest.raises(SystemExit, match="unknown peer"):
         main(["peers", "--peers", "ddd-jax,vllm", "--out", str(tmp_path / "o")])

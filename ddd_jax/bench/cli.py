@@ -168,8 +168,8 @@ def add_peers_parser(subparsers) -> None:
     _common(pe, 20, 64)
     pe.add_argument("--peers", default=None,
                     help="comma list (default: all of ddd-jax, ddd-jax-ddd, ddd-jax-blocks, ddd-jax-blocks-ddd, "
-                         "transformers, transformers-pld, llama.cpp, llama.cpp-fa; a missing package skips its peer "
-                         "unless named here)")
+                         "ddd-jax-int8, ddd-jax-int8-ddd, transformers, transformers-pld, llama.cpp, llama.cpp-fa; "
+                         "a missing package skips its peer unless named here)")
     pe.add_argument("--gguf", default=None, help="GGUF file for llama.cpp (default: the named target's file)")
     pe.add_argument("--llama-cpp-no-repack", action="store_true",
                     help="load the GGUF in llama.cpp without its extra CPU buffer types (llama.cpp's --no-repack); "
@@ -427,7 +427,7 @@ def run_bench(args) -> int:
 
 def run_peers(args) -> int:
     from . import report
-    from .peers import (BLOCK_PEERS, LLAMA_CPP_PEERS, PEERS, build_runners, peers_table, required_capacity,
+    from .peers import (LLAMA_CPP_PEERS, LOADS, PEERS, SPEC_PEERS, build_runners, peers_table, required_capacity,
                         run_peers as _run)
     from .run import environment
     named = [p.strip() for p in args.peers.split(",") if p.strip()] if args.peers else []
@@ -445,23 +445,25 @@ def run_peers(args) -> int:
     if gguf is not None and not Path(gguf).is_file():
         raise SystemExit(f"ddd-jax peers: GGUF file {gguf} does not exist")
     prompts = load_prompts(args)
-    spec_peers = {"ddd-jax-ddd", "ddd-jax-blocks-ddd"} & set(peers)
+    spec_peers = set(SPEC_PEERS) & set(peers)
     target, draft, draft_name = load_models(args, need_draft=bool(spec_peers))
-    blocks_target = None
-    if set(BLOCK_PEERS) & set(peers):
-        import ddd_jax
-        try:
-            blocks_target = ddd_jax.load_target(args.target, gguf_blocks=True)
-        except ValueError as e:  # not a GGUF-backed target: build_runners names what is missing
-            if set(BLOCK_PEERS) & set(named):
-                raise SystemExit(f"ddd-jax peers: {e}")
+    loaded = {}  # gguf_blocks -> that load of the target, for the blocks and int8 peers
+    for pair, how in LOADS.items():
+        if set(pair) & set(peers):
+            import ddd_jax
+            try:
+                loaded[how] = ddd_jax.load_target(args.target, gguf_blocks=how)
+            except ValueError as e:  # not a GGUF-backed target: build_runners names what is missing
+                if set(pair) & set(named):
+                    raise SystemExit(f"ddd-jax peers: {e}")
     ids = [target.encode_chat([{"role": "user", "content": q["turns"][0]}]) for q in prompts]
     need = required_capacity(target, draft if spec_peers else None, [len(i) for i in ids], args.max_new_tokens)
     if args.capacity is not None and args.capacity < need:
         raise SystemExit(f"ddd-jax peers: --capacity {args.capacity} is too small: the longest prompt "
                          f"({max(len(i) for i in ids)} tokens) + {args.max_new_tokens} new tokens need {need}")
     runners, skipped = build_runners(target, draft, peers, args.capacity or need, gguf_path=gguf,
-                                     prompt_lookup=args.prompt_lookup, required=named, blocks_target=blocks_target,
+                                     prompt_lookup=args.prompt_lookup, required=named, blocks_target=loaded.get(True),
+                                     int8_target=loaded.get("int8"),
                                      llama_cpp_no_repack=args.llama_cpp_no_repack)
     for p, why in skipped.items():
         print(f"skipping {p}: {why}", file=sys.stderr)

@@ -7,6 +7,9 @@ plain decoders a user could run instead. On the same prompts, interleaved per pr
 * ``ddd-jax-ddd``       -- ``generate(method="ddd", sync="device")`` with the backend's tuned settings and the head;
 * ``ddd-jax-blocks``, ``ddd-jax-blocks-ddd`` -- the same two on the target loaded with ``gguf_blocks=True`` (its
                            Q4_1 / Q8_0 / Q4_0 matrices kept as blocks: the same float32 values, ~1/6 of the bytes);
+* ``ddd-jax-int8``, ``ddd-jax-int8-ddd`` -- the same two on the target loaded with ``gguf_blocks="int8"`` (the
+                           blocks multiplied by integer products over int8 activations, llama.cpp's arithmetic: its
+                           own tokens, which the two share);
 * ``transformers``      -- ``LlamaForCausalLM.generate(do_sample=False)`` in eager PyTorch, float32, on the very
                            weights ddd-jax holds (``torch_decoding.torch_target``);
 * ``transformers-pld``  -- the same with assisted decoding by prompt lookup (``prompt_lookup_num_tokens``);
@@ -35,10 +38,14 @@ import time
 
 import numpy as np
 
-PEERS = ("ddd-jax", "ddd-jax-ddd", "ddd-jax-blocks", "ddd-jax-blocks-ddd", "transformers", "transformers-pld",
-         "llama.cpp", "llama.cpp-fa")
+PEERS = ("ddd-jax", "ddd-jax-ddd", "ddd-jax-blocks", "ddd-jax-blocks-ddd", "ddd-jax-int8", "ddd-jax-int8-ddd",
+         "transformers", "transformers-pld", "llama.cpp", "llama.cpp-fa")
 LLAMA_CPP_PEERS = ("llama.cpp", "llama.cpp-fa")
 BLOCK_PEERS = ("ddd-jax-blocks", "ddd-jax-blocks-ddd")
+INT8_PEERS = ("ddd-jax-int8", "ddd-jax-int8-ddd")
+SPEC_PEERS = ("ddd-jax-ddd", "ddd-jax-blocks-ddd", "ddd-jax-int8-ddd")
+# the peers over another load of the target: (vanilla, DDD) -> load_target's gguf_blocks
+LOADS = {BLOCK_PEERS: True, INT8_PEERS: "int8"}
 REFERENCE = "ddd-jax"
 
 
@@ -165,18 +172,22 @@ def required_capacity(target, draft, prompt_lengths, max_new_tokens: int, tree=N
 
 
 def build_runners(target, draft, peers, capacity: int, gguf_path=None, prompt_lookup: int = 10,
-                  required=(), tree=None, ddd=None, blocks_target=None,
+                  required=(), tree=None, ddd=None, blocks_target=None, int8_target=None,
                   llama_cpp_no_repack: bool = False) -> tuple[dict, dict]:
-    """({peer: runner}, {peer: why skipped}). A peer in `required` that cannot be built raises. blocks_target: the
-    target loaded with gguf_blocks=True (the ddd-jax-blocks peers; the head is bound to it).
-    llama_cpp_no_repack: the llama.cpp peers load without llama.cpp's extra buffer types (see the module doc)."""
+    """({peer: runner}, {peer: why skipped}). A peer in `required` that cannot be built raises. blocks_target /
+    int8_target: the target loaded with gguf_blocks=True / "int8" (the ddd-jax-blocks / ddd-jax-int8 peers; the
+    head is bound to it). llama_cpp_no_repack: the llama.cpp peers load without llama.cpp's extra buffer types (see
+    the module doc)."""
+    import dataclasses
     runners, skipped = {}, {}
+    loaded = {BLOCK_PEERS: blocks_target, INT8_PEERS: int8_target}
     for p in peers:
         try:
-            if p in ("ddd-jax-ddd", "ddd-jax-blocks-ddd") and draft is None:
+            if p in SPEC_PEERS and draft is None:
                 raise ValueError(f"{p} needs a draft head")
-            if p in BLOCK_PEERS and blocks_target is None:
-                why = f"{p} needs the target loaded with gguf_blocks=True (a GGUF-backed target)"
+            pair = next((pair for pair in LOADS if p in pair), None)
+            if pair is not None and loaded[pair] is None:
+                why = f"{p} needs the target loaded with gguf_blocks={LOADS[pair]!r} (a GGUF-backed target)"
                 if p in required:
                     raise ValueError(why)
                 skipped[p] = why
@@ -185,11 +196,10 @@ def build_runners(target, draft, peers, capacity: int, gguf_path=None, prompt_lo
                 runners[p] = jax_runner(target, None, "vanilla", capacity)
             elif p == "ddd-jax-ddd":
                 runners[p] = jax_runner(target, draft, "ddd", capacity, tree, ddd)
-            elif p == "ddd-jax-blocks":
-                runners[p] = jax_runner(blocks_target, None, "vanilla", capacity)
-            elif p == "ddd-jax-blocks-ddd":
-                import dataclasses
-                runners[p] = jax_runner(blocks_target, dataclasses.replace(draft, target=blocks_target), "ddd",
+            elif pair is not None and p == pair[0]:
+                runners[p] = jax_runner(loaded[pair], None, "vanilla", capacity)
+            elif pair is not None:
+                runners[p] = jax_runner(loaded[pair], dataclasses.replace(draft, target=loaded[pair]), "ddd",
                                         capacity, tree, ddd)
             elif p == "transformers":
                 runners[p] = torch_runner(target)
