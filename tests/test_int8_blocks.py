@@ -135,6 +135,10 @@ def test_int8_panels_hold_the_quants_quad_major_and_give_the_blocks_back(kind):
     back = quant.pack_blocks(wp, int8=False)
     assert not back.int8
     np.testing.assert_array_equal(np.asarray(back.data), a)
+    x = jax.numpy.asarray(rows_of(3, K, 2))  # gradients pass straight through the dequantized weight
+    g = jax.grad(lambda x: jax.numpy.sum(jax.numpy.tanh(wp.product(x))))(x)
+    dy = 1 - np.tanh(np.asarray(wp.product(x))) ** 2
+    np.testing.assert_allclose(np.asarray(g), dy @ np.asarray(wp.dequantize()).T, rtol=1e-4, atol=1e-5)
     emb = quant.BlockWeight(jax.numpy.asarray(rows), kind)  # rows layout: lookups out of the panels themselves
     ids = jax.numpy.asarray([[0, 47, 48], [99, 5, 50]])
     np.testing.assert_array_equal(np.asarray(quant.pack_blocks(emb, int8=True).take(ids)),
