@@ -26,14 +26,10 @@ inline T as(const V& v) {  // the same 64 (or 32) bytes as another type
   std::memcpy(&t, &v, sizeof t);
   return t;
 }
-struct I8x64 { int8_t v[64]; };
 struct U8x64 { uint8_t v[64]; };
 struct U16x32 { uint16_t v[32]; };
 struct I32x16 { int32_t v[16]; };
 struct F32x16 { float v[16]; };
-struct I32x8 { int32_t v[8]; };
-struct U8x32 { uint8_t v[32]; };
-struct I8x32 { int8_t v[32]; };
 
 EMU __m512 setzero_ps() { return as<__m512>(F32x16{}); }
 EMU __m512i setzero_si512() { return as<__m512i>(I32x16{}); }
@@ -72,28 +68,25 @@ EMU __m512i sub_epi32(__m512i x, __m512i y) {
   return as<__m512i>(a);
 }
 // vpdpbusd: each int32 lane plus the four products of its unsigned bytes of u and signed bytes of s (wrapping)
-EMU __m512i dpbusd(__m512i src, __m512i u, __m512i s) {
-  auto a = as<I32x16>(src);
-  const auto ub = as<U8x64>(u);
-  const auto sb = as<I8x64>(s);
-  for (int i = 0; i < 16; ++i) {
+template <class V>
+inline V dpbusd_lanes(V src, V u, V s) {
+  constexpr int kLanes = sizeof(V) / 4;
+  int32_t a[kLanes];
+  uint8_t ub[4 * kLanes];
+  int8_t sb[4 * kLanes];
+  std::memcpy(a, &src, sizeof a);
+  std::memcpy(ub, &u, sizeof ub);
+  std::memcpy(sb, &s, sizeof sb);
+  for (int i = 0; i < kLanes; ++i) {
     int32_t t = 0;
-    for (int j = 0; j < 4; ++j) t += int32_t(ub.v[4 * i + j]) * int32_t(sb.v[4 * i + j]);
-    a.v[i] = static_cast<int32_t>(static_cast<uint32_t>(a.v[i]) + static_cast<uint32_t>(t));
+    for (int j = 0; j < 4; ++j) t += int32_t(ub[4 * i + j]) * int32_t(sb[4 * i + j]);
+    a[i] = static_cast<int32_t>(static_cast<uint32_t>(a[i]) + static_cast<uint32_t>(t));
   }
-  return as<__m512i>(a);
+  std::memcpy(&src, a, sizeof a);
+  return src;
 }
-EMU __m256i dpbusd_avx(__m256i src, __m256i u, __m256i s) {
-  auto a = as<I32x8>(src);
-  const auto ub = as<U8x32>(u);
-  const auto sb = as<I8x32>(s);
-  for (int i = 0; i < 8; ++i) {
-    int32_t t = 0;
-    for (int j = 0; j < 4; ++j) t += int32_t(ub.v[4 * i + j]) * int32_t(sb.v[4 * i + j]);
-    a.v[i] = static_cast<int32_t>(static_cast<uint32_t>(a.v[i]) + static_cast<uint32_t>(t));
-  }
-  return as<__m256i>(a);
-}
+EMU __m512i dpbusd(__m512i src, __m512i u, __m512i s) { return dpbusd_lanes(src, u, s); }
+EMU __m256i dpbusd_avx(__m256i src, __m256i u, __m256i s) { return dpbusd_lanes(src, u, s); }
 EMU __m512 mul_ps(__m512 x, __m512 y) {
   auto a = as<F32x16>(x), b = as<F32x16>(y);
   for (int i = 0; i < 16; ++i) a.v[i] = a.v[i] * b.v[i];
