@@ -457,9 +457,9 @@ def _qpanels_xla(x2, w4, layer, static):
     return jnp.einsum("mk,nk->mn", x2, rows, precision=precision(x2, rows), preferred_element_type=jnp.float32)
 
 
-def _qpanels_bwd(static, res, g):  # d/dx only: the blocks are constants
+def _qpanels_bwd(static, res, g, int8=False):  # d/dx only: the blocks are constants
     _, w4, layer = res
-    return jnp.dot(g, _qpanels_layer(w4, layer, *static), preferred_element_type=jnp.float32), None, None
+    return jnp.dot(g, _qpanels_layer(w4, layer, *static, int8=int8), preferred_element_type=jnp.float32), None, None
 
 
 _qpanels = _kernel_product(_qpanels_call, _qpanels_xla, _qpanels_bwd)
@@ -542,8 +542,7 @@ def _qpanels_int8_xla(x2, w4, layer, static):
 
 
 def _qpanels_int8_bwd(static, res, g):  # d/dx of the float product of the dequantized weight (straight through)
-    _, w4, layer = res
-    return jnp.dot(g, _qpanels_layer(w4, layer, *static, int8=True), preferred_element_type=jnp.float32), None, None
+    return _qpanels_bwd(static, res, g, int8=True)
 
 
 _qpanels_int8 = _kernel_product(_qpanels_int8_call, _qpanels_int8_xla, _qpanels_int8_bwd)
