@@ -107,6 +107,7 @@ def test_pack_rows_and_batches_are_deterministic(feats):
     np.testing.assert_array_equal(b1.feat_in[0, 0, j + 1], b1.feat_tgt[0, 0, j])
 
 
+@pytest.mark.slow  # ~6.4 s (test-fast budget): test_export_load_forward_and_target_check fits in the fast lane
 def test_fit_learns_synthetic_sequence(target, feats, tmp_path):
     cfg = FitConfig(steps=300, batch_size=2, seq_len=80, lr=3e-3, warmup=20, seed=0)
     r = fit(target, feats, tmp_path, cfg, eval_set=feats, ckpt_every=1000, log_every=20, eval_every=300,
