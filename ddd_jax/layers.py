@@ -26,6 +26,12 @@ def linear(x, w, layer=None, *, transposed: bool = False, f32: bool = False):
     return ops.matmul(x, w, layer, transposed=transposed, f32=f32)
 
 
+def linears(x, ws, layer=None):
+    """(linear(x, w, layer) for w in ws), bitwise: one input and several weights (q, k, v; gate, up), which the
+    backend may multiply in one call (`ops.matmuls`)."""
+    return ops.matmuls(x, ws, layer)
+
+
 def embed(w, ids):
     """Rows `ids` [...] of an embedding w [V, D] (an array or a packed rows-layout weight): [..., D]."""
     return ops.take_rows(w, ids)
@@ -180,4 +186,5 @@ def ttt_attention(q, k, v, mask0, steps: int):
 
 def mlp(x, w_gate, w_up, w_down, layer=None):
     """SwiGLU: down(silu(gate(x)) * up(x)). w_gate/w_up: [D, F]; w_down: [F, D] (or stacked, see `linear`)."""
-    return linear(jax.nn.silu(linear(x, w_gate, layer)) * linear(x, w_up, layer), w_down, layer)
+    g, u = linears(x, (w_gate, w_up), layer)
+    return linear(jax.nn.silu(g) * u, w_down, layer)

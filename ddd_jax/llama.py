@@ -170,7 +170,7 @@ def decoder_stack(lp: dict, cfg: ModelConfig, x, positions, cache: KVCache | Non
     def qkv(x, p, i, positions=positions):
         h = L.rms_norm(x, p["attn_norm"], eps) if "attn_norm" in p else x
         h = h if qkv_input is None else qkv_input(x, p)
-        q, k, v = L.linear(h, lp["wq"], i), L.linear(h, lp["wk"], i), L.linear(h, lp["wv"], i)
+        q, k, v = L.linears(h, (lp["wq"], lp["wk"], lp["wv"]), i)
         if "bq" in p:  # family switch: q/k/v biases
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
         t = x.shape[1]

@@ -159,6 +159,37 @@ def test_a_rows_outputs_do_not_depend_on_the_other_rows(kind, M, data, seed):
     np.testing.assert_array_equal(product(x, wp)[pos:pos + 1], alone)
 
 
+# ----------------------------------------------------------------------------------------------- grouped products
+def stacked_int8(kind, K, N, layers, seed):
+    """int8 BlockPanels of `layers` random [K, N] weights stacked on a leading L axis."""
+    ws = [int8_weight(kind, K, N, seed=seed + i)[1] for i in range(layers)]
+    return dataclasses.replace(ws[0], data=jax.numpy.stack([w.data for w in ws]))
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False])
+def test_grouped_products_are_each_product_alone_bitwise(kernel):
+    """`ops.matmuls` of one input and several int8 weights (q, k, v; gate, up) -- one kernel call, x quantized once,
+    the threads sharing every weight's panels -- gives each weight's own product, bitwise, whatever the kinds and
+    widths (a partial last panel), the stacked layer and the row count; and its gradient is the sum of theirs."""
+    from ddd_jax import ops
+    K = 96
+    ws = (stacked_int8("q4_1", K, 100, 2, 0), stacked_int8("q8_0", K, 48, 2, 10), stacked_int8("q4_0", K, 7, 2, 20))
+    with kernels.enabled(kernel):
+        for M, layer in ((1, 0), (9, 1)):
+            x = jax.numpy.asarray(rows_of(M, K, M))
+            together = jax.jit(lambda x, i: ops.matmuls(x, ws, i))(x, layer)
+            for w, got in zip(ws, together):
+                alone = jax.jit(lambda x, i, w=w: ops.matmul(x, w, i))(x, layer)
+                assert got.shape == alone.shape
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(alone))
+        loss = lambda f: lambda x: sum(jax.numpy.sum(jax.numpy.tanh(o)) for o in f(x))  # noqa: E731
+        g = jax.grad(loss(lambda x: ops.matmuls(x, ws, 1)))(x)
+        g1 = jax.grad(loss(lambda x: [ops.matmul(x, w, 1) for w in ws]))(x)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g1), rtol=1e-5, atol=1e-6)
+    assert quant.int8_products(x, ws[:1]) is None  # one weight: the plain product
+    assert quant.int8_products(x, (ws[0], quant.pack_blocks(ws[1], int8=False))) is None  # an exact weight: apart
+
+
 # ----------------------------------------------------------------------------------------------- (c) closeness
 @needs_kernel
 @pytest.mark.parametrize("kind", KINDS)

@@ -80,6 +80,10 @@ def _load() -> bool:
             jax.ffi.register_ffi_target("ddd_linear_qpanels_int8", jax.ffi.pycapsule(lib.DddLinearQPanelsInt8),
                                         platform="cpu")
             _choose_int8_variant(lib)
+        if hasattr(lib, "DddLinearQPanelsInt8Group"):
+            jax.ffi.register_ffi_target("ddd_linear_qpanels_int8_group",
+                                        jax.ffi.pycapsule(lib.DddLinearQPanelsInt8Group), platform="cpu")
+            _state["int8_group"] = True
     except Exception as e:  # noqa: BLE001  (any failure here must leave the XLA path working)
         _warn(f"ddd_jax: CPU kernel library {path} not usable ({e}); using XLA's dot")
         return False
@@ -563,6 +567,41 @@ def product_qpanels_int8(x, data, kind: str, n: int, layer=None):
     impl = _qpanels_int8 if kernel else _qpanels_int8_xla
     out = impl(x.reshape(-1, K).astype(jnp.float32), w4, layer, (kind, n))
     return out.reshape(*x.shape[:-1], n)
+
+
+def _qpanels_int8_group_call(x2, ws, layer, static):
+    kinds, ns = static
+    call = jax.ffi.ffi_call("ddd_linear_qpanels_int8_group",
+                            tuple(jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32) for n in ns),
+                            vmap_method="sequential")
+    return tuple(call(x2, layer, *ws, kinds=np.array([KINDS[k][0] for k in kinds], np.int64)))
+
+
+def _qpanels_int8_group_xla(x2, ws, layer, static):
+    return tuple(_qpanels_int8_xla(x2, w, layer, s) for w, s in zip(ws, zip(*static)))
+
+
+def _qpanels_int8_group_bwd(static, res, gs):  # the sum of each product's straight-through d/dx
+    x2, ws, layer = res
+    gx = sum(_qpanels_bwd(s, (x2, w, layer), g, int8=True)[0] for w, s, g in zip(ws, zip(*static), gs))
+    return gx, tuple(None for _ in ws), None
+
+
+_qpanels_int8_group = _kernel_product(_qpanels_int8_group_call, _qpanels_int8_group_xla, _qpanels_int8_group_bwd)
+
+
+def product_qpanels_int8_group(x, datas, kinds, ns, layer=None):
+    """(x @ W_g for each g): `product_qpanels_int8(x, datas[g], kinds[g], ns[g], layer)` of one input and several
+    weights of its K (q, k and v; gate and up), each result bitwise that product's. On CPU one kernel call
+    quantizes x once and shares every weight's panels between the threads; elsewhere XLA computes each."""
+    ws = tuple(d if d.ndim == 4 else d[None] for d in datas)
+    layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+    K = x.shape[-1]
+    kernel = (available() and x.dtype == jnp.float32 and int8_variant() is not None
+              and _state.get("int8_group", False))
+    impl = _qpanels_int8_group if kernel else _qpanels_int8_group_xla
+    outs = impl(x.reshape(-1, K).astype(jnp.float32), ws, layer, (tuple(kinds), tuple(ns)))
+    return tuple(o.reshape(*x.shape[:-1], n) for o, n in zip(outs, ns))
 
 
 def _panels_greedy_call(x2, w4, layer, n):

@@ -250,6 +250,19 @@ def pack_block_params(params: dict, tied: bool, int8: bool = False) -> dict:
     return out
 
 
+def int8_products(x, ws, layer=None):
+    """(x @ w for w in ws) in one integer product (`kernels.product_qpanels_int8_group`: x quantized once, one call)
+    when every w is an int8 BlockPanels in the x @ w layout with x's K and the same stacking; else None (the caller
+    multiplies one weight at a time: the same bits)."""
+    from . import kernels
+    ok = (len(ws) > 1 and all(isinstance(w, BlockPanels) and w.int8 and not w.rows for w in ws)
+          and len({(w.in_features, w.data.ndim) for w in ws}) == 1 and ws[0].in_features == x.shape[-1])
+    if not ok:
+        return None
+    return kernels.product_qpanels_int8_group(x, [w.data for w in ws], [w.kind for w in ws], [w.n for w in ws],
+                                              layer)
+
+
 def has_int8_blocks(tree) -> bool:
     """Whether any weight of `tree` is GGUF blocks multiplied by integer products (`BlockPanels.int8`)."""
     return any(isinstance(x, BlockPanels) and x.int8 for x in jax.tree.leaves(tree, is_leaf=is_block))

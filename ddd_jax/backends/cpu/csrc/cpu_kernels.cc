@@ -1410,6 +1410,16 @@ bool i8_supported(int v) {
 
 constexpr int64_t kI8Quad = kPanel512 * 4;  // bytes of one quad of byte rows (48 columns x 4)
 constexpr int kI8Rows = 8;                  // rows a tile covers at most
+// The first row tile of a panel prefetches the weight g_i8_ahead bytes past the K block it computes (into L1): a
+// chunk's panels are one contiguous run, so the stream runs on into the next panel. Hardware prefetchers alone
+// left the stream short of memory's pace (SmolLM2 int8 forward, EPYC Zen 3, docs/results.md: t(8) -13 to -17%, t(1)
+// -2 to -5% at 2-8 KiB ahead, 0 = none). Prefetches only: the bits do not depend on it.
+int64_t g_i8_ahead = 4096;
+
+inline void i8_prefetch(const uint8_t* wp, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(wp) + g_i8_ahead;
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
 
 // One row of x [K] -> q [K] int8, d [K/32] float32, s [K/32] int32, ds [K/32] float32 (see above).
 DDD_AVX2 void i8_quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* s, float* ds) {
@@ -1476,7 +1486,7 @@ DDD_AVX2 inline __m256 i8_scale8(const uint8_t* p, int64_t c) {
 // floats apart). The integer sums per variant, then the float steps in the order above (8-wide here, 16-wide on
 // AVX-512: the same operations per lane).
 template <int MT, int64_t KIND>
-DDD_AVX2 void i8_tile_avx2(const I8Rows& x, int64_t m, const uint8_t* wp, float* out, int64_t ldo) {
+DDD_AVX2 void i8_tile_avx2(const I8Rows& x, int64_t m, const uint8_t* wp, float* out, int64_t ldo, bool pf) {
   // 16 vector registers: one 8-column vector at a time, its MT integer sums in registers and its float
   // accumulators in `out` (L1; a float32 store and load are exact, so the order of the float steps is the same)
   constexpr int NV = kPanel512 / 8;  // 8-column vectors
@@ -1489,6 +1499,7 @@ DDD_AVX2 void i8_tile_avx2(const I8Rows& x, int64_t m, const uint8_t* wp, float*
   const float *const xd0 = x.d + m * nb, *const xds0 = x.ds + m * nb;
   const int32_t* const xs0 = x.s + m * nb;
   for (int64_t b = 0; b < nb; ++b, wp += qp_bytes(KIND)) {
+    if (pf) i8_prefetch(wp, qp_bytes(KIND));
     const uint8_t* qs = wp + qp_qs(KIND);
     const int8_t* xq = xq0 + b * kQK;
     DDD_ROLLED for (int v = 0; v < NV; ++v) {  // rolled: unrolled ran no faster and compiled much longer
@@ -1538,7 +1549,7 @@ DDD_AVX2 void i8_tile_avx2(const I8Rows& x, int64_t m, const uint8_t* wp, float*
 
 #if DDD_HAVE_AVXVNNI
 template <int MT, int64_t KIND>
-DDD_AVXVNNI void i8_tile_avxvnni(const I8Rows& x, int64_t m, const uint8_t* wp, float* out, int64_t ldo) {
+DDD_AVXVNNI void i8_tile_avxvnni(const I8Rows& x, int64_t m, const uint8_t* wp, float* out, int64_t ldo, bool pf) {
   // as i8_tile_avx2: one 8-column vector at a time, the float accumulators in `out`
   constexpr int NV = kPanel512 / 8;
   DDD_UNROLL for (int r = 0; r < MT; ++r)
@@ -1550,6 +1561,7 @@ DDD_AVXVNNI void i8_tile_avxvnni(const I8Rows& x, int64_t m, const uint8_t* wp, 
   const float *const xd0 = x.d + m * nb, *const xds0 = x.ds + m * nb;
   const int32_t* const xs0 = x.s + m * nb;
   for (int64_t b = 0; b < nb; ++b, wp += qp_bytes(KIND)) {
+    if (pf) i8_prefetch(wp, qp_bytes(KIND));
     const uint8_t* qs = wp + qp_qs(KIND);
     const int8_t* xq = xq0 + b * kQK;
     DDD_ROLLED for (int v = 0; v < NV; ++v) {
@@ -1591,7 +1603,7 @@ DDD_AVXVNNI void i8_tile_avxvnni(const I8Rows& x, int64_t m, const uint8_t* wp, 
 #endif
 
 template <int MT, int64_t KIND>
-DDD_AVX512VNNI void i8_tile_avx512vnni(const I8Rows& x, int64_t m, const uint8_t* wp, float* out, int64_t ldo) {
+DDD_AVX512VNNI void i8_tile_avx512vnni(const I8Rows& x, int64_t m, const uint8_t* wp, float* out, int64_t ldo, bool pf) {
   // as i8_tile_avx2, 16-column vectors
   constexpr int NV = kPanel512 / 16;
   DDD_UNROLL for (int r = 0; r < MT; ++r)
@@ -1603,6 +1615,7 @@ DDD_AVX512VNNI void i8_tile_avx512vnni(const I8Rows& x, int64_t m, const uint8_t
   const float *const xd0 = x.d + m * nb, *const xds0 = x.ds + m * nb;
   const int32_t* const xs0 = x.s + m * nb;
   for (int64_t b = 0; b < nb; ++b, wp += qp_bytes(KIND)) {
+    if (pf) i8_prefetch(wp, qp_bytes(KIND));
     const uint8_t* qs = wp + qp_qs(KIND);
     const int8_t* xq = xq0 + b * kQK;
     DDD_ROLLED for (int v = 0; v < NV; ++v) {
@@ -1645,12 +1658,13 @@ DDD_AVX512VNNI void i8_tile_avx512vnni(const I8Rows& x, int64_t m, const uint8_t
 
 template <int MT, int64_t KIND>
 void i8_tile(const I8Rows& x, int64_t m, const uint8_t* wp, float* out, int64_t ldo) {
+  const bool pf = m == 0 && g_i8_ahead > 0;
   switch (g_i8_variant) {
-    case kI8Avx512Vnni: return i8_tile_avx512vnni<MT, KIND>(x, m, wp, out, ldo);
+    case kI8Avx512Vnni: return i8_tile_avx512vnni<MT, KIND>(x, m, wp, out, ldo, pf);
 #if DDD_HAVE_AVXVNNI
-    case kI8AvxVnni: return i8_tile_avxvnni<MT, KIND>(x, m, wp, out, ldo);
+    case kI8AvxVnni: return i8_tile_avxvnni<MT, KIND>(x, m, wp, out, ldo, pf);
 #endif
-    default: return i8_tile_avx2<MT, KIND>(x, m, wp, out, ldo);
+    default: return i8_tile_avx2<MT, KIND>(x, m, wp, out, ldo, pf);
   }
 }
 
@@ -1681,27 +1695,39 @@ void i8_chunk(const I8Rows& x, const uint8_t* w, float* out, int64_t M, int64_t 
   }
 }
 
-// x [..., K] float32 @ w [L, P, K / 32, 48 * block bytes] (quantized panels of `kind`, quants quad-major) at `layer`
-// -> out [..., N], 48 (P - 1) < N <= 48 P, by integer products (see above). Every M.
-ffi::Error LinearQPanelsInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                             ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t kind) {
-  const auto xd = x.dimensions();
+// One weight of an int8 product: the chosen layer's quantized panels, their kind and the output.
+struct I8Weight {
+  const uint8_t* w = nullptr;  // [P, K / 32, 48 * block bytes]
+  int64_t kind = 0, P = 0, N = 0;
+  float* out = nullptr;  // [M, N]
+};
+
+// Checks weight w [L, P, K / 32, 48 * block bytes] of `kind` and its output [..., N] against x's K and M rows.
+ffi::Error i8_weight(const char* name, ffi::Buffer<ffi::U8>& w, ffi::Buffer<ffi::S32>& layer, ffi::Buffer<ffi::F32>& out,
+                     int64_t kind, int64_t K, int64_t M, I8Weight* wt) {
   const auto wd = w.dimensions();
-  const auto od = out->dimensions();
-  if (kind != kQ4_1 && kind != kQ8_0 && kind != kQ4_0)
-    return ffi::Error::InvalidArgument("ddd_linear_qpanels_int8: unknown kind");
-  if (wd.size() != 4 || wd[3] != qp_bytes(kind) || xd.size() < 1 || od.size() < 1)
-    return ffi::Error::InvalidArgument("ddd_linear_qpanels_int8: w must be [L, P, K / 32, 48 * block bytes]");
-  const int64_t K = xd.back();
-  const int64_t M = K ? x.element_count() / K : 0;
-  const int64_t P = wd[1], N = od.back();
-  if (K % kQK != 0 || wd[2] != K / kQK) return ffi::Error::InvalidArgument("ddd_linear_qpanels_int8: K mismatch");
-  if (N > P * kPanel512 || N <= (P - 1) * kPanel512 || out->element_count() != M * N)
-    return ffi::Error::InvalidArgument("ddd_linear_qpanels_int8: the output's columns do not match the panels");
+  const std::string at = std::string(name) + ": ";
+  if (kind != kQ4_1 && kind != kQ8_0 && kind != kQ4_0) return ffi::Error::InvalidArgument(at + "unknown kind");
+  if (wd.size() != 4 || wd[3] != qp_bytes(kind) || out.dimensions().size() < 1)
+    return ffi::Error::InvalidArgument(at + "w must be [L, P, K / 32, 48 * block bytes]");
+  const int64_t P = wd[1], N = out.dimensions().back();
+  if (K % kQK != 0 || wd[2] != K / kQK) return ffi::Error::InvalidArgument(at + "K mismatch");
+  if (N > P * kPanel512 || N <= (P - 1) * kPanel512 || out.element_count() != M * N)
+    return ffi::Error::InvalidArgument(at + "the output's columns do not match the panels");
+  wt->w = w.typed_data() + layer_index(layer, wd[0]) * P * wd[2] * wd[3];
+  wt->kind = kind;
+  wt->P = P;
+  wt->N = N;
+  wt->out = out.typed_data();
+  return ffi::Error::Success();
+}
+
+// x [M, K] @ each weight of ws (all of x's K): x quantized once, then the panels of every weight handed out as one
+// run of column chunks (weight after weight), so the threads share all of them. Each output column is computed as
+// in a product of its weight alone: the same bits.
+ffi::Error i8_products(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const I8Weight* ws, int64_t n) {
   if (!i8_supported(g_i8_variant))
     return ffi::Error::InvalidArgument("ddd_linear_qpanels_int8: this CPU lacks the chosen integer variant");
-  const uint8_t* wp = w.typed_data() + layer_index(layer, wd[0]) * P * wd[2] * wd[3];
-  float* o = out->typed_data();
   const int64_t nb = K / kQK;
   // the calling thread's; read by the helpers only during this call
   thread_local std::vector<int8_t> q;
@@ -1712,8 +1738,7 @@ ffi::Error LinearQPanelsInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   ds.resize(static_cast<size_t>(M * nb));
   s.resize(static_cast<size_t>(M * nb));
   for (int64_t m = 0; m < M; ++m)
-    i8_quantize_row(x.typed_data() + m * K, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb,
-                    ds.data() + m * nb);
+    i8_quantize_row(x + m * K, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb, ds.data() + m * nb);
   I8Rows rows;
   rows.q = q.data();
   rows.d = d.data();
@@ -1721,15 +1746,61 @@ ffi::Error LinearQPanelsInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   rows.ds = ds.data();
   rows.K = K;
   rows.nb = nb;
-  for_column_chunks(pool, M, K, N, kPanel512, o, [=](int64_t n0, int64_t n1) {
-    if (kind == kQ4_1)
-      i8_chunk<kQ4_1>(rows, wp, o, M, N, n0, n1);
-    else if (kind == kQ4_0)
-      i8_chunk<kQ4_0>(rows, wp, o, M, N, n0, n1);
-    else
-      i8_chunk<kQ8_0>(rows, wp, o, M, N, n0, n1);
+  int64_t units = 0;  // panels of all the weights
+  for (int64_t g = 0; g < n; ++g) units += ws[g].P;
+  // columns [n0, n1) of the weights' panels side by side (48 per panel)
+  for_column_chunks(pool, M, K, units * kPanel512, kPanel512, nullptr, [=](int64_t n0, int64_t n1) {
+    int64_t off = 0;
+    for (int64_t g = 0; g < n; off += ws[g].P * kPanel512, ++g) {
+      const I8Weight& wt = ws[g];
+      const int64_t a = std::max(n0, off) - off, b = std::min({n1 - off, wt.P * kPanel512, wt.N});
+      if (a >= b) continue;
+      if (wt.kind == kQ4_1)
+        i8_chunk<kQ4_1>(rows, wt.w, wt.out, M, wt.N, a, b);
+      else if (wt.kind == kQ4_0)
+        i8_chunk<kQ4_0>(rows, wt.w, wt.out, M, wt.N, a, b);
+      else
+        i8_chunk<kQ8_0>(rows, wt.w, wt.out, M, wt.N, a, b);
+    }
   });
   return ffi::Error::Success();
+}
+
+// x [..., K] float32 @ w [L, P, K / 32, 48 * block bytes] (quantized panels of `kind`, quants quad-major) at `layer`
+// -> out [..., N], 48 (P - 1) < N <= 48 P, by integer products (see above). Every M.
+ffi::Error LinearQPanelsInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                             ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t kind) {
+  if (x.dimensions().size() < 1) return ffi::Error::InvalidArgument("ddd_linear_qpanels_int8: x must be [..., K]");
+  const int64_t K = x.dimensions().back();
+  const int64_t M = K ? x.element_count() / K : 0;
+  I8Weight wt;
+  if (ffi::Error e = i8_weight("ddd_linear_qpanels_int8", w, layer, *out, kind, K, M, &wt); e.failure()) return e;
+  return i8_products(pool, x.typed_data(), M, K, &wt, 1);
+}
+
+// x [..., K] float32 @ each of several such weights (w_g [L, P_g, K / 32, .] of kinds[g], all at `layer`) -> out_g
+// [..., N_g]: one input shared by q, k and v, or by gate and up. Each output is bitwise its weight's
+// LinearQPanelsInt8; x is quantized once and the threads share every weight's panels in one call.
+constexpr int64_t kI8MaxGroup = 8;
+ffi::Error LinearQPanelsInt8Group(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                                  ffi::RemainingArgs ws, ffi::RemainingRets outs, ffi::Span<const int64_t> kinds) {
+  const char* name = "ddd_linear_qpanels_int8_group";
+  const int64_t n = static_cast<int64_t>(kinds.size());
+  if (n < 1 || n > kI8MaxGroup || static_cast<int64_t>(ws.size()) != n || static_cast<int64_t>(outs.size()) != n)
+    return ffi::Error::InvalidArgument(std::string(name) + ": 1 to 8 weights, one kind and one output each");
+  if (x.dimensions().size() < 1) return ffi::Error::InvalidArgument(std::string(name) + ": x must be [..., K]");
+  const int64_t K = x.dimensions().back();
+  const int64_t M = K ? x.element_count() / K : 0;
+  I8Weight wt[kI8MaxGroup];
+  for (int64_t g = 0; g < n; ++g) {
+    auto w = ws.get<ffi::Buffer<ffi::U8>>(g);
+    auto o = outs.get<ffi::Buffer<ffi::F32>>(g);
+    if (!w.has_value() || !o.has_value())
+      return ffi::Error::InvalidArgument(std::string(name) + ": weights must be uint8, outputs float32");
+    ffi::Buffer<ffi::F32> ob = **o;
+    if (ffi::Error e = i8_weight(name, *w, layer, ob, kinds[g], K, M, &wt[g]); e.failure()) return e;
+  }
+  return i8_products(pool, x.typed_data(), M, K, wt, n);
 }
 
 // The same product (bitwise: the same chunks), plus each row's greedy token: the index of its first maximum, V - 1
@@ -2811,6 +2882,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearQPanelsInt8, LinearQPanelsInt8,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [..., N]
                                   .Attr<int64_t>("kind"));        // 0: Q4_1, 1: Q8_0, 2: Q4_0
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearQPanelsInt8Group, LinearQPanelsInt8Group,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [..., K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .RemainingArgs()                // w_g [L, P_g, K/32, 48 * block bytes]
+                                  .RemainingRets()                // out_g [..., N_g] float32
+                                  .Attr<ffi::Span<const int64_t>>("kinds"));  // each w_g's kind, as "kind"
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearPanelsGreedy, LinearPanelsGreedy,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -2895,6 +2975,8 @@ __attribute__((visibility("default"))) int ddd_set_int8_variant(int v) {
   g_i8_variant = v;
   return 1;
 }
+// The bytes ahead the int8 block products prefetch (g_i8_ahead; 0: none). For benchmarks.
+__attribute__((visibility("default"))) void ddd_set_int8_ahead(int64_t n) { g_i8_ahead = std::max<int64_t>(0, n); }
 // Cap the threads a product uses (0: the XLA pool's size). For benchmarks.
 __attribute__((visibility("default"))) void ddd_set_max_threads(int64_t n) { g_max_threads = n; }
 }
