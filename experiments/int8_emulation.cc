@@ -141,18 +141,7 @@ int check(int64_t M, int64_t K, int64_t N, std::mt19937& rng) {
     for (int c = 0; c < hdr; ++c) w[p * qp_bytes(KIND) + c * 2 + 1] = 0x20 + rng() % 16;
   std::vector<float> xf(M * K);
   for (auto& v : xf) v = (int(rng() % 20001) - 10000) / 1000.0f;
-  std::vector<int8_t> q(M * K);
-  std::vector<float> d(M * nb), ds(M * nb);
-  std::vector<int32_t> s(M * nb);
-  for (int64_t m = 0; m < M; ++m)
-    i8_quantize_row(xf.data() + m * K, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb, ds.data() + m * nb);
-  I8Rows rows;
-  rows.q = q.data();
-  rows.d = d.data();
-  rows.s = s.data();
-  rows.ds = ds.data();
-  rows.K = K;
-  rows.nb = nb;
+  const I8Rows rows = i8_rows(xf.data(), M, K);  // the kernel's own quantization of the rows
   std::vector<float> ref(M * N), out(M * N);
   g_i8_variant = kI8Avx2;
   i8_chunk<KIND>(rows, w.data(), ref.data(), M, N, 0, N);

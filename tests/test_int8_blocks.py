@@ -190,6 +190,28 @@ def test_grouped_products_are_each_product_alone_bitwise(kernel):
     assert quant.int8_products(x, (ws[0], quant.pack_blocks(ws[1], int8=False))) is None  # an exact weight: apart
 
 
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False])
+def test_int8_greedy_head_is_the_product_and_its_first_maximum(kernel):
+    """An int8 output projection's greedy head (`ops.greedy_head`: one kernel call scanning each column chunk in
+    cache) gives the product's logits bitwise and each row's first maximum, ties included (repeated columns)."""
+    from ddd_jax import ops
+    from ddd_jax.layers import greedy_token
+    K, N = 64, 48 * 9 + 5
+    w = np.random.RandomState(11).randn(N, K).astype(np.float32) * 0.3
+    w[300] = w[7]  # a tie across chunks: the first index wins
+    w[8] = w[7]    # and within one
+    rows = blocks_of(w, "q8_0")
+    emb = quant.pack_blocks(quant.BlockWeight(jax.numpy.asarray(rows), "q8_0"), int8=True)  # tied: output rows
+    x = rows_of(6, K, 12)
+    x[0] = 5 * w[7]  # row 0's maximum is the tied column 7 (= 8 = 300)
+    with kernels.enabled(kernel):
+        logits, ids = jax.jit(lambda h: ops.greedy_head(h, emb, greedy_token))(jax.numpy.asarray(x))
+        alone = jax.jit(lambda h: ops.matmul(h, emb, transposed=True))(jax.numpy.asarray(x))
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(alone))
+    np.testing.assert_array_equal(np.asarray(ids), np.argmax(np.asarray(alone), axis=-1))
+    assert int(ids[0]) == 7
+
+
 # ----------------------------------------------------------------------------------------------- (c) closeness
 @needs_kernel
 @pytest.mark.parametrize("kind", KINDS)

@@ -14,7 +14,8 @@ the same product also returns each row's first maximum, `greedy_panels`), and GG
 weight), and the same quantized panels multiplied by integer dot products (`product_qpanels_int8`, `gguf_blocks=
 "int8"`: activations quantized per 32 values to int8, exact integer block sums, scaled in float32 in one fixed
 order -- close to the float32 product, not bitwise, and the same bits for every row count and for every integer
-variant, `int8_variant()`). Everything else, and every machine where
+variant, `int8_variant()`; `product_qpanels_int8_group` multiplies one input by several such weights in one call).
+Everything else, and every machine where
 the library is missing, cannot be loaded or the CPU lacks AVX2/FMA/F16C, takes XLA (one stderr line when the
 library is missing or broken). `DDD_JAX_NO_KERNELS=1` disables them. On CPUs with AVX-512 (F/VL/BW/DQ), x @ W
 products of 3 to 85 rows (tree verification), GGUF-block products and attention use 16-wide vectors (`avx512()`;
@@ -84,6 +85,10 @@ def _load() -> bool:
             jax.ffi.register_ffi_target("ddd_linear_qpanels_int8_group",
                                         jax.ffi.pycapsule(lib.DddLinearQPanelsInt8Group), platform="cpu")
             _state["int8_group"] = True
+        if hasattr(lib, "DddLinearQPanelsInt8Greedy"):
+            jax.ffi.register_ffi_target("ddd_linear_qpanels_int8_greedy",
+                                        jax.ffi.pycapsule(lib.DddLinearQPanelsInt8Greedy), platform="cpu")
+            _state["int8_greedy"] = True
     except Exception as e:  # noqa: BLE001  (any failure here must leave the XLA path working)
         _warn(f"ddd_jax: CPU kernel library {path} not usable ({e}); using XLA's dot")
         return False
@@ -630,6 +635,36 @@ def greedy_panels(x, data, n: int, first_max):
     if available() and x.dtype == jnp.float32 and w4.dtype == jnp.float32:  # the kernel reads float32 panels
         logits, ids = jax.lax.platform_dependent(x2, w4, layer, cpu=lambda a, b, c: _panels_greedy_call(a, b, c, n),
                                                  default=xla)
+    else:
+        logits, ids = xla(x2, w4, layer)
+    return logits.reshape(*x.shape[:-1], n), ids.reshape(x.shape[:-1])
+
+
+def _qpanels_int8_greedy_call(x2, w4, layer, static):
+    kind, n = static
+    call = jax.ffi.ffi_call("ddd_linear_qpanels_int8_greedy", (jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
+                                                               jax.ShapeDtypeStruct((x2.shape[0],), jnp.int32)),
+                            vmap_method="sequential")
+    return call(x2, w4, layer, kind=np.int64(KINDS[kind][0]))
+
+
+def greedy_qpanels_int8(x, data, kind: str, n: int, first_max):
+    """`product_qpanels_int8(x, data, kind, n)` and each row's greedy token in one kernel call (on CPU, when
+    available): (logits [..., n] float32, tokens [...] int32), the tokens `first_max(logits)`'s, as `greedy_panels`
+    for an int8 output projection. Not differentiable (decoding only)."""
+    w4 = data if data.ndim == 4 else data[None]
+    layer = jnp.zeros((), jnp.int32)
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K).astype(jnp.float32)
+    static = (kind, n)
+
+    def xla(a, b, c):
+        logits = _qpanels_int8_xla(a, b, c, static)
+        return logits, first_max(logits)
+
+    if available() and x.dtype == jnp.float32 and int8_variant() is not None and _state.get("int8_greedy", False):
+        logits, ids = jax.lax.platform_dependent(x2, w4, layer, default=xla,
+                                                 cpu=lambda a, b, c: _qpanels_int8_greedy_call(a, b, c, static))
     else:
         logits, ids = xla(x2, w4, layer)
     return logits.reshape(*x.shape[:-1], n), ids.reshape(x.shape[:-1])

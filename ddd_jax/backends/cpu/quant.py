@@ -216,6 +216,14 @@ class BlockPanels(Packed):
             return kernels.product_qpanels_int8(x, self.data, self.kind, self.n, layer)
         return kernels.product_qpanels(x, self.data, self.kind, self.n, layer)
 
+    def greedy(self, hidden, pick):
+        """With `int8`, an unstacked output projection: (logits, tokens) in one kernel call, the tokens found while
+        each column chunk is in cache (`kernels.greedy_qpanels_int8`). Else None (logits, then `pick`)."""
+        if not self.int8 or self.data.ndim != 3:
+            return None
+        from . import kernels
+        return kernels.greedy_qpanels_int8(hidden, self.data, self.kind, self.n, pick)
+
 
 def pack_blocks(w: BlockWeight, table: bool = False, int8: bool | None = None) -> BlockPanels:
     """A BlockWeight as BlockPanels (the same bytes, panel-major). table=True (an unstacked row-layout weight: an

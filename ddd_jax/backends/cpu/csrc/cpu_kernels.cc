@@ -17,6 +17,9 @@
 //   quantized per 32 values to int8, llama.cpp's arithmetic; AVX-512 VNNI, AVX-VNNI or AVX2 variants with the same
 //   bits; see "int8 blocks" below for its own fixed order). Not the float32 product: the one kernel here whose
 //   numerics below do not apply, though a row's result is still independent of the other rows.
+// ddd_linear_qpanels_int8_greedy: the same product (bitwise) and each row's greedy token (an output projection).
+// ddd_linear_qpanels_int8_group: x @ several such weights of x's K at once (q, k, v; gate, up): x quantized once,
+//   one call; each output bitwise its weight's ddd_linear_qpanels_int8.
 // ddd_attention: q [B, T, N, H] against layer `layer` of k, v [L, B, Kh, S, H] (head-major caches) under
 //   mask [B, T, S].
 //
@@ -1722,14 +1725,10 @@ ffi::Error i8_weight(const char* name, ffi::Buffer<ffi::U8>& w, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
-// x [M, K] @ each weight of ws (all of x's K): x quantized once, then the panels of every weight handed out as one
-// run of column chunks (weight after weight), so the threads share all of them. Each output column is computed as
-// in a product of its weight alone: the same bits.
-ffi::Error i8_products(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const I8Weight* ws, int64_t n) {
-  if (!i8_supported(g_i8_variant))
-    return ffi::Error::InvalidArgument("ddd_linear_qpanels_int8: this CPU lacks the chosen integer variant");
+// x [M, K] quantized row by row (i8_quantize_row) into the calling thread's buffers, which the helpers read only
+// during this call.
+I8Rows i8_rows(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / kQK;
-  // the calling thread's; read by the helpers only during this call
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d, ds;
   thread_local std::vector<int32_t> s;
@@ -1746,21 +1745,39 @@ ffi::Error i8_products(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t
   rows.ds = ds.data();
   rows.K = K;
   rows.nb = nb;
+  return rows;
+}
+
+// Columns [a, b) (a a multiple of 48) of weight wt's product, all M rows.
+void i8_columns(const I8Rows& rows, const I8Weight& wt, int64_t M, int64_t a, int64_t b) {
+  if (wt.kind == kQ4_1)
+    i8_chunk<kQ4_1>(rows, wt.w, wt.out, M, wt.N, a, b);
+  else if (wt.kind == kQ4_0)
+    i8_chunk<kQ4_0>(rows, wt.w, wt.out, M, wt.N, a, b);
+  else
+    i8_chunk<kQ8_0>(rows, wt.w, wt.out, M, wt.N, a, b);
+}
+
+ffi::Error i8_check_variant() {
+  if (!i8_supported(g_i8_variant))
+    return ffi::Error::InvalidArgument("ddd_linear_qpanels_int8: this CPU lacks the chosen integer variant");
+  return ffi::Error::Success();
+}
+
+// x [M, K] @ each weight of ws (all of x's K): x quantized once, then the panels of every weight handed out as one
+// run of column chunks (weight after weight), so the threads share all of them. Each output column is computed as
+// in a product of its weight alone: the same bits.
+ffi::Error i8_products(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const I8Weight* ws, int64_t n) {
+  if (ffi::Error e = i8_check_variant(); e.failure()) return e;
+  const I8Rows rows = i8_rows(x, M, K);
   int64_t units = 0;  // panels of all the weights
   for (int64_t g = 0; g < n; ++g) units += ws[g].P;
   // columns [n0, n1) of the weights' panels side by side (48 per panel)
   for_column_chunks(pool, M, K, units * kPanel512, kPanel512, nullptr, [=](int64_t n0, int64_t n1) {
     int64_t off = 0;
     for (int64_t g = 0; g < n; off += ws[g].P * kPanel512, ++g) {
-      const I8Weight& wt = ws[g];
-      const int64_t a = std::max(n0, off) - off, b = std::min({n1 - off, wt.P * kPanel512, wt.N});
-      if (a >= b) continue;
-      if (wt.kind == kQ4_1)
-        i8_chunk<kQ4_1>(rows, wt.w, wt.out, M, wt.N, a, b);
-      else if (wt.kind == kQ4_0)
-        i8_chunk<kQ4_0>(rows, wt.w, wt.out, M, wt.N, a, b);
-      else
-        i8_chunk<kQ8_0>(rows, wt.w, wt.out, M, wt.N, a, b);
+      const int64_t a = std::max(n0, off) - off, b = std::min({n1 - off, ws[g].P * kPanel512, ws[g].N});
+      if (a < b) i8_columns(rows, ws[g], M, a, b);
     }
   });
   return ffi::Error::Success();
@@ -1814,17 +1831,18 @@ struct RowBest {
   bool nan;
 };
 
-// The exact greedy lm_head: p's product into p.out and each row's first maximum into id (V - 1 for a row holding a
-// NaN). Chunks are handed out by for_column_chunks; a chunk's columns are scanned while they are in cache.
-template <class W>
-void greedy_exact(ffi::ThreadPool& pool, const PanelProduct<W>& p, int32_t* id) {
-  const int64_t M = p.M, N = p.N, P = p.P;
+// A greedy lm_head: columns(n0, n1) computes columns [n0, n1) of out [M, N] (K: the reduced length), and each
+// row's first maximum goes into id (N - 1 for a row holding a NaN). Chunks (multiples of 48 columns) are handed out
+// by for_column_chunks; a chunk's columns are scanned while they are in cache.
+template <class Columns>
+void greedy_chunks(ffi::ThreadPool& pool, int64_t M, int64_t K, int64_t N, float* out, Columns columns, int32_t* id) {
+  const int64_t P = (N + kPanel512 - 1) / kPanel512;
   std::vector<RowBest> best(static_cast<size_t>(P * M), RowBest{0.0f, -1, false});  // [chunk start / 48, M]
   RowBest* bp = best.data();
-  for_column_chunks(pool, M, p.K, N, kPanel512, p.out, [p, bp](int64_t n0, int64_t n1) {
-    p.columns(n0, n1);
-    for (int64_t m = 0; m < p.M; ++m) {
-      const float* r = p.out + m * p.N;
+  for_column_chunks(pool, M, K, N, kPanel512, out, [=](int64_t n0, int64_t n1) {
+    columns(n0, n1);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* r = out + m * N;
       float v = r[n0];
       int64_t at = n0;
       bool nan = std::isnan(v);
@@ -1835,7 +1853,7 @@ void greedy_exact(ffi::ThreadPool& pool, const PanelProduct<W>& p, int32_t* id) 
         }
         nan |= std::isnan(r[j]);
       }
-      bp[(n0 / kPanel512) * p.M + m] = RowBest{v, static_cast<int32_t>(at), nan};
+      bp[(n0 / kPanel512) * M + m] = RowBest{v, static_cast<int32_t>(at), nan};
     }
   });
   for (int64_t m = 0; m < M; ++m) {
@@ -1855,6 +1873,12 @@ void greedy_exact(ffi::ThreadPool& pool, const PanelProduct<W>& p, int32_t* id) 
   }
 }
 
+// The exact greedy lm_head over p's panels (p.out: the logits).
+template <class W>
+void greedy_exact(ffi::ThreadPool& pool, const PanelProduct<W>& p, int32_t* id) {
+  greedy_chunks(pool, p.M, p.K, p.N, p.out, [p](int64_t n0, int64_t n1) { p.columns(n0, n1); }, id);
+}
+
 ffi::Error LinearPanelsGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                               ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
                               ffi::ResultBuffer<ffi::S32> ids) {
@@ -1863,6 +1887,26 @@ ffi::Error LinearPanelsGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   if (p.N == 0 || ids->element_count() != p.M)
     return ffi::Error::InvalidArgument("ddd_linear_panels_greedy: ids must hold one token per row");
   greedy_exact(pool, p, ids->typed_data());
+  return ffi::Error::Success();
+}
+
+// LinearQPanelsInt8's product (bitwise) and each row's greedy token, as LinearPanelsGreedy: an int8 output
+// projection's logits scanned chunk by chunk while they are in cache.
+ffi::Error LinearQPanelsInt8Greedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                                   ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
+                                   ffi::ResultBuffer<ffi::S32> ids, int64_t kind) {
+  const char* name = "ddd_linear_qpanels_int8_greedy";
+  if (x.dimensions().size() < 1) return ffi::Error::InvalidArgument(std::string(name) + ": x must be [..., K]");
+  const int64_t K = x.dimensions().back();
+  const int64_t M = K ? x.element_count() / K : 0;
+  I8Weight wt;
+  if (ffi::Error e = i8_weight(name, w, layer, *out, kind, K, M, &wt); e.failure()) return e;
+  if (wt.N == 0 || ids->element_count() != M)
+    return ffi::Error::InvalidArgument(std::string(name) + ": ids must hold one token per row");
+  if (ffi::Error e = i8_check_variant(); e.failure()) return e;
+  const I8Rows rows = i8_rows(x.typed_data(), M, K);
+  greedy_chunks(pool, M, K, wt.N, wt.out, [=](int64_t n0, int64_t n1) { i8_columns(rows, wt, M, n0, n1); },
+                ids->typed_data());
   return ffi::Error::Success();
 }
 
@@ -2880,6 +2924,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearQPanelsInt8, LinearQPanelsInt8,
                                   .Arg<ffi::Buffer<ffi::U8>>()    // w [L, P, K/32, 48 * block bytes]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [..., N]
+                                  .Attr<int64_t>("kind"));        // 0: Q4_1, 1: Q8_0, 2: Q4_0
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearQPanelsInt8Greedy, LinearQPanelsInt8Greedy,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [..., K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // w [L, P, K/32, 48 * block bytes]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [..., N]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // ids [...]: each row's first maximum
                                   .Attr<int64_t>("kind"));        // 0: Q4_1, 1: Q8_0, 2: Q4_0
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearQPanelsInt8Group, LinearQPanelsInt8Group,
