@@ -2863,6 +2863,17 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+// The arguments of a quantized panels' product: x [..., K], w [L, P, K/32, 48 * block bytes], layer [] ->
+// out [..., N]; each handler then adds its attribute "kind" (0: Q4_1, 1: Q8_0, 2: Q4_0), after any further result.
+auto qpanels_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::U8>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinear, Linear<ffi::F32>,
@@ -2908,33 +2919,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearPanelsF16, LinearPanels<ffi::F16>,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [..., N]
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearQPanels, LinearQPanels,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [..., K]
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // w [L, P, K/32, 48 * block bytes]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [..., N]
-                                  .Attr<int64_t>("kind"));        // 0: Q4_1, 1: Q8_0, 2: Q4_0
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearQPanels, LinearQPanels, qpanels_binding().Attr<int64_t>("kind"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearQPanelsInt8, LinearQPanelsInt8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [..., K]
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // w [L, P, K/32, 48 * block bytes]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [..., N]
-                                  .Attr<int64_t>("kind"));        // 0: Q4_1, 1: Q8_0, 2: Q4_0
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearQPanelsInt8, LinearQPanelsInt8, qpanels_binding().Attr<int64_t>("kind"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearQPanelsInt8Greedy, LinearQPanelsInt8Greedy,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [..., K]
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // w [L, P, K/32, 48 * block bytes]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [..., N]
+                              qpanels_binding()
                                   .Ret<ffi::Buffer<ffi::S32>>()   // ids [...]: each row's first maximum
-                                  .Attr<int64_t>("kind"));        // 0: Q4_1, 1: Q8_0, 2: Q4_0
+                                  .Attr<int64_t>("kind"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DddLinearQPanelsInt8Group, LinearQPanelsInt8Group,
                               ffi::Ffi::Bind()
