@@ -186,5 +186,8 @@ def ttt_attention(q, k, v, mask0, steps: int):
 
 def mlp(x, w_gate, w_up, w_down, layer=None):
     """SwiGLU: down(silu(gate(x)) * up(x)). w_gate/w_up: [D, F]; w_down: [F, D] (or stacked, see `linear`)."""
-    g, u = linears(x, (w_gate, w_up), layer)
+    together = ops.products_together(x, (w_gate, w_up), layer)  # int8 blocks: one call for gate and up
+    if together is None:
+        return linear(jax.nn.silu(linear(x, w_gate, layer)) * linear(x, w_up, layer), w_down, layer)
+    g, u = together
     return linear(jax.nn.silu(g) * u, w_down, layer)

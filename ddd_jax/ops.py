@@ -19,7 +19,7 @@ from .backends.cpu import pack as _pack
 from .backends.cpu import panels as _panels
 from .backends.cpu import quant as _quant
 
-__all__ = ["Packed", "precision", "matmul", "matmuls", "take_rows", "output_rows", "greedy_head", "greedy_tokens",
+__all__ = ["Packed", "precision", "matmul", "matmuls", "products_together", "take_rows", "output_rows", "greedy_head", "greedy_tokens",
            "attention", "as_stored", "BLOCK_KINDS", "is_block", "has_blocks", "quantize", "pack_head",
            "choose_kernel_variants"]
 
@@ -46,11 +46,16 @@ def matmul(x, w, layer=None, *, transposed: bool = False, f32: bool = False):
 
 def matmuls(x, ws, layer=None):
     """(x @ w for w in ws): one input and several weights of its K (q, k and v; gate and up), each result `matmul`'s
-    bitwise. Where the weights' storage can share the input's work (int8 GGUF blocks: x quantized once, one call
-    whose threads share every weight) it runs as one product."""
+    bitwise: `products_together` where the storage shares the input's work, else one weight at a time."""
     ws = tuple(ws)
-    together = _quant.int8_products(x, ws, layer)
+    together = products_together(x, ws, layer)
     return together if together is not None else tuple(matmul(x, w, layer) for w in ws)
+
+
+def products_together(x, ws, layer=None):
+    """(x @ w for w in ws) as one product where the weights' storage can share the input's work (int8 GGUF blocks:
+    x quantized once, one call whose threads share every weight), each result `matmul`'s bitwise; else None."""
+    return _quant.int8_products(x, tuple(ws), layer)
 
 
 def take_rows(w, ids):

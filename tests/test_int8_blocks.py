@@ -166,7 +166,8 @@ def stacked_int8(kind, K, N, layers, seed):
     return dataclasses.replace(ws[0], data=jax.numpy.stack([w.data for w in ws]))
 
 
-@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False])
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel),
+                                    pytest.param(False, marks=pytest.mark.slow)])  # XLA's path: ~3 s, make test
 def test_grouped_products_are_each_product_alone_bitwise(kernel):
     """`ops.matmuls` of one input and several int8 weights (q, k, v; gate, up) -- one kernel call, x quantized once,
     the threads sharing every weight's panels -- gives each weight's own product, bitwise, whatever the kinds and
@@ -190,7 +191,8 @@ def test_grouped_products_are_each_product_alone_bitwise(kernel):
     assert quant.int8_products(x, (ws[0], quant.pack_blocks(ws[1], int8=False))) is None  # an exact weight: apart
 
 
-@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False])
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel),
+                                    pytest.param(False, marks=pytest.mark.slow)])
 def test_int8_greedy_head_is_the_product_and_its_first_maximum(kernel):
     """An int8 output projection's greedy head (`ops.greedy_head`: one kernel call scanning each column chunk in
     cache) gives the product's logits bitwise and each row's first maximum, ties included (repeated columns)."""
