@@ -19,9 +19,9 @@ from .backends.cpu import pack as _pack
 from .backends.cpu import panels as _panels
 from .backends.cpu import quant as _quant
 
-__all__ = ["Packed", "precision", "matmul", "matmuls", "products_together", "take_rows", "output_rows", "greedy_head", "greedy_tokens",
-           "attention", "as_stored", "BLOCK_KINDS", "is_block", "has_blocks", "quantize", "pack_head",
-           "choose_kernel_variants"]
+__all__ = ["Packed", "precision", "matmul", "matmuls", "products_together", "take_rows", "output_rows",
+           "greedy_head", "greedy_tokens", "attention", "as_stored", "BLOCK_KINDS", "is_block", "has_blocks",
+           "quantize", "pack_head", "choose_kernel_variants"]
 
 BLOCK_KINDS = tuple(_quant.KINDS)  # GGUF block kinds a weight may be stored as ("q8_0", "q4_0", "q4_1")
 
