@@ -624,17 +624,24 @@ def greedy_panels(x, data, n: int, first_max):
     the kernel scans each column chunk while it is in cache instead of XLA's passes over the logits afterwards. Not
     differentiable (decoding only)."""
     w4 = data if data.ndim == 4 else data[None]
+    kernel = available() and x.dtype == jnp.float32 and w4.dtype == jnp.float32  # the kernel reads float32 panels
+    return _greedy_head(x, w4, n, first_max, kernel, lambda a, b, c: _panels_greedy_call(a, b, c, n),
+                        lambda a, b, c: _panels_xla(a, b, c, n))
+
+
+def _greedy_head(x, w4, n: int, first_max, kernel: bool, call, logits_xla):
+    """(logits [..., n] float32, tokens [...] int32) of x against the output projection w4: where `kernel`, the greedy
+    kernel `call(x2, w4, layer)` (the logits and each row's first maximum in one pass) on CPU; elsewhere
+    `logits_xla(x2, w4, layer)` and `first_max` of its logits."""
     layer = jnp.zeros((), jnp.int32)
-    K = x.shape[-1]
-    x2 = x.reshape(-1, K).astype(jnp.float32)
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
 
     def xla(a, b, c):
-        logits = _panels_xla(a, b, c, n)
+        logits = logits_xla(a, b, c)
         return logits, first_max(logits)
 
-    if available() and x.dtype == jnp.float32 and w4.dtype == jnp.float32:  # the kernel reads float32 panels
-        logits, ids = jax.lax.platform_dependent(x2, w4, layer, cpu=lambda a, b, c: _panels_greedy_call(a, b, c, n),
-                                                 default=xla)
+    if kernel:
+        logits, ids = jax.lax.platform_dependent(x2, w4, layer, cpu=call, default=xla)
     else:
         logits, ids = xla(x2, w4, layer)
     return logits.reshape(*x.shape[:-1], n), ids.reshape(x.shape[:-1])
@@ -653,21 +660,11 @@ def greedy_qpanels_int8(x, data, kind: str, n: int, first_max):
     available): (logits [..., n] float32, tokens [...] int32), the tokens `first_max(logits)`'s, as `greedy_panels`
     for an int8 output projection. Not differentiable (decoding only)."""
     w4 = data if data.ndim == 4 else data[None]
-    layer = jnp.zeros((), jnp.int32)
-    K = x.shape[-1]
-    x2 = x.reshape(-1, K).astype(jnp.float32)
     static = (kind, n)
-
-    def xla(a, b, c):
-        logits = _qpanels_int8_xla(a, b, c, static)
-        return logits, first_max(logits)
-
-    if available() and x.dtype == jnp.float32 and int8_variant() is not None and _state.get("int8_greedy", False):
-        logits, ids = jax.lax.platform_dependent(x2, w4, layer, default=xla,
-                                                 cpu=lambda a, b, c: _qpanels_int8_greedy_call(a, b, c, static))
-    else:
-        logits, ids = xla(x2, w4, layer)
-    return logits.reshape(*x.shape[:-1], n), ids.reshape(x.shape[:-1])
+    kernel = (available() and x.dtype == jnp.float32 and int8_variant() is not None
+              and _state.get("int8_greedy", False))
+    return _greedy_head(x, w4, n, first_max, kernel, lambda a, b, c: _qpanels_int8_greedy_call(a, b, c, static),
+                        lambda a, b, c: _qpanels_int8_xla(a, b, c, static))
 
 
 def _screened_call(x2, w4, layer, scr, bound):

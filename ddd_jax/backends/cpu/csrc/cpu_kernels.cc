@@ -1758,9 +1758,13 @@ void i8_columns(const I8Rows& rows, const I8Weight& wt, int64_t M, int64_t a, in
     i8_chunk<kQ8_0>(rows, wt.w, wt.out, M, wt.N, a, b);
 }
 
-ffi::Error i8_check_variant() {
+// x [..., K] of an int8 product `name`: *K and its rows *M, or an error (also when this CPU lacks the variant).
+ffi::Error i8_input(const char* name, ffi::Buffer<ffi::F32>& x, int64_t* K, int64_t* M) {
+  if (x.dimensions().size() < 1) return ffi::Error::InvalidArgument(std::string(name) + ": x must be [..., K]");
   if (!i8_supported(g_i8_variant))
-    return ffi::Error::InvalidArgument("ddd_linear_qpanels_int8: this CPU lacks the chosen integer variant");
+    return ffi::Error::InvalidArgument(std::string(name) + ": this CPU lacks the chosen integer variant");
+  *K = x.dimensions().back();
+  *M = *K ? x.element_count() / *K : 0;
   return ffi::Error::Success();
 }
 
@@ -1768,7 +1772,6 @@ ffi::Error i8_check_variant() {
 // run of column chunks (weight after weight), so the threads share all of them. Each output column is computed as
 // in a product of its weight alone: the same bits.
 ffi::Error i8_products(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const I8Weight* ws, int64_t n) {
-  if (ffi::Error e = i8_check_variant(); e.failure()) return e;
   const I8Rows rows = i8_rows(x, M, K);
   int64_t units = 0;  // panels of all the weights
   for (int64_t g = 0; g < n; ++g) units += ws[g].P;
@@ -1787,11 +1790,11 @@ ffi::Error i8_products(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t
 // -> out [..., N], 48 (P - 1) < N <= 48 P, by integer products (see above). Every M.
 ffi::Error LinearQPanelsInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                              ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t kind) {
-  if (x.dimensions().size() < 1) return ffi::Error::InvalidArgument("ddd_linear_qpanels_int8: x must be [..., K]");
-  const int64_t K = x.dimensions().back();
-  const int64_t M = K ? x.element_count() / K : 0;
+  const char* name = "ddd_linear_qpanels_int8";
+  int64_t K, M;
+  if (ffi::Error e = i8_input(name, x, &K, &M); e.failure()) return e;
   I8Weight wt;
-  if (ffi::Error e = i8_weight("ddd_linear_qpanels_int8", w, layer, *out, kind, K, M, &wt); e.failure()) return e;
+  if (ffi::Error e = i8_weight(name, w, layer, *out, kind, K, M, &wt); e.failure()) return e;
   return i8_products(pool, x.typed_data(), M, K, &wt, 1);
 }
 
@@ -1805,9 +1808,8 @@ ffi::Error LinearQPanelsInt8Group(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t n = static_cast<int64_t>(kinds.size());
   if (n < 1 || n > kI8MaxGroup || static_cast<int64_t>(ws.size()) != n || static_cast<int64_t>(outs.size()) != n)
     return ffi::Error::InvalidArgument(std::string(name) + ": 1 to 8 weights, one kind and one output each");
-  if (x.dimensions().size() < 1) return ffi::Error::InvalidArgument(std::string(name) + ": x must be [..., K]");
-  const int64_t K = x.dimensions().back();
-  const int64_t M = K ? x.element_count() / K : 0;
+  int64_t K, M;
+  if (ffi::Error e = i8_input(name, x, &K, &M); e.failure()) return e;
   I8Weight wt[kI8MaxGroup];
   for (int64_t g = 0; g < n; ++g) {
     auto w = ws.get<ffi::Buffer<ffi::U8>>(g);
@@ -1896,14 +1898,12 @@ ffi::Error LinearQPanelsInt8Greedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x
                                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
                                    ffi::ResultBuffer<ffi::S32> ids, int64_t kind) {
   const char* name = "ddd_linear_qpanels_int8_greedy";
-  if (x.dimensions().size() < 1) return ffi::Error::InvalidArgument(std::string(name) + ": x must be [..., K]");
-  const int64_t K = x.dimensions().back();
-  const int64_t M = K ? x.element_count() / K : 0;
+  int64_t K, M;
+  if (ffi::Error e = i8_input(name, x, &K, &M); e.failure()) return e;
   I8Weight wt;
   if (ffi::Error e = i8_weight(name, w, layer, *out, kind, K, M, &wt); e.failure()) return e;
   if (wt.N == 0 || ids->element_count() != M)
     return ffi::Error::InvalidArgument(std::string(name) + ": ids must hold one token per row");
-  if (ffi::Error e = i8_check_variant(); e.failure()) return e;
   const I8Rows rows = i8_rows(x.typed_data(), M, K);
   greedy_chunks(pool, M, K, wt.N, wt.out, [=](int64_t n0, int64_t n1) { i8_columns(rows, wt, M, n0, n1); },
                 ids->typed_data());
