@@ -173,6 +173,23 @@ def test_parse_methods():
         parse_methods("vanilla,vanilla")
 
 
+def test_parse_methods_keep():
+    """keep=K sets stop0_nodes (the width a cycle stopped at step 0 verifies); the label and describe() carry it
+    only when it is not the default, the label round-trips, and two specs that differ only in it are two labels."""
+    from ddd_jax.bench.run import method_label
+    s = parse_method("ddd-device[k=2,N=3,S=0,x=-1,n=1,keep=0]", TREE, DDD)
+    assert (s.ddd.stop0_nodes, s.ddd.check_steps, s.tree.top_k) == (0, (0,), 2)
+    assert s.describe()["ddd"]["stop0_nodes"] == 0
+    assert "stop0_nodes" not in parse_method("ddd-device[k=2,N=3,S=0,x=-1,n=1]", TREE, DDD).describe()["ddd"]
+    label = method_label("ddd-device", s.tree, s.ddd)
+    assert "keep=0" in label and parse_method(label, TREE, DDD).ddd == s.ddd
+    assert "keep" not in method_label("ddd-device", s.tree, DDD)
+    for bad, why in (("ddd-device[keep=-2]", "stop0_nodes must be -1"), ("eagle2[keep=0]", "DDD settings"),
+                     ("ddd-device[keep=x]", "bad override")):
+        with pytest.raises(ValueError, match=why):
+            parse_method(bad, TREE, DDD)
+
+
 @pytest.mark.slow  # compiles a decode loop per candidate setting
 def test_tuner_returns_settings_within_space(tiny, tmp_path):
     target, draft = tiny

@@ -88,7 +88,9 @@ def add_bench_parser(subparsers) -> None:
     _common(b, None, 128)
     b.add_argument("--methods", default=None,
                    help="comma list (default vanilla,eagle2,ddd-host,ddd-callback,ddd-device); also eagle2-hostloop, "
-                        "ddd-device-hostloop, and overrides such as 'ddd-device[S=3/5/7,x=-0.5,n=9]', 'eagle2[k=4,N=16,d=3]'. "
+                        "ddd-device-hostloop, and overrides such as 'ddd-device[S=3/5/7,x=-0.5,n=9]', 'eagle2[k=4,N=16,d=3]'; "
+                        "'keep=0' (DDD): a cycle stopped at a step-0 check verifies none of the root's children "
+                        "(-1, the default: all of them). "
                         "A DDD method's stop rule: 'ddd-device[rule=adaedl,x=0.5,gamma=0.1]' (AdaEDL: keep drafting "
                         "while 1 - sqrt(gamma * entropy) >= x; x required, gamma default 1), 'rule=threshold' (the "
                         "confidence rule, with its x), 'rule=gain' only with the calibrated defaults (no tree / DDD "

@@ -51,9 +51,11 @@ BASE_METHODS = {
 DEFAULT_METHODS = ("vanilla", "eagle2", "ddd-host", "ddd-callback", "ddd-device")
 REFERENCE = "vanilla"
 # Override keys in a method spec "name[key=value,...]": tree (k, N, d; context lookup L, g, p) and DDD (S as 3/5/7,
-# x, n; the stop rule: rule=threshold|adaedl|gain, and AdaEDL's gamma).
+# x, n; keep: how many of step 0's children a cycle stopped at step 0 still verifies, -1 all (`stop0_nodes`); the
+# stop rule: rule=threshold|adaedl|gain, and AdaEDL's gamma).
 TREE_KEYS = {"k": "top_k", "N": "total_tokens", "d": "depth", "L": "lookup", "g": "lookup_ngram", "p": "lookup_logp"}
-DDD_KEYS = {"S": "check_steps", "x": "threshold", "n": "max_depth", "rule": "rule", "gamma": "gamma"}
+DDD_KEYS = {"S": "check_steps", "x": "threshold", "n": "max_depth", "keep": "stop0_nodes", "rule": "rule",
+            "gamma": "gamma"}
 GAIN_NEEDS_CALIBRATION = (
     "rule=gain needs a GainModel, which only a calibration makes (`ddd-jax calibrate`, or ddd_jax.calibrate): the "
     "bench takes the gain rule from this device's calibrated defaults (where calibration picked it), which apply "
@@ -92,6 +94,8 @@ class MethodSpec:
         if self.method == "ddd":
             d["ddd"] = {"check_steps": list(self.ddd.check_steps), "threshold": self.ddd.threshold,
                         "max_depth": self.ddd.max_depth}
+            if self.ddd.stop0_nodes != -1:
+                d["ddd"]["stop0_nodes"] = self.ddd.stop0_nodes
             if self.ddd.rule != "threshold":
                 d["ddd"]["rule"] = self.ddd.rule
             if self.ddd.rule == "adaedl":
@@ -110,6 +114,8 @@ def method_label(base: str, tree: TreeConfig | None = None, ddd: DDDConfig | Non
     if ddd is not None:
         parts = [p for p in parts if not p.startswith("d=")]
         parts += ["S=" + "/".join(str(s) for s in ddd.check_steps), f"x={ddd.threshold:g}", f"n={ddd.max_depth}"]
+        if ddd.stop0_nodes != -1:
+            parts.append(f"keep={ddd.stop0_nodes}")
         if ddd.rule == "adaedl":
             parts += ["rule=adaedl", f"gamma={ddd.gamma:g}"]
     return f"{base}[{','.join(parts)}]" if parts else base
@@ -143,12 +149,12 @@ def parse_method(text: str, tree: TreeConfig | None = None, ddd: DDDConfig | Non
                 raise ValueError(f"unknown key {key!r}")
         except ValueError as e:
             raise ValueError(f"method {text!r}: bad override {item!r} ({e}); keys: k, N, d (tree), L, g, p "
-                             "(context lookup), S (e.g. 3/5/7), x, n, rule (threshold, adaedl, gain), gamma "
+                             "(context lookup), S (e.g. 3/5/7), x, n, keep, rule (threshold, adaedl, gain), gamma "
                              "(adaedl) (DDD)") from None
     if method == "vanilla" and (tkw or dkw):
         raise ValueError(f"method {text!r}: vanilla takes no overrides")
     if method == "eagle2" and dkw:
-        raise ValueError(f"method {text!r}: S/x/n/rule/gamma are DDD settings; eagle2 takes k, N, d (and L, g, p)")
+        raise ValueError(f"method {text!r}: S/x/n/keep/rule/gamma are DDD settings; eagle2 takes k, N, d (and L, g, p)")
     try:
         tree = replace(tree, **tkw) if tkw else tree
         ddd = _with_rule(ddd, dkw) if dkw else ddd
