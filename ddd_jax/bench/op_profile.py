@@ -4,7 +4,10 @@ Runs `generate` on a few prompts under `jax.profiler`, keeps the events of the c
 (`vanilla_loop` / `spec_loop`: the whole generation after the prefill, one program), and sums each HLO op's time per
 target call (a token for vanilla, a draft-verify-commit cycle for speculative methods). Each op is named with what the
 compiled HLO says it is (the CPU kernel it calls, its output shape) and put in one of a few groups by that kernel and
-by how often it runs: ops that run once per target layer per call belong to the target's layers; products and
+by where it runs: ops inside the target's loop over its layers (a `while` whose known trip count is the target's
+layer count, and whatever it calls: a DDD width switch runs one such loop per verify width, each in a fraction of the
+calls) belong to the target's layers -- where the compiled module has no such loop, ops that run once per target
+layer per call; products and
 fusions whose output is the vocabulary are the target's lm_head (a head without a reduced draft vocabulary drafts
 through that same projection, and counts there); products onto the draft vocabulary and the head's other products
 are the draft; the rest (tree building, acceptance, the commit, the draft's glue) is "other".
@@ -50,6 +53,44 @@ def hlo_ops(hlo_text: str) -> dict:
     return ops
 
 
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ")  # a computation's first line: "%name (params) -> ... {"
+_BODY = re.compile(r"\bbody=%([\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLED = re.compile(r"\b(?:body|condition|to_apply|branch_computations=\{)[=]?%([\w.\-]+)|, %([\w.\-]+)(?=[,}])")
+
+
+def layer_loop_ops(hlo_text: str, n_layers: int) -> set | None:
+    """The names of the ops of a compiled HLO module's text that run inside a loop over the target's layers: the
+    body of a `while` whose known trip count is `n_layers`, and every computation it calls (branches, calls, inner
+    loops). None when the module has no such loop (then `group` falls back on how often an op runs)."""
+    comp, ops_of, calls, layer_bodies = None, collections.defaultdict(list), collections.defaultdict(set), set()
+    for line in hlo_text.splitlines():
+        c = _COMPUTATION.match(line)
+        if c and line.rstrip().endswith("{"):
+            comp = c.group(1)
+            continue
+        m = _OP.match(line)
+        if not m or comp is None:
+            continue
+        ops_of[comp].append(m.group(1))
+        opcode = m.group(3)
+        if opcode in WRAPPER_OPCODES:
+            for a, b in _CALLED.findall(line):
+                calls[comp].add(a or b)
+            t, body = _TRIPS.search(line), _BODY.search(line)
+            if opcode == "while" and t and body and int(t.group(1)) == n_layers:
+                layer_bodies.add(body.group(1))
+    if not layer_bodies:
+        return None
+    inside, todo = set(), list(layer_bodies)
+    while todo:
+        c = todo.pop()
+        if c not in inside:
+            inside.add(c)
+            todo.extend(calls.get(c, ()))
+    return {name for c in inside for name in ops_of.get(c, ())}
+
+
 def leaf_times(events, ops: dict):
     """(total ns, runs) per op name of `events` ((op name, ns) pairs), leaving out the control-flow ops of `ops`
     (`hlo_ops`) whose events span their branches' or bodies' own events."""
@@ -68,9 +109,11 @@ def _dims(shape: str) -> list:  # of the (first) array in an HLO shape
 
 
 def group(kind: str, shape: str, per_call: float, n_layers: int, vocab: int, draft_vocab: int | None,
-          has_draft: bool = True) -> str:
-    """The group of one op (see the module docstring): by its kernel, its output's last dimension and its runs per
-    target call. Products with one output column are RMSNorms' sums of squares (`layers.rms_norm`)."""
+          has_draft: bool = True, in_layers: bool | None = None) -> str:
+    """The group of one op (see the module docstring): by its kernel, its output's last dimension and whether it runs
+    in the target's loop over its layers (`in_layers`, from `layer_loop_ops`; None: unknown, then an op that runs
+    `n_layers` times a target call is taken for a layer's). Products with one output column are RMSNorms' sums of
+    squares (`layers.rms_norm`)."""
     dims = _dims(shape)
     last = dims[-1] if dims else None
     # every output's last dimension: the greedy lm_heads return (logits, tokens) or (tokens, screened logits)
@@ -78,7 +121,8 @@ def group(kind: str, shape: str, per_call: float, n_layers: int, vocab: int, dra
     product = (kind.startswith("ddd_linear") or kind == "dot") and any(n != 1 for n in lasts)
     if (product or kind == "fusion") and vocab in lasts:
         return "target lm_head"
-    if abs(per_call - n_layers) < 0.5 or (per_call >= n_layers and per_call % n_layers < 0.5):
+    if in_layers if in_layers is not None else (abs(per_call - n_layers) < 0.5
+                                                 or (per_call >= n_layers and per_call % n_layers < 0.5)):
         if kind == "ddd_attention":
             return "target attention"
         return "target layer products" if product else "target layers, other ops"
@@ -150,6 +194,7 @@ def op_profile(target, draft, prompt_ids: list, method: str, sync: str = "device
     plan = args[2] if loop == "spec_loop" else args[1]
     hlo = orig.lower(*args).compile().as_text()
     ops = hlo_ops(hlo)
+    layer_ops = layer_loop_ops(hlo, target.config.num_hidden_layers)
     module = "jit_" + loop
     # (escaped: a method name such as eagle2[k=4,N=8,d=3] in the directory is not a pattern)
     found = sorted(glob.glob(str(Path(glob.escape(str(tdir))) / "**" / "*.xplane.pb"), recursive=True))
@@ -166,7 +211,7 @@ def op_profile(target, draft, prompt_ids: list, method: str, sync: str = "device
         per_call = count[name] / calls
         rows.append({"op": name, "kind": kind, "shape": shape, "per_call": per_call, "ms": ns / 1e6 / calls,
                      "group": group(kind, shape, per_call, cfg.num_hidden_layers, cfg.vocab_size, dvocab,
-                                    draft is not None)})
+                                    draft is not None, None if layer_ops is None else name in layer_ops)})
     groups = collections.Counter()
     for r in rows:
         groups[r["group"]] += r["ms"]
