@@ -56,7 +56,8 @@ def hlo_ops(hlo_text: str) -> dict:
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ")  # a computation's first line: "%name (params) -> ... {"
 _BODY = re.compile(r"\bbody=%([\w.\-]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_CALLED = re.compile(r"\b(?:body|condition|to_apply|branch_computations=\{)[=]?%([\w.\-]+)|, %([\w.\-]+)(?=[,}])")
+_CALLED = re.compile(r"\b(?:body|condition|to_apply)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 
 
 def layer_loop_ops(hlo_text: str, n_layers: int) -> set | None:
@@ -75,8 +76,9 @@ def layer_loop_ops(hlo_text: str, n_layers: int) -> set | None:
         ops_of[comp].append(m.group(1))
         opcode = m.group(3)
         if opcode in WRAPPER_OPCODES:
-            for a, b in _CALLED.findall(line):
-                calls[comp].add(a or b)
+            calls[comp].update(_CALLED.findall(line))
+            for branches in _BRANCHES.findall(line):
+                calls[comp].update(b.strip().lstrip("%") for b in branches.split(","))
             t, body = _TRIPS.search(line), _BODY.search(line)
             if opcode == "while" and t and body and int(t.group(1)) == n_layers:
                 layer_bodies.add(body.group(1))
@@ -121,8 +123,9 @@ def group(kind: str, shape: str, per_call: float, n_layers: int, vocab: int, dra
     product = (kind.startswith("ddd_linear") or kind == "dot") and any(n != 1 for n in lasts)
     if (product or kind == "fusion") and vocab in lasts:
         return "target lm_head"
-    if in_layers if in_layers is not None else (abs(per_call - n_layers) < 0.5
-                                                 or (per_call >= n_layers and per_call % n_layers < 0.5)):
+    if in_layers is None:
+        in_layers = abs(per_call - n_layers) < 0.5 or (per_call >= n_layers and per_call % n_layers < 0.5)
+    if in_layers:
         if kind == "ddd_attention":
             return "target attention"
         return "target layer products" if product else "target layers, other ops"
